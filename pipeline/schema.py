@@ -1,0 +1,130 @@
+"""The build configuration schema: what can be said about a build, with types.
+
+Hydra composes `conf/` on top of these dataclasses (registered in Hydra's
+ConfigStore as `edgekiln_schema`), so a typo'd key, a wrong type or an unknown
+group option fails at composition, before anything runs. `dvc exp run` composes
+through the same schema via the Hydra plugin in `pipeline/hydra_plugins/`.
+
+Every field here is a leaf of some stage's cache key: a stage declares the
+top-level sections it reads (`READS` in `stages/<stage>.py`) and the engine
+keys its cache on exactly those sections.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class QnnTarget:
+    """A Qualcomm HTP target: what `onnxruntime-qnn` needs to compile offline."""
+
+    soc_model: str = MISSING  # e.g. SM8750
+    htp_arch: str = MISSING  # e.g. v79
+    soc_id: int = 0  # QNN's numeric soc_model id for the HTP backend option
+
+
+@dataclass
+class DeviceConfig:
+    """One device class, written as a spec sheet (conf/device/<name>.yaml)."""
+
+    name: str = MISSING
+    description: str = ""
+    arch: str = MISSING  # x86_64 | aarch64
+    isa: list[str] = field(default_factory=list)  # avx2, avx512f, avx512_vnni, amx_tile, neon, i8mm ...
+    cores: int = MISSING  # physical cores the runtime may use
+    threads: int = MISSING  # threads the deploy profile starts with
+    numa_nodes: int = 1
+    memory_gib: float = MISSING
+    accelerator: str = "none"  # none | cuda | qnn_htp
+    qnn: Optional[QnnTarget] = None
+    runtime: str = MISSING  # onnxruntime | torch | vllm | qnn | llama.cpp
+
+
+@dataclass
+class ModelConfig:
+    """Which checkpoint to build. `embedded` is trained by the project itself."""
+
+    name: str = MISSING
+    source: str = MISSING  # embedded | hf
+    path: Optional[str] = None  # local checkpoint directory (source=hf)
+    trust_remote_code: bool = False  # never on unless the user says so
+    dtype: str = "float32"
+    # Training recipe of the embedded model (ignored for source=hf).
+    train: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PriorityConfig:
+    """speed | fidelity: which 4-bit path wins where a device offers two."""
+
+    name: str = MISSING
+
+
+@dataclass
+class ExportConfig:
+    """The ONNX decode-step export (fp32, one token, explicit per-layer KV)."""
+
+    # KV capacity of full-attention layers, in tokens: the longest context the
+    # exported graph serves. Sliding layers hold window-1 entries whatever this is.
+    context_length: int = 256
+    opset: int = 21  # the notes: opset 21 exports and runs on ORT CPU and QNN
+    # A modest mask constant: -1e9 ruins 16-bit activation scales (field notes).
+    mask_value: float = -100.0
+
+
+@dataclass
+class ParityConfig:
+    """ONNX Runtime against the eager PyTorch model; a build below it fails."""
+
+    prompts: list[str] = field(default_factory=list)
+    # Tokens of greedy decode per prompt; must pass the sliding window so the
+    # ring/window path is exercised.
+    decode_tokens: int = 48
+    min_logits_snr_db: float = 60.0
+    min_top1_agreement: float = 1.0
+    min_top5_agreement: float = 0.95
+    min_greedy_match: int = 12  # prompts whose greedy continuation is identical
+
+
+@dataclass
+class BenchmarkConfig:
+    """Explicit lengths, never a default left implicit (field notes)."""
+
+    prompt_length: int = 32
+    decode_tokens: int = 64
+    passes: int = 5
+    warmup_tokens: int = 4
+    threads: int = 0  # 0: the device's `threads`
+    noise_floor: float = 0.08  # host throughput swings ~30%; <8% is no result
+
+
+@dataclass
+class BuildMeta:
+    name: str = MISSING
+
+
+@dataclass
+class BuildConfig:
+    """The whole composed configuration of one build."""
+
+    build: BuildMeta = field(default_factory=BuildMeta)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    priority: PriorityConfig = field(default_factory=PriorityConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    parity: ParityConfig = field(default_factory=ParityConfig)
+    benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
+
+
+SCHEMA_NAME = "edgekiln_schema"
+
+
+def register() -> None:
+    """Register the schema in Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=BuildConfig)
