@@ -50,7 +50,7 @@ class ModelConfig:
 
     name: str = MISSING
     source: str = MISSING  # embedded | hf
-    path: Optional[str] = None  # local checkpoint directory (source=hf)
+    path: Optional[str] = MISSING  # local checkpoint directory (source=hf); null for embedded
     trust_remote_code: bool = False  # never on unless the user says so
     dtype: str = "float32"
     # Training recipe of the embedded model (ignored for source=hf).

@@ -1,0 +1,260 @@
+"""The decode-step graph against Hugging Face, and its ONNX export against eager.
+
+Tiny random-init models built from config (no downloads). Window 8 everywhere,
+so every sequence here runs well past the sliding window.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+
+from pipeline.decode_graph import (  # noqa: E402
+    ContextFull,
+    DecodeGraphError,
+    OnnxDecoder,
+    TorchReference,
+    build_decode_step,
+    export_decode_step,
+    snr_db,
+)
+
+WINDOW = 8
+VOCAB = 128
+
+
+def _gemma3(**kw):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=WINDOW,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"], max_position_embeddings=256,
+        query_pre_attn_scalar=32, bos_token_id=1, eos_token_id=2, pad_token_id=0, **kw,
+    )
+    return Gemma3ForCausalLM(cfg)
+
+
+def _llama(**kw):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        rope_parameters=rope, bos_token_id=1, eos_token_id=2, **kw,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def _qwen3(**kw):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        bos_token_id=1, eos_token_id=2, **kw,
+    )
+    return Qwen3ForCausalLM(cfg)
+
+
+def _qwen3_sliding():
+    # Qwen3 with its own sliding layers (layers >= max_window_layers), as HF defines them.
+    return _qwen3(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+
+
+BUILDERS = {"gemma3": _gemma3, "llama": _llama, "qwen3": _qwen3, "qwen3_sliding": _qwen3_sliding}
+
+
+def _model(name, seed=0):
+    torch.manual_seed(seed)
+    model = BUILDERS[name]().eval()
+    # Random init leaves norms at their identity; perturb them so q/k norms and
+    # the Gemma sandwich norms are exercised by real weights.
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _run_step(step, ids):
+    """Drive a step module token by token, the runtime's slot writes done in torch."""
+    args = list(step.example_inputs())
+    logits, news = [], []
+    with torch.no_grad():
+        for p, t in enumerate(ids):
+            args[0] = torch.tensor([[t]], dtype=torch.int64)
+            args[1] = torch.tensor([p], dtype=torch.int64)
+            out = step(*args)
+            logits.append(out[0][0, 0].numpy().copy())
+            news.append([o.numpy().copy() for o in out[1:]])
+            for j, layer in enumerate(step.plan):
+                slot = p % layer["ring"] if layer["ring"] else p
+                args[2 + 2 * j][:, :, slot] = out[1 + 2 * j][:, :, 0]
+                args[3 + 2 * j][:, :, slot] = out[2 + 2 * j][:, :, 0]
+    return np.stack(logits), news
+
+
+# (a) ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["gemma3", "llama", "qwen3", "qwen3_sliding"])
+def test_step_module_matches_hf_forward(name):
+    model = _model(name)
+    n = 3 * WINDOW + 2
+    ids = torch.randint(3, VOCAB, (1, n), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hf = model(ids).logits[0].numpy()
+    step = build_decode_step(model, context_length=32, mask_value=-100.0)
+    got, _ = _run_step(step, ids[0].tolist())
+    snr = snr_db(hf, got)
+    worst = min(snr_db(hf[p], got[p]) for p in range(n))
+    assert np.abs(hf - got).max() < 1e-4, np.abs(hf - got).max()
+    assert snr > 100.0 and worst > 95.0, (snr, worst)
+    assert (hf.argmax(-1) == got.argmax(-1)).all()
+    # The HF model's own cache decode (the parity reference) agrees as well.
+    ref = TorchReference(model)
+    eager = np.stack([ref.step(t) for t in ids[0].tolist()])
+    assert snr_db(hf, eager) > 100.0
+
+
+def test_window_binds_in_these_sequences():
+    """Guard for (a)/(b): with the window lifted, logits past W do change."""
+    model = _model("gemma3")
+    ids = torch.randint(3, VOCAB, (1, 3 * WINDOW), generator=torch.Generator().manual_seed(2))
+    wide = _gemma3()
+    wide.config.sliding_window = 10_000
+    for layer in wide.model.layers:
+        if layer.self_attn.sliding_window is not None:
+            layer.self_attn.sliding_window = 10_000
+    wide.load_state_dict(model.state_dict())
+    wide.eval()
+    with torch.no_grad():
+        a = model(ids).logits[0].numpy()
+        b = wide(ids).logits[0].numpy()
+    assert snr_db(a[:WINDOW], b[:WINDOW]) > 100.0  # inside the window: identical
+    assert snr_db(a[WINDOW:], b[WINDOW:]) < 40.0  # past it: the window matters
+
+
+def test_position_dependent_rope_is_refused():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                      rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    with pytest.raises(DecodeGraphError, match="dynamic"):
+        build_decode_step(LlamaForCausalLM(cfg), 16, -100.0)
+
+
+# (b) ---------------------------------------------------------------------
+
+
+def test_ring_layout_equals_full_history():
+    model = _model("gemma3")
+    ids = torch.randint(3, VOCAB, (3 * WINDOW + 3,), generator=torch.Generator().manual_seed(3)).tolist()
+    ring = build_decode_step(model, 40, -100.0)
+    plain = build_decode_step(model, 40, -100.0, sliding_layout="full")
+    assert [p["cache_len"] for p in ring.plan] == [WINDOW - 1] * 3 + [40]
+    assert [p["cache_len"] for p in plain.plan] == [40] * 4
+    lr, nr = _run_step(ring, ids)
+    lp, np_ = _run_step(plain, ids)
+    assert snr_db(lp, lr) > 120.0, snr_db(lp, lr)
+    assert np.abs(lp - lr).max() < 1e-5
+    for a, b in zip(nr, np_):  # new K/V entries of every layer, every step
+        for x, y in zip(a, b):
+            assert np.abs(x - y).max() < 1e-5
+
+
+# (c)-(e): exported artifacts ----------------------------------------------
+
+CONTEXT = {"gemma3": 24, "llama": 24, "qwen3": 24}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    arts = {}
+    for name, ctx in CONTEXT.items():
+        root = tmp_path_factory.mktemp(name)
+        model = _model(name)
+        model.save_pretrained(root / "hf")
+        summary = export_decode_step(root / "hf", root / "onnx", context_length=ctx, opset=21, mask_value=-100.0)
+        arts[name] = (root, summary)
+    return arts
+
+
+@pytest.mark.parametrize("name", ["gemma3", "llama", "qwen3"])
+def test_onnx_matches_torch_reference(exported, name):
+    root, _ = exported[name]
+    ref = TorchReference(root / "hf")
+    dec = OnnxDecoder(root / "onnx", threads=1)
+    prompt = [1, 17, 42, 99]
+    n = CONTEXT[name] - len(prompt)  # to the last position: well past the window
+    greedy_ref = ref.generate_greedy(prompt, n)
+    seq = prompt + greedy_ref[:-1]
+    assert len(seq) > 2 * WINDOW
+    ref.reset()
+    dec.reset()
+    a = np.stack([ref.step(t) for t in seq])
+    b = np.stack([dec.step(t) for t in seq])
+    assert snr_db(a, b) > 100.0, snr_db(a, b)
+    assert min(snr_db(x, y) for x, y in zip(a, b)) > 95.0
+    assert (a.argmax(-1) == b.argmax(-1)).all()
+    top5a = np.argsort(-a, -1)[:, :5]
+    top5b = np.argsort(-b, -1)[:, :5]
+    assert all(set(x) == set(y) for x, y in zip(top5a, top5b))
+    assert dec.generate_greedy(prompt, n) == greedy_ref
+
+
+def test_onnx_decoder_refuses_past_context(exported):
+    root, _ = exported["gemma3"]
+    dec = OnnxDecoder(root / "onnx", threads=1)
+    for t in range(CONTEXT["gemma3"]):
+        dec.step(3 + t)
+    with pytest.raises(ContextFull, match="context_length 24"):
+        dec.step(5)
+    dec.reset()
+    assert dec.step(5).shape == (VOCAB,)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "llama"])
+def test_graph_layout(exported, name):
+    root, summary = exported[name]
+    g = onnx.load(str(root / "onnx" / "model.onnx")).graph
+    io = json.loads((root / "onnx" / "io.json").read_text())
+    n_layers = io["n_layers"]
+    shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in g.input}
+    cache_inputs = [k for k in shapes if k.startswith("past_")]
+    assert len(cache_inputs) == 2 * n_layers
+    assert list(shapes)[:2] == ["input_ids", "position"]
+    expect_types = ["sliding_attention"] * 3 + ["full_attention"] if name == "gemma3" else ["full_attention"] * n_layers
+    assert [layer["type"] for layer in io["layers"]] == expect_types
+    for layer in io["layers"]:
+        i = layer["index"]
+        want = WINDOW - 1 if layer["type"] == "sliding_attention" else CONTEXT[name]
+        assert layer["cache_len"] == want
+        assert layer["slot_rule"] == (f"position mod {WINDOW - 1}" if want == WINDOW - 1 else "position")
+        assert shapes[f"past_key_{i}"] == [1, io["n_kv_heads"], want, io["head_dim"]]
+        assert shapes[f"past_value_{i}"] == [1, io["n_kv_heads"], want, io["head_dim"]]
+    ops = [n.op_type for n in g.node]
+    assert "Expand" not in ops and "Tile" not in ops
+    assert ops.count("Softmax") == n_layers
+    outs = [v.name for v in g.output]
+    assert outs[0] == "logits" and len(outs) == 1 + 2 * n_layers
+    assert summary["ops"]["Softmax"] == n_layers
+    assert io["vocab_size"] == VOCAB and io["bos_token_id"] == 1 and io["eos_token_id"] == [2]
