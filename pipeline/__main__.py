@@ -115,12 +115,24 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(cfg, sort_keys=False), end="")
         return 0
     name = cfg["build"]["name"]
+    is_new = not (ROOT / BUILDS / f"{name}.yaml").exists()
     path = register(cfg)
     print(f"build {name}: {path.relative_to(ROOT)} -> {ARTIFACTS}/{name}/", file=sys.stderr)
     targets = [stage_ref(name, s) for s in STAGES if declaration(s).scope == "build"]
     rc = _run_dvc(["repro", *targets])
     if rc != 0:
-        print(f"error: build {name} failed (see the stage's error above); nothing failed was cached", file=sys.stderr)
+        if is_new:
+            # A build that never succeeded is not left in the registry, where
+            # every later plain `dvc repro` would trip over it.
+            path.unlink()
+            from . import dvcgen
+
+            dvcgen.write()
+        print(
+            f"error: build {name} failed (the stage's error is above); nothing failed was cached"
+            + ("; the new build was not registered" if is_new else ""),
+            file=sys.stderr,
+        )
         return rc
     summary(name)
     return 0

@@ -45,6 +45,24 @@ def _load_json(path: Path, what: str) -> dict:
     return json.loads(path.read_text())
 
 
+def visible_params(stage: str, full: dict, build: str, host_facts) -> dict:
+    """The sections `stage` sees of the build config `full`: exactly its READS.
+
+    `host_facts` is a callable returning the probe's host.json, called only
+    when the stage reads `host` or its device must be resolved from the host.
+    """
+    seen = {}
+    for section in declaration(stage).reads:
+        if section == "host":
+            seen["host"] = host_facts()
+        elif section == "device":
+            needs_host = full["device"]["name"] == "auto" or build == EXP_BUILD
+            seen["device"] = resolve(full["device"], host_facts() if needs_host else None)
+        else:
+            seen[section] = full[section]
+    return seen
+
+
 def stage_params(stage: str, build: str | None, model: str | None) -> tuple[dict, dict | None]:
     """(sections the stage sees, the build's model section) for this run."""
     decl = declaration(stage)
@@ -59,18 +77,8 @@ def stage_params(stage: str, build: str | None, model: str | None) -> tuple[dict
         section = OmegaConf.to_container(OmegaConf.load(path), resolve=True)["model"]
         return {"model": section}, section
     full = load_build_file(ROOT / params_file(build))
-    seen = {}
-    host = None
-    for section in decl.reads:
-        if section == "host":
-            seen["host"] = host = host or _load_json(ROOT / HOST_FILE, "host facts")
-        elif section == "device":
-            if full["device"]["name"] == "auto" or build == EXP_BUILD:
-                host = host or _load_json(ROOT / HOST_FILE, "host facts")
-            seen["device"] = resolve(full["device"], host)
-        else:
-            seen[section] = full[section]
-    return seen, full["model"]
+    host = lambda: _load_json(ROOT / HOST_FILE, "host facts")  # noqa: E731
+    return visible_params(stage, full, build, host), full["model"]
 
 
 def cache_key(stage: str, params: dict, inputs: dict[str, dict]) -> dict:

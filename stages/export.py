@@ -1,0 +1,106 @@
+"""export: the untied HF checkpoint -> an fp32 ONNX decode step with explicit per-layer KV.
+
+The artifact (ctx.out) is self-contained: `model.onnx`, `io.json` (inputs,
+outputs, per-layer cache sizes and slot rules; see pipeline/decode_graph.py),
+plus the checkpoint's `config.json`, generation config and tokenizer files.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from pipeline.context import StageContext, StageError
+
+READS = ("export",)
+INPUTS = ("untie_head",)
+TOOLCHAIN = ("torch", "transformers", "onnx", "onnxscript", "onnxruntime")
+
+# Files that travel with the graph so the artifact serves on its own.
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+MIN_OPSET = 18  # the dynamo exporter's floor
+
+
+def run(ctx: StageContext) -> dict:
+    from pipeline.decode_graph import DecodeGraphError, export_decode_step
+
+    src = Path(ctx.inputs["untie_head"])
+    if not (src / "config.json").is_file():
+        raise StageError(f"export: no HF checkpoint at {src} (config.json missing); rerun untie_head")
+    cfg = ctx.cfg.export
+    context_length = int(cfg.context_length)
+    opset = int(cfg.opset)
+    mask_value = float(cfg.mask_value)
+    if context_length < 2:
+        raise StageError(f"export.context_length must be >= 2, got {context_length}")
+    if opset < MIN_OPSET:
+        raise StageError(f"export.opset {opset} is below the dynamo exporter's minimum {MIN_OPSET} (use 21)")
+    if not mask_value < 0:
+        raise StageError(f"export.mask_value must be negative (about -100), got {mask_value}")
+
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(str(src))
+    except (OSError, ValueError, KeyError) as err:
+        raise StageError(f"export: cannot read the checkpoint config at {src}: {err}") from None
+
+    ctx.log(f"exporting {src.name}: context_length={context_length} opset={opset} mask={mask_value}")
+    try:
+        summary = export_decode_step(src, ctx.out, context_length=context_length, opset=opset,
+                                     mask_value=mask_value)
+    except DecodeGraphError as err:
+        raise StageError(f"export: {err}") from None
+
+    copied = []
+    for name in SIDE_FILES:
+        f = src / name
+        if f.is_file():
+            shutil.copy2(f, Path(ctx.out) / name)
+            copied.append(name)
+    if not any(n.startswith("tokenizer") for n in copied):
+        ctx.log("warning: the checkpoint has no tokenizer files; the artifact carries none")
+
+    io = summary["io"]
+    layers = io["layers"]
+    kinds = {}
+    for layer in layers:
+        key = f"{layer['type']}:{layer['cache_len']}"
+        kinds[key] = kinds.get(key, 0) + 1
+    kv_bytes = sum(2 * io["n_kv_heads"] * layer["cache_len"] * io["head_dim"] * 4 for layer in layers)
+    graph = {
+        "file": "model.onnx",
+        "bytes": summary["bytes"],
+        "param_bytes": summary["param_bytes"],
+        "external_data": io["external_data"],
+        "opset": io["opset"],
+        "nodes": summary["nodes"],
+        "ops_top": dict(list(summary["ops"].items())[:12]),
+        "context_length": io["context_length"],
+        "vocab_size": io["vocab_size"],
+        "n_layers": io["n_layers"],
+        "layers_by_cache": kinds,
+        "kv_cache_bytes_fp32": kv_bytes,
+        "inputs": len(io["inputs"]),
+        "outputs": len(io["outputs"]),
+        "bos_token_id": io["bos_token_id"],
+        "eos_token_id": io["eos_token_id"],
+        "export_s": summary["export_s"],
+        "side_files": copied,
+    }
+    ctx.log(f"model.onnx {summary['bytes'] / 1e6:.1f} MB, {summary['nodes']} nodes, {summary['export_s']} s")
+    return {
+        "graph": graph,
+        "metrics": {"export_s": summary["export_s"], "onnx_bytes": summary["bytes"], "nodes": summary["nodes"]},
+    }

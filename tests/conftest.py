@@ -1,0 +1,79 @@
+"""Shared fixtures: a throwaway copy of the repository for builds through DVC."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A model small enough that a whole build runs in well under a minute here,
+# still with the embedded family's shape: sliding + full layers, GQA, tied head.
+TINY_MODEL = [
+    "model.train.vocab_size=512",
+    "model.train.hidden_size=128",
+    "model.train.intermediate_size=256",
+    "model.train.num_hidden_layers=4",
+    "model.train.num_attention_heads=2",
+    "model.train.num_key_value_heads=1",
+    "model.train.sliding_window=16",
+    "model.train.steps=30",
+    "model.train.batch_size=8",
+    "model.train.seq_len=64",
+]
+FAST_RUN = [
+    "export.context_length=64",
+    "parity.decode_tokens=24",
+    "benchmark.passes=1",
+    "benchmark.prompt_length=8",
+    "benchmark.decode_tokens=8",
+    "benchmark.warmup_tokens=2",
+]
+
+
+def git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
+
+
+def repo_copy(dest: Path) -> Path:
+    """A clean checkout of the working tree (tracked + untracked-not-ignored files)."""
+    files = git(ROOT, "ls-files", "-co", "--exclude-standard", "-z").split("\0")
+    for rel in filter(None, files):
+        src = ROOT / rel
+        if not src.is_file():
+            continue
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, target)
+    git(dest, "init", "-q")
+    git(dest, "-c", "user.email=t@t", "-c", "user.name=t", "add", "-A")
+    git(dest, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "copy")
+    return dest
+
+
+def run_cli(repo: Path, *args: str, module: str = "pipeline", timeout: int = 900) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env.pop("PYTHONPATH", None)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=repo, capture_output=True, text=True, env=env, timeout=timeout
+    )
+
+
+def ran_stages(output: str) -> list[str]:
+    """DVC's 'Running stage' lines: which stages actually executed."""
+    return [line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage '")]
+
+
+@pytest.fixture(scope="session")
+def built_repo(tmp_path_factory):
+    """One repository copy with a tiny x86_avx512 build done, shared by the e2e tests."""
+    repo = repo_copy(tmp_path_factory.mktemp("repo"))
+    proc = run_cli(repo, "device=x86_avx512", *TINY_MODEL, *FAST_RUN)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return repo, proc
