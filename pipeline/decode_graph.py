@@ -104,6 +104,26 @@ def layer_plan(config, context_length: int, sliding_layout: str = "ring") -> lis
     return plan
 
 
+def _applies_attn_softcap(attn) -> float | None:
+    """The attention-logit softcap HF really applies for this attention module.
+
+    transformers 5.x Gemma2 passes `softcap=self.attn_logit_softcapping` to its
+    attention function; Gemma3 stores the config value but never passes it (its
+    scores are uncapped whatever the config says). Follow the HF forward, since
+    it is the reference.
+    """
+    import inspect
+
+    cap = getattr(attn, "attn_logit_softcapping", None)
+    if cap is None:
+        return None
+    try:
+        src = inspect.getsource(type(attn).forward)
+    except (OSError, TypeError):
+        return float(cap)
+    return float(cap) if "softcap=" in src else None
+
+
 def _rope_tables(hf_model) -> dict[str, tuple["torch.Tensor", float]]:
     """{rope key: (inv_freq, attention_scaling)} read from HF's rotary module.
 
@@ -172,6 +192,7 @@ def build_decode_step(hf_model, context_length: int, mask_value: float = -100.0,
             self.group = self.n_heads // self.n_kv
             self.head_dim = self.layers[0].self_attn.head_dim
             self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
+            self.attn_softcap = [_applies_attn_softcap(layer.self_attn) for layer in self.layers]
             self.mask_value = float(mask_value)
             self.context_length = context_length
             # Which rope table each layer uses.
@@ -244,7 +265,7 @@ def build_decode_step(hf_model, context_length: int, mask_value: float = -100.0,
                 values = torch.cat((past_v, v), dim=2)
                 qg = q.reshape(1, self.n_kv, self.group, self.head_dim) * attn.scaling
                 scores = torch.matmul(qg, keys.transpose(2, 3))  # [1, nkv, group, L+1]
-                softcap = getattr(attn, "attn_logit_softcapping", None)
+                softcap = self.attn_softcap[i]
                 if softcap is not None:
                     scores = torch.tanh(scores / softcap) * softcap
                 scores = scores + masks[(p["cache_len"], p["ring"], p["window"])]
@@ -357,6 +378,8 @@ def export_decode_step(hf_model_dir, out_dir, context_length: int, opset: int = 
         "head_dim": step.head_dim,
         "sliding_window": getattr(cfg, "sliding_window", None),
         "mask_value": float(mask_value),
+        "final_logit_softcapping": step.final_softcap,
+        "attn_logit_softcapping_applied": step.attn_softcap[0],
         "opset": opset,
         "model_type": cfg.model_type,
         "bos_token_id": _first_id(getattr(cfg, "bos_token_id", None), getattr(gen_cfg, "bos_token_id", None)),

@@ -39,6 +39,8 @@ def _arm_cmd(arm: str, artifact, b, threads: int) -> list[str]:
 
 
 def run(ctx) -> dict:
+    from omegaconf import OmegaConf
+
     from pipeline.context import StageError
     from pipeline.stats import compare, fmt, interleave, spread
 
@@ -90,7 +92,7 @@ def run(ctx) -> dict:
             "order": "interleaved A B A B, one process per pass",
         },
         "on_target": on_target,
-        "host": dict(host),
+        "host": OmegaConf.to_container(host),
         "device": device.name,
         "notes": notes,
         "arms": figures,

@@ -35,7 +35,11 @@ from pipeline.context import StageContext, StageError
 READS = ("parity", "export")
 INPUTS = ("untie_head", "export")
 TOOLCHAIN = ("torch", "transformers", "onnxruntime", "numpy")
-THREADS = 2
+THREADS = 2  # onnxruntime intra-op threads
+# The eager reference runs one torch thread: its ops are microseconds, and on a
+# shared 2-core host two OpenMP threads spent ~8 ms per tiny op in barriers
+# (measured: 115 ms/step at 2 threads vs ~5 ms at 1 on the embedded model).
+REF_THREADS = 1
 
 
 def _prompt_ids(tokenizer, text: str, bos_id, model_type: str) -> list[int]:
@@ -62,7 +66,6 @@ def _finite(x: float) -> float | str:
 
 def run(ctx: StageContext) -> dict:
     import numpy as np
-    import torch
     from transformers import AutoTokenizer
 
     from pipeline.decode_graph import OnnxDecoder, TorchReference, snr_db
@@ -107,8 +110,7 @@ def run(ctx: StageContext) -> dict:
                              f"{window}-token sliding window; raise parity.decode_tokens past it")
         encoded.append(ids)
 
-    torch.set_num_threads(THREADS)
-    ref = TorchReference(hf_dir, threads=THREADS)
+    ref = TorchReference(hf_dir, threads=REF_THREADS)
     dec = OnnxDecoder(art, threads=THREADS)
     if ref.vocab_size != dec.vocab_size:
         raise StageError(f"vocab mismatch: checkpoint {ref.vocab_size}, export {dec.vocab_size}: rerun export")
@@ -202,7 +204,7 @@ def run(ctx: StageContext) -> dict:
         "decode_tokens": decode_tokens,
         "context_length": context_length,
         "sliding_window": window,
-        "threads": THREADS,
+        "threads": {"onnxruntime": THREADS, "torch": REF_THREADS},
         "reference": "transformers eager fp32, own DynamicCache",
         "per_prompt": per_prompt,
     }

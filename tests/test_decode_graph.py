@@ -70,7 +70,13 @@ def _qwen3_sliding():
     return _qwen3(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
 
 
-BUILDERS = {"gemma3": _gemma3, "llama": _llama, "qwen3": _qwen3, "qwen3_sliding": _qwen3_sliding}
+def _gemma3_softcap():
+    # final softcap is applied by HF Gemma3; its attn softcap is stored but unused
+    # by the HF forward, which the step module follows.
+    return _gemma3(final_logit_softcapping=3.0, attn_logit_softcapping=0.5)
+
+
+BUILDERS = {"gemma3": _gemma3, "gemma3_softcap": _gemma3_softcap, "llama": _llama, "qwen3": _qwen3, "qwen3_sliding": _qwen3_sliding}
 
 
 def _model(name, seed=0):
@@ -114,7 +120,7 @@ def _run_step(step, ids):
 # (a) ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["gemma3", "llama", "qwen3", "qwen3_sliding"])
+@pytest.mark.parametrize("name", ["gemma3", "gemma3_softcap", "llama", "qwen3", "qwen3_sliding"])
 def test_step_module_matches_hf_forward(name):
     model = _model(name)
     n = 3 * WINDOW + 2
