@@ -39,18 +39,24 @@ def peak_rss_mib() -> float:
 
 
 ARMS = {
-    "onnx_fp32": "ONNX Runtime, the exported fp32 decode step (this build's artifact)",
+    "onnx_fp32": "ONNX Runtime, the exported fp32 decode step",
     "torch_eager_fp32": "PyTorch eager fp32, the Hugging Face model (baseline)",
+    "ort_int4": "ONNX Runtime, the decode step with MatMulNBits 4-bit weights (packed artifact)",
+    "tinygemm_w4a16": "PyTorch eager with tinygemm int4 linears, bf16 activations (packed artifact)",
 }
 
 
 def make_decoder(arm: str, artifact: str, threads: int):
     from pipeline.decode_graph import OnnxDecoder, TorchReference
 
-    if arm == "onnx_fp32":
+    if arm in ("onnx_fp32", "ort_int4"):
         return OnnxDecoder(artifact, threads=threads)
     if arm == "torch_eager_fp32":
         return TorchReference(artifact, threads=threads)
+    if arm == "tinygemm_w4a16":
+        from pipeline.int4_runtime import load_tinygemm_model
+
+        return TorchReference(load_tinygemm_model(artifact, artifact), threads=threads)
     raise SystemExit(f"unknown arm {arm!r}: one of {', '.join(ARMS)}")
 
 

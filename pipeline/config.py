@@ -17,7 +17,7 @@ from pathlib import Path
 from .layout import BUILD_NAME, RESERVED_BUILD_NAMES, ROOT
 
 CONF_DIR = ROOT / "conf"
-GROUPS = ("device", "model", "priority", "parity", "benchmark")
+GROUPS = ("device", "model", "priority", "parity", "benchmark", "calibrate", "quantize", "pack")
 
 # Sanity bounds: an absurd value fails here, not an hour into a build.
 LIMITS = {

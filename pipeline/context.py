@@ -61,6 +61,7 @@ class StageContext:
                 MofNCompleteColumn(),
                 TimeElapsedColumn(),
                 TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"),
                 console=Console(stderr=True),
                 transient=False,
             ),
@@ -78,11 +79,13 @@ class _Bar:
 
     def __enter__(self):
         self._progress.__enter__()
-        self._task = self._progress.add_task("", total=self._total)
+        self._task = self._progress.add_task("", total=self._total, info="")
         return self
 
     def advance(self, n: int = 1, **fields: Any) -> None:
-        self._progress.update(self._task, advance=n, **fields)
+        """Advance by n; keyword fields (loss=...) are shown after the bar."""
+        info = " ".join(f"{k} {v}" for k, v in fields.items())
+        self._progress.update(self._task, advance=n, **({"info": info} if fields else {}))
 
     def __exit__(self, *exc):
         return self._progress.__exit__(*exc)

@@ -541,6 +541,19 @@ class TorchReference(_Greedy):
         self.position += 1
         return out.logits[0, -1].to(torch.float32).numpy()
 
+    def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
+        """The whole prompt in one forward (batched prefill); logits of its last token."""
+        import torch
+
+        ids = [int(t) for t in token_ids]
+        with torch.inference_mode():
+            out = self.model(input_ids=torch.tensor([ids], dtype=torch.long),
+                             position_ids=torch.arange(self.position, self.position + len(ids)).unsqueeze(0),
+                             past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        self.position += len(ids)
+        return out.logits[0, -1].to(torch.float32).numpy()
+
 
 def snr_db(ref: np.ndarray, test: np.ndarray) -> float:
     """10*log10(sum ref^2 / sum (ref-test)^2); inf when identical."""

@@ -140,5 +140,18 @@ def write() -> Path:
     return target
 
 
+def write_default_params() -> Path:
+    """params.yaml as `dvc exp run` composes it with no overrides (the exp build)."""
+    from dvc.utils.hydra import compose_and_dump
+
+    target = ROOT / EXP_PARAMS
+    compose_and_dump(str(target), str(ROOT / "conf"), None, "config", str(ROOT / "pipeline"), [])
+    return target
+
+
 if __name__ == "__main__":
+    import sys
+
+    if "--params" in sys.argv:
+        print(write_default_params())
     print(write())

@@ -39,7 +39,10 @@ STAGES: tuple[str, ...] = (
     "probe",
     "model",
     "untie_head",
+    "calibrate",
+    "quantize",
     "export",
+    "pack",
     "verify_parity",
     "benchmark",
 )

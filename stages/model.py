@@ -26,11 +26,14 @@ import shutil
 import time
 from pathlib import Path
 
+from pipeline import corpus
 from pipeline.context import StageError
 
 READS = ("model",)
 INPUTS = ()
 TOOLCHAIN = ("torch", "transformers", "sentencepiece", "safetensors", "tokenizers")
+# One model stage per distinct `model` section, shared by every build of it.
+SCOPE = "model"
 
 # Families whose decode step, KV layout and 4-bit paths the later stages know.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
@@ -44,17 +47,17 @@ TRAIN_DEFAULTS = {
     "vocab_size": 2048,
     "hidden_size": 256,
     "intermediate_size": 768,
-    "num_hidden_layers": 8,
+    "num_hidden_layers": 6,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 64,
     "sliding_window": 64,
-    "full_attention_every": 4,
+    "full_attention_every": 6,
     "max_position_embeddings": 1024,
     "seq_len": 128,
-    "batch_size": 16,
-    "steps": 600,
-    "lr": 3.0e-3,
+    "batch_size": 8,
+    "steps": 560,
+    "lr": 2.0e-3,
     "min_lr_ratio": 0.1,
     "warmup_steps": 30,
     "weight_decay": 0.1,
@@ -64,13 +67,6 @@ TRAIN_DEFAULTS = {
 
 # Gemma's special-token layout; SentencePiece and config.json share it.
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
-
-# Top-level stdlib folders that are not library prose: tests, the IDLE app and
-# demos, installed third-party packages, vendored wheels.
-_STDLIB_SKIP = {
-    "test", "tests", "idlelib", "site-packages", "dist-packages", "turtledemo",
-    "lib2to3", "ensurepip", "pydoc_data", "__pycache__", "config-3",
-}
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _TOKENIZER_FILES = (
@@ -135,56 +131,6 @@ def layer_types(num_layers: int, full_every: int) -> list[str]:
         "full_attention" if full_every > 0 and (i + 1) % full_every == 0 else "sliding_attention"
         for i in range(num_layers)
     ]
-
-
-def stdlib_docstrings() -> tuple[list[str], int]:
-    """Docstrings of the standard library's pure-Python modules, in a fixed order.
-
-    Files sorted by path; within a file, module, class and function docstrings
-    in source order. Whitespace is cleaned (`ast.get_docstring` dedents;
-    trailing spaces and runs of blank lines are dropped) and exact duplicates
-    are kept once, so boilerplate ("Return self.") neither dominates the corpus
-    nor leaks into the held-out split.
-    """
-    import ast
-    import re
-    import sysconfig
-
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [
-            d for d in dirnames
-            if d not in _STDLIB_SKIP and not d.startswith((".", "config-")) and not d.startswith("test")
-        ]
-        files += [Path(dirpath) / f for f in filenames if f.endswith(".py") and not f.startswith("test_")]
-    files.sort(key=lambda p: p.relative_to(root).as_posix())
-    if not files:
-        raise StageError(f"no standard-library sources under {root}: the embedded corpus needs them")
-
-    def in_order(node):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            yield node
-        for child in ast.iter_child_nodes(node):
-            yield from in_order(child)
-
-    docs, seen = [], set()
-    for path in files:
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue  # a few stdlib files are deliberately unparsable or not UTF-8
-        for node in in_order(tree):
-            doc = ast.get_docstring(node, clean=True)
-            if not doc:
-                continue
-            doc = "\n".join(line.rstrip() for line in doc.splitlines())
-            doc = re.sub(r"\n{3,}", "\n\n", doc).strip()
-            if len(doc) < 8 or doc in seen:
-                continue
-            seen.add(doc)
-            docs.append(doc)
-    return docs, len(files)
 
 
 def _train_tokenizer(docs: list[str], vocab_size: int, workdir: Path) -> Path:
@@ -319,9 +265,12 @@ def _run_embedded(ctx) -> dict:
         torch.set_num_threads(int(r["threads"]))
     try:
         # -- corpus
-        docs, n_files = stdlib_docstrings()
-        corpus_text = "\n\n".join(docs)
-        corpus_sha = hashlib.sha256(corpus_text.encode("utf-8")).hexdigest()
+        try:
+            docs, n_files = corpus.stdlib_docstrings()
+        except corpus.CorpusError as err:
+            raise StageError(str(err)) from None
+        corpus_text = corpus.DOC_SEPARATOR.join(docs)
+        corpus_sha = corpus.corpus_sha256(docs)
         t_corpus = time.perf_counter() - t_start
         ctx.log(f"corpus: {len(docs)} docstrings from {n_files} stdlib modules, "
                 f"{len(corpus_text):,} chars, sha256 {corpus_sha[:12]}")
@@ -345,18 +294,17 @@ def _run_embedded(ctx) -> dict:
         for doc, a, b in zip(docs, encoded, hf_encoded):
             if a != b:
                 raise StageError(f"tokenizer.json and tokenizer.model disagree on {doc[:40]!r}")
-        stream = []
-        for ids in encoded:
-            stream += [BOS_ID, *ids, EOS_ID]
-        tokens = torch.tensor(stream, dtype=torch.long)
+        tokens = torch.tensor(corpus.token_stream(encoded, BOS_ID, EOS_ID), dtype=torch.long)
         t_tok = time.perf_counter() - t0
         ctx.log(f"tokenizer: SentencePiece BPE, {r['vocab_size']} pieces, "
                 f"{len(corpus_text) / max(1, sum(map(len, encoded))):.2f} chars/token, {tokens.numel():,} tokens")
 
         # -- split: the held-out set is the tail of the stream (the last modules
         # alphabetically), never seen in training.
-        n_held = int(tokens.numel() * r["heldout_fraction"])
-        train_tokens, held_tokens = tokens[:-n_held], tokens[-n_held:]
+        try:
+            train_tokens, held_tokens = corpus.heldout_split(tokens, r["heldout_fraction"])
+        except corpus.CorpusError as err:
+            raise StageError(str(err)) from None
         T = r["seq_len"]
         n_train_windows = (train_tokens.numel() - 1) // T
         n_held_windows = (held_tokens.numel() - 1) // T

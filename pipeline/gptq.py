@@ -1,0 +1,314 @@
+"""4-bit group-wise weight quantization: GPTQ and a round-to-nearest baseline.
+
+Written here rather than taken from a library. The maintained GPTQ
+implementations were checked (pip metadata and their documentation, 2026):
+GPTQModel (7.x) and AutoGPTQ (0.7, unmaintained) ship CUDA/ROCm builds pinned
+to specific torch releases and pull their own torch; llm-compressor pulls a
+compressed-tensors / accelerate stack with its own torch pins and is
+GPU-oriented; optimum's GPTQ path delegates to GPTQModel. None is installable
+into this project's pinned CPU torch (2.13.0+cpu) without replacing it, and
+what the pipeline needs is small: the algorithm on one weight matrix given its
+input second moment H, plus a grid the project's packers and kernels agree on.
+
+The algorithm is GPTQ (Frantar, Ashkboos, Hoefler, Alistarh, 2022):
+
+- H = sum x x^T over the calibration inputs of the linear; dead inputs (a zero
+  diagonal entry: never active in calibration) get H[i,i] = 1 so H is
+  invertible. Their weights are kept and simply rounded (the original code
+  zeroes them; an input unseen in calibration may still fire in use).
+- Dampening: `damp * mean(diag(H))` is added to the diagonal (retried x10 up
+  to four times when the Cholesky factorization still fails).
+- The inverse Hessian's upper Cholesky factor U drives column-by-column
+  quantization with error feedback: the error of column i, divided by U[i,i],
+  is propagated to the remaining columns through row i of U. Updates outside
+  the current block of `block_size` columns are applied lazily, once per
+  block, as one matrix product.
+- Group-wise scales are computed when the loop enters each group, from the
+  group's weights as updated so far. Blocks and groups nest (one divides the
+  other) so the weights a group's scale sees are exact; otherwise the block is
+  set to the group size.
+- No act-order: columns are quantized in their natural order, so groups are
+  contiguous and no permutation index has to travel with the weights.
+
+The grid (4 bits, codes 0..15, group size g along the input dimension K):
+
+    W[n, k] = (q[n, k] - z[n, k // g]) * s[n, k // g]
+
+- symmetric (default): z = 8 for every group (the W4A8 kernel pins it there);
+  the plain scale is absmax / 7.5. With `scale_search`, candidate scales
+  `m * absmax / 7` for m in [0.70, 1.00] are tried besides the plain one and
+  each row of each group keeps the one minimizing the group's reconstruction
+  error weighted by diag(H), sum_k H[k,k] (w - w_q)^2. The plain scale is
+  among the candidates, so the search is never worse on that measure.
+- asymmetric: min/max range (widened to include 0) mapped to 0..15, the zero
+  point round(-min / s) clamped to 0..15; `scale_search` shrinks the range by
+  the same multipliers.
+- `rtn`: the same grid and scale choice, every weight rounded to nearest with
+  no error feedback: the baseline GPTQ has to beat.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+FORMAT = "edgekiln-int4/1"
+BITS = 4
+MAXQ = 2**BITS - 1  # 15
+SYM_ZERO = 8
+QUANT_JSON = "quant.json"
+QUANT_TENSORS = "quantized.safetensors"
+METHODS = ("gptq", "rtn")
+
+# Candidate multipliers of the scale search (see the module docstring).
+SEARCH_MULTIPLIERS = tuple(round(0.70 + 0.01 * i, 2) for i in range(31))
+
+
+class QuantError(ValueError):
+    """A weight or Hessian this quantizer cannot handle (shape, group size, H not PD)."""
+
+
+@dataclass
+class Quantized:
+    qweight: torch.Tensor  # uint8 [N, K], codes 0..15
+    scales: torch.Tensor  # float32 [N, K // g]
+    zeros: torch.Tensor  # uint8 [N, K // g]
+    group_size: int
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self.qweight, self.scales, self.zeros, self.group_size)
+
+
+# --------------------------------------------------------------------------
+# the grid
+# --------------------------------------------------------------------------
+
+
+def _candidates(w: torch.Tensor, sym: bool, scale_search: bool):
+    """(scale [N], zero [N]) candidates for a group w [N, g]; the plain choice first."""
+    tiny = torch.finfo(torch.float32).tiny
+    if sym:
+        amax = w.abs().amax(dim=1).clamp_min(tiny)
+        zero = torch.full_like(amax, float(SYM_ZERO))
+        yield amax / 7.5, zero
+        if scale_search:
+            for m in SEARCH_MULTIPLIERS:
+                yield (amax * (m / 7.0)).clamp_min(tiny), zero
+    else:
+        wmin = w.amin(dim=1).clamp(max=0.0)
+        wmax = w.amax(dim=1).clamp(min=0.0)
+        for m in (1.0, *SEARCH_MULTIPLIERS[:-1]) if scale_search else (1.0,):
+            lo, hi = wmin * m, wmax * m
+            scale = ((hi - lo) / MAXQ).clamp_min(tiny)
+            zero = torch.round(-lo / scale).clamp(0, MAXQ)
+            yield scale, zero
+
+
+def _codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Codes (as float) of w [N] or [N, g] under per-row scale/zero [N]."""
+    if w.dim() == 2:
+        scale, zero = scale[:, None], zero[:, None]
+    return torch.clamp(torch.round(w / scale) + zero, 0, MAXQ)
+
+
+def group_params(w: torch.Tensor, weight: torch.Tensor | None, sym: bool, scale_search: bool):
+    """Per-row (scale, zero) of one group w [N, g], chosen to minimize the
+    diag(H)-weighted reconstruction error sum_k weight[k] (w - w_q)^2."""
+    best_s = best_z = best_err = None
+    for scale, zero in _candidates(w, sym, scale_search):
+        if best_s is None and not scale_search:
+            return scale, zero
+        deq = (_codes(w, scale, zero) - zero[:, None]) * scale[:, None]
+        sq = (deq - w).square()
+        err = sq @ weight if weight is not None else sq.sum(dim=1)
+        if best_s is None:
+            best_s, best_z, best_err = scale.clone(), zero.clone(), err
+            continue
+        better = err < best_err
+        best_s = torch.where(better, scale, best_s)
+        best_z = torch.where(better, zero, best_z)
+        best_err = torch.where(better, err, best_err)
+    return best_s, best_z
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int | None = None) -> torch.Tensor:
+    """W[n, k] = (qweight[n, k] - zeros[n, k // g]) * scales[n, k // g], float32 [N, K]."""
+    n, k = qweight.shape
+    groups = scales.shape[1]
+    if group_size is None:
+        group_size = k // groups
+    if scales.shape != (n, k // group_size) or zeros.shape != scales.shape or k % group_size:
+        raise QuantError(
+            f"inconsistent quantized tensors: qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)}, "
+            f"zeros {tuple(zeros.shape)}, group size {group_size}"
+        )
+    s = scales.float().repeat_interleave(group_size, dim=1)
+    z = zeros.float().repeat_interleave(group_size, dim=1)
+    return (qweight.float() - z) * s
+
+
+# --------------------------------------------------------------------------
+# the algorithms
+# --------------------------------------------------------------------------
+
+
+def _check(w: torch.Tensor, h: torch.Tensor | None, group_size: int, name: str) -> None:
+    if w.dim() != 2:
+        raise QuantError(f"{name}: weight must be 2-D, got {tuple(w.shape)}")
+    k = w.shape[1]
+    if group_size < 1 or k % group_size:
+        raise QuantError(f"{name}: group size {group_size} does not divide in_features K={k}")
+    if h is not None and tuple(h.shape) != (k, k):
+        raise QuantError(f"{name}: Hessian {tuple(h.shape)} does not match in_features K={k}")
+
+
+def _diag_weight(h: torch.Tensor | None) -> torch.Tensor | None:
+    if h is None:
+        return None
+    d = torch.diagonal(h).float().clamp_min(0)
+    return torch.where(d > 0, d, torch.ones_like(d))
+
+
+def rtn_quantize(w: torch.Tensor, h: torch.Tensor | None = None, *, group_size: int = 128, sym: bool = True,
+                 scale_search: bool = True, name: str = "weight") -> Quantized:
+    """Round-to-nearest on the grid; H (optional) only weights the scale search."""
+    _check(w, h, group_size, name)
+    w = w.detach().float()
+    n, k = w.shape
+    d = _diag_weight(h)
+    codes = torch.empty(n, k, dtype=torch.uint8)
+    scales = torch.empty(n, k // group_size, dtype=torch.float32)
+    zeros = torch.empty(n, k // group_size, dtype=torch.uint8)
+    for gi, c0 in enumerate(range(0, k, group_size)):
+        wg = w[:, c0 : c0 + group_size]
+        s, z = group_params(wg, None if d is None else d[c0 : c0 + group_size], sym, scale_search)
+        codes[:, c0 : c0 + group_size] = _codes(wg, s, z).to(torch.uint8)
+        scales[:, gi], zeros[:, gi] = s, z.to(torch.uint8)
+    return Quantized(codes, scales, zeros, group_size)
+
+
+def _inverse_hessian_factor(h: torch.Tensor, damp: float, name: str) -> torch.Tensor:
+    """Upper Cholesky factor of (H + damp*mean(diag) I)^-1, float64."""
+    mean_diag = torch.diagonal(h).mean().item()
+    if not math.isfinite(mean_diag) or mean_diag <= 0:
+        raise QuantError(f"{name}: the Hessian's diagonal is empty or not finite (mean {mean_diag})")
+    eye = torch.eye(h.shape[0], dtype=h.dtype)
+    lam = damp
+    for _ in range(5):
+        try:
+            lower = torch.linalg.cholesky(h + (lam * mean_diag) * eye)
+            return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
+        except torch.linalg.LinAlgError:
+            lam = lam * 10 if lam > 0 else 1e-4
+    raise QuantError(f"{name}: the Hessian is not positive definite even with dampening {lam / 10:g}")
+
+
+def gptq_quantize(w: torch.Tensor, h: torch.Tensor, *, group_size: int = 128, sym: bool = True,
+                  scale_search: bool = True, damp: float = 0.01, block_size: int = 128,
+                  name: str = "weight") -> Quantized:
+    """GPTQ of one weight [N, K] given its input second moment H [K, K]."""
+    _check(w, h, group_size, name)
+    w = w.detach().float().clone()
+    n, k = w.shape
+    h = h.detach().double().clone()
+    dead = torch.diagonal(h) <= 0
+    if bool(dead.all()):
+        raise QuantError(f"{name}: every input column is dead in calibration (H is zero)")
+    h[dead, :] = 0
+    h[:, dead] = 0
+    d = _diag_weight(h)
+    # a dead input weighs like an average one in the scale search: unseen in
+    # calibration is not unused in deployment
+    d[dead] = d[~dead].mean()
+    h[dead, dead] = 1
+    u = _inverse_hessian_factor(h, damp, name).float()
+    del h
+
+    if not (block_size % group_size == 0 or group_size % block_size == 0):
+        block_size = group_size  # groups and blocks must nest (module docstring)
+    g = group_size
+    codes = torch.empty(n, k, dtype=torch.uint8)
+    scales = torch.empty(n, k // g, dtype=torch.float32)
+    zeros = torch.empty(n, k // g, dtype=torch.uint8)
+    scale = zero = None
+    for i1 in range(0, k, block_size):
+        i2 = min(i1 + block_size, k)
+        w1 = w[:, i1:i2].clone()
+        err1 = torch.zeros_like(w1)
+        u1 = u[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if col % g == 0:
+                # Groups nest in blocks or blocks in groups, so the group's
+                # current weights are w1[:, i:i+g] or (at a block start) w[:, col:col+g].
+                wg = w1[:, i : i + g] if col + g <= i2 else w[:, col : col + g]
+                scale, zero = group_params(wg, d[col : col + g], sym, scale_search)
+                scales[:, col // g], zeros[:, col // g] = scale, zero.to(torch.uint8)
+            wc = w1[:, i]
+            q = _codes(wc, scale, zero)
+            codes[:, col] = q.to(torch.uint8)
+            e = (wc - (q - zero) * scale) / u1[i, i]
+            w1[:, i:] -= e[:, None] * u1[i, i:][None, :]
+            err1[:, i] = e
+        w[:, i2:] -= err1 @ u[i1:i2, i2:]
+    return Quantized(codes, scales, zeros, g)
+
+
+def quantize_weight(w: torch.Tensor, h: torch.Tensor | None, *, method: str = "gptq", group_size: int = 128,
+                    sym: bool = True, scale_search: bool = True, damp: float = 0.01, block_size: int = 128,
+                    name: str = "weight") -> Quantized:
+    if method == "gptq":
+        if h is None:
+            raise QuantError(f"{name}: GPTQ needs the layer's calibration Hessian")
+        return gptq_quantize(w, h, group_size=group_size, sym=sym, scale_search=scale_search, damp=damp,
+                             block_size=block_size, name=name)
+    if method == "rtn":
+        return rtn_quantize(w, h, group_size=group_size, sym=sym, scale_search=scale_search, name=name)
+    raise QuantError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+
+
+def errors(w: torch.Tensor, wq: torch.Tensor, h: torch.Tensor | None) -> dict:
+    """weight_rel_mse = |E|^2/|W|^2 and out_rel_err_h = tr(E H E^T) / tr(W H W^T), E = W - Wq."""
+    w = w.detach().double()
+    e = w - wq.detach().double()
+    out = {"weight_rel_mse": float(e.square().sum() / w.square().sum().clamp_min(1e-300))}
+    if h is not None:
+        h = h.detach().double()
+        num = float(((e @ h) * e).sum())
+        den = float(((w @ h) * w).sum())
+        out["out_rel_err_h"] = num / den if den > 0 else float("nan")
+    return out
+
+
+# --------------------------------------------------------------------------
+# the artifact (what quantize writes and later stages read)
+# --------------------------------------------------------------------------
+
+
+def quant_meta(folder) -> dict:
+    """quant.json of a quantize output folder."""
+    meta = json.loads((Path(folder) / QUANT_JSON).read_text())
+    if meta.get("format") != FORMAT:
+        raise QuantError(f"{folder}: quant.json format {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta
+
+
+def layer_group_size(meta: dict, name: str) -> int:
+    """A layer's group size: the global one unless the layer records its own (fallback)."""
+    return int(meta["layers"][name].get("group_size", meta["group_size"]))
+
+
+def load_quantized(folder) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """{linear name: (qweight uint8 [N, K], scales float32 [N, K//g], zeros uint8 [N, K//g])}."""
+    from safetensors import safe_open
+
+    meta = quant_meta(folder)
+    out = {}
+    with safe_open(str(Path(folder) / QUANT_TENSORS), framework="pt") as f:
+        for name in meta["layers"]:
+            out[name] = (f.get_tensor(f"{name}.qweight"), f.get_tensor(f"{name}.scales"), f.get_tensor(f"{name}.zeros"))
+    return out

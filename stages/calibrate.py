@@ -1,0 +1,249 @@
+"""calibrate: per-linear input second moments H = sum x x^T for GPTQ.
+
+Data: the held-out tail of the embedded corpus (pipeline/corpus.py), tokenized
+with the checkpoint's own tokenizer exactly as training framed it
+([BOS, *ids, EOS] per docstring), cut into `samples` non-overlapping windows of
+`seq_len` tokens (drawn with `seed` among all the windows the tail holds).
+Too few windows is a StageError, never a silent shortfall. For the embedded
+model, training_report.json (copied along by untie_head) supplies the
+held-out fraction the model was trained with, and the corpus hash and held-out
+token count are checked against it, so calibration can never reach text the
+model was trained on (a different Python's stdlib would shift the split).
+
+The fp32 model runs the windows; a forward pre-hook on every nn.Linear inside
+the decoder layers accumulates H in float64. The head's input is the decoder's
+final hidden state, accumulated directly from it (for the supported families,
+Llama / Qwen3 / Gemma3, the head is applied to exactly that tensor), so the
+[tokens, vocab] logits are never materialized (262k columns for Gemma 3).
+Linears fed the same tensor (q/k/v; gate/up) share one H, stored once.
+
+Writes `hessians.safetensors` (float32) and `calibration.json`:
+{dataset, data_sha256, samples, tokens, seq_len, layers: {name: {hessian,
+rows, in_features, out_features}}, ...}. data_sha256 is the sha256 of the
+exact token ids used (int32 little-endian, window after window): later stages
+key on the data's content, not its name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from pathlib import Path
+
+from pipeline.context import StageError
+
+READS = ("calibrate",)
+INPUTS = ("untie_head",)
+TOOLCHAIN = ("torch", "transformers", "numpy", "safetensors")
+
+DATASETS = ("stdlib_docstrings_heldout",)
+HEAD = "lm_head"
+HESSIANS = "hessians.safetensors"
+CALIBRATION_JSON = "calibration.json"
+BATCH = 8
+_LAYER_LINEAR = re.compile(r"(^|\.)layers\.\d+\.")
+
+
+def _settings(cfg) -> dict:
+    c = cfg.calibrate
+    s = {
+        "dataset": str(c.dataset),
+        "samples": int(c.samples),
+        "seq_len": int(c.seq_len),
+        "min_samples": int(c.get("min_samples", c.samples)),
+        "seed": int(c.get("seed", 0)),
+    }
+    if s["dataset"] not in DATASETS:
+        raise StageError(f"calibrate.dataset={s['dataset']!r} is not known; supported: {', '.join(DATASETS)}")
+    if s["samples"] < 1 or s["seq_len"] < 2:
+        raise StageError("calibrate.samples must be >= 1 and calibrate.seq_len >= 2")
+    if not 1 <= s["min_samples"] <= s["samples"]:
+        raise StageError(f"calibrate.min_samples={s['min_samples']} must be in 1..samples ({s['samples']})")
+    return s
+
+
+def heldout_ids(src: Path, tokenizer, log=None) -> tuple[list[int], dict]:
+    """The held-out token ids of the corpus under this checkpoint's tokenizer."""
+    from pipeline import corpus
+
+    report_path = src / "training_report.json"
+    report = json.loads(report_path.read_text()) if report_path.is_file() else None
+    fraction = corpus.DEFAULT_HELDOUT_FRACTION
+    if report is not None:
+        fraction = float(report.get("recipe", {}).get("heldout_fraction", fraction))
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    if bos is None or eos is None:
+        raise StageError("the checkpoint's tokenizer has no BOS or EOS token: cannot frame the corpus as training did")
+
+    def encode(docs):
+        return tokenizer(docs, add_special_tokens=False, verbose=False)["input_ids"]
+
+    try:
+        held, facts = corpus.heldout_tokens(encode, bos, eos, fraction)
+    except corpus.CorpusError as e:
+        raise StageError(str(e)) from None
+    facts["trained_on_this_corpus"] = report is not None
+    if report is not None:
+        trained_sha = report.get("corpus", {}).get("sha256")
+        if trained_sha and trained_sha != facts["corpus_sha256"]:
+            raise StageError(
+                f"this Python's stdlib docstrings (sha256 {facts['corpus_sha256'][:12]}) are not the corpus the model "
+                f"was trained on ({trained_sha[:12]}): the held-out split would not be held out"
+            )
+        trained_held = report.get("split", {}).get("heldout_tokens")
+        if trained_held is not None and int(trained_held) != len(held):
+            raise StageError(
+                f"held-out split has {len(held)} tokens under the checkpoint's tokenizer, training held out "
+                f"{trained_held}: the split does not reproduce"
+            )
+    elif log is not None:
+        log("no training_report.json: the checkpoint was not trained here; using the corpus tail "
+            f"({fraction:.0%}) as calibration text")
+    return held, facts
+
+
+def decoder_linears(model) -> dict:
+    """{name: nn.Linear} for every linear inside the decoder layers, plus the head."""
+    import torch
+
+    found = {name: m for name, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear) and _LAYER_LINEAR.search(name)}
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise StageError("the model has no linear output head (lm_head)")
+    found[HEAD] = head
+    return found
+
+
+def run(ctx) -> dict:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    s = _settings(ctx.cfg)
+    src = Path(ctx.inputs["untie_head"])
+    t_start = time.perf_counter()
+    config = json.loads((src / "config.json").read_text())
+    if config.get("quantization_config"):
+        raise StageError(f"{src} is already quantized: calibration needs the full-precision checkpoint")
+
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    held, facts = heldout_ids(src, tokenizer, ctx.log)
+    T = s["seq_len"]
+    available = len(held) // T
+    if available < s["min_samples"]:
+        raise StageError(
+            f"calibration data too short: the held-out split has {len(held)} tokens, {available} windows of "
+            f"{T} tokens; calibrate.min_samples={s['min_samples']} (samples={s['samples']})"
+        )
+    n = min(s["samples"], available)
+    if n < s["samples"]:
+        ctx.log(f"only {available} windows of {T} tokens in the held-out split: using {n} of the {s['samples']} asked")
+    gen = torch.Generator().manual_seed(s["seed"])
+    picks = torch.randperm(available, generator=gen)[:n].sort().values
+    held_t = torch.tensor(held[: available * T], dtype=torch.long).view(available, T)
+    windows = held_t[picks].contiguous()
+    ids32 = windows.numpy().astype("<i4")
+    data_sha = hashlib.sha256(ids32.tobytes()).hexdigest()
+    vocab = int(config.get("text_config", config).get("vocab_size", 0)) or None
+    if vocab is not None and int(windows.max()) >= vocab:
+        raise StageError(f"token id {int(windows.max())} is outside the model's vocabulary ({vocab})")
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    model.eval()
+    linears = decoder_linears(model)
+    if len(linears) < 2:
+        raise StageError("found no linear layers inside the decoder layers (expected *.layers.N.*)")
+
+    acc: dict[str, torch.Tensor] = {}  # key -> float64 H
+    rows: dict[str, int] = {}  # key -> rows accumulated
+    key_of: dict[str, str] = {}  # linear name -> key (fixed by the first batch)
+    batch_inputs: dict[int, tuple] = {}  # id(input tensor) -> (tensor, key), this batch only
+
+    def accumulate(name: str, x: torch.Tensor) -> None:
+        seen = batch_inputs.get(id(x))
+        if seen is not None and seen[0] is x:
+            key = seen[1]
+        else:
+            key = key_of.get(name, name)
+            x2 = x.detach().reshape(-1, x.shape[-1]).double()
+            if key not in acc:
+                acc[key] = torch.zeros(x2.shape[1], x2.shape[1], dtype=torch.float64)
+                rows[key] = 0
+            acc[key].addmm_(x2.T, x2)
+            rows[key] += x2.shape[0]
+            batch_inputs[id(x)] = (x, key)
+        if key_of.setdefault(name, key) != key:
+            raise StageError(f"{name} shared its input with {key} in one batch and not in another")
+
+    handles = [
+        module.register_forward_pre_hook(lambda mod, args, _name=name: accumulate(_name, args[0]))
+        for name, module in linears.items() if name != HEAD
+    ]
+    decoder = model.get_decoder()
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad(), ctx.progress(n, "calibration samples") as bar:
+            for i in range(0, n, BATCH):
+                batch = windows[i : i + BATCH]
+                batch_inputs.clear()
+                hidden = decoder(input_ids=batch, use_cache=False).last_hidden_state
+                accumulate(HEAD, hidden)
+                bar.advance(batch.shape[0])
+    finally:
+        for h in handles:
+            h.remove()
+        batch_inputs.clear()
+    t_forward = time.perf_counter() - t0
+
+    missing = [name for name in linears if name not in key_of]
+    if missing:
+        raise StageError(f"{len(missing)} linear(s) saw no input during calibration, e.g. {missing[0]}")
+    tensors, layers = {}, {}
+    for key, h in acc.items():
+        if not torch.isfinite(h).all():
+            raise StageError(f"the input second moment of {key} is not finite (the fp32 model overflowed)")
+        tensors[key] = h.float().contiguous()
+    for name, module in linears.items():
+        key = key_of[name]
+        layers[name] = {
+            "hessian": key,
+            "rows": rows[key],
+            "in_features": int(module.in_features),
+            "out_features": int(module.out_features),
+        }
+    save_file(tensors, str(ctx.out / HESSIANS), metadata={"format": "pt"})
+    info = {
+        "dataset": s["dataset"],
+        "data_sha256": data_sha,
+        "samples": n,
+        "tokens": int(windows.numel()),
+        "seq_len": T,
+        "seed": s["seed"],
+        "windows_available": available,
+        "corpus": facts,
+        "layers": layers,
+    }
+    (ctx.out / CALIBRATION_JSON).write_text(json.dumps(info, indent=2) + "\n")
+    wall = time.perf_counter() - t_start
+    ctx.log(f"{n} samples x {T} tokens (sha256 {data_sha[:12]}): {len(layers)} linears, "
+            f"{len(tensors)} distinct H, forward {t_forward:.1f} s, total {wall:.1f} s")
+    return {
+        "metrics": {
+            "samples": n,
+            "tokens": int(windows.numel()),
+            "linears": len(layers),
+            "hessians": len(tensors),
+            "seconds": round(wall, 2),
+        },
+        "data_sha256": data_sha,
+    }

@@ -1,0 +1,218 @@
+"""pack: the quantize stage's 4-bit codes -> the layout of the kernel the device runs.
+
+The weight path is chosen by `pipeline.weight_path.select(device, priority)`
+(written as `weight_path.json` in every case). Per path the artifact is:
+
+- w4a8_gptq_vllm: `gptq/`, a GPTQ v1 checkpoint vLLM loads from its config.json
+  alone (quantization_config: gptq, 4 bits, sym, desc_act false, lm_head true;
+  qweight/qzeros/scales/g_idx per quantized linear, the head included; the
+  untied checkpoint's other tensors; tokenizer files). dtype is set to
+  bfloat16: vLLM's GPTQ kernels take fp16/bf16 activations only.
+- w4a16_tinygemm: `tinygemm.safetensors` (per layer `L.packed` in this CPU's
+  tinygemm layout + `L.scales_and_zeros` bf16 [K/g, N, 2]; `L.rowmajor` codes
+  for a layer the kernel refuses) + `tinygemm.json` (layout, per-layer record,
+  prefill mode), plus `model.safetensors` with the untied checkpoint's
+  non-quantized tensors and its config/tokenizer, so the folder loads on its
+  own: `int4_runtime.load_tinygemm_model(out, out)`.
+- w4_ort_matmulnbits: `model.onnx` (the export stage's decode step with every
+  quantized linear as com.microsoft.MatMulNBits) + `io.json` and side files
+  copied from the export artifact; runs in `decode_graph.OnnxDecoder` as is.
+- qnn_graph / model_dtype: nothing but weight_path.json; {"applies": false}.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from pipeline.context import StageContext, StageError
+
+READS = ("pack", "device", "priority")
+INPUTS = ("untie_head", "quantize", "export")
+TOOLCHAIN = ("torch", "onnx", "onnxruntime", "safetensors", "numpy")
+
+SIDE_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
+    "chat_template.jinja",
+)
+GPTQ_DIR = "gptq"
+GPTQ_GROUP_SIZES = (32, 64, 128)  # vLLM's gptq_marlin/CPU check (-1 aside)
+
+
+def _copy_side_files(src: Path, dst: Path, names=SIDE_FILES) -> list[str]:
+    copied = []
+    for name in names:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def _untied_tensors(src: Path, skip: set[str]) -> dict:
+    """The untied checkpoint's tensors except `skip` (the quantized linears' weights)."""
+    from safetensors import safe_open
+
+    out = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for key in f.keys():
+                if key not in skip:
+                    out[key] = f.get_tensor(key)
+    if not out:
+        raise StageError(f"pack: no safetensors tensors in {src}")
+    return out
+
+
+def _bytes(paths) -> int:
+    total = 0
+    for p in paths:
+        p = Path(p)
+        total += sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
+    return total
+
+
+def _write_gptq(ctx, meta, layers, src: Path) -> dict:
+    from safetensors.torch import save_file
+
+    from pipeline import int4_layouts as L
+
+    if any((z != 8).any() for _, _, z, _ in layers.values()):
+        raise StageError("pack: the vLLM GPTQ path takes symmetric codes only (vLLM's gptq_marlin/CPU kernels "
+                         "support sym=true, zero pinned at 8); quantize with quantize.sym=true or use "
+                         "priority=fidelity (W4A16)")
+    groups = {g for *_, g in layers.values()}
+    if len(groups) != 1:
+        raise StageError(f"pack: the GPTQ config has one group size, the layers have {sorted(groups)} "
+                         "(vLLM fuses q/k/v and gate/up, which must share it); use quantize.group_fallback=error")
+    g = groups.pop()
+    if g not in GPTQ_GROUP_SIZES:
+        raise StageError(f"pack: vLLM's GPTQ kernels take group sizes {GPTQ_GROUP_SIZES}, got {g}")
+    for name, (q, *_rest) in layers.items():
+        n, k = q.shape
+        if n % 32 or k % 32:
+            raise StageError(f"pack: {name} is [{n}, {k}]; vLLM's CPU GPTQ kernel needs both multiples of 32")
+    out = Path(ctx.out) / GPTQ_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = _untied_tensors(src, {f"{name}.weight" for name in layers})
+    for name, (q, s, z, _g) in layers.items():
+        try:
+            packed = L.to_gptq(q, s, z, g)
+        except L.LayoutError as err:
+            raise StageError(f"pack: {name}: {err}") from None
+        for part, t in packed.items():
+            tensors[f"{name}.{part}"] = t
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    copied = _copy_side_files(src, out)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["tie_word_embeddings"] = False
+    if "text_config" in cfg and isinstance(cfg["text_config"], dict):
+        cfg["text_config"]["tie_word_embeddings"] = False
+    cfg["dtype"] = "bfloat16"
+    cfg["quantization_config"] = {
+        "quant_method": "gptq", "bits": 4, "group_size": g, "sym": True, "desc_act": False,
+        "lm_head": "lm_head" in layers, "checkpoint_format": "gptq", "static_groups": False,
+        "true_sequential": True, "damp_percent": 0.01,
+    }
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return {"dir": GPTQ_DIR, "group_size": g, "side_files": copied,
+            "bytes": _bytes([out])}
+
+
+def _write_tinygemm(ctx, meta, layers, src: Path, prefill: str, threshold: int) -> dict:
+    from safetensors.torch import save_file
+
+    from pipeline import int4_layouts as L
+    from pipeline.int4_runtime import TINYGEMM_JSON, TINYGEMM_TENSORS, pack_tinygemm
+
+    for name, (q, s, z, g) in layers.items():
+        if g not in L.TINYGEMM_GROUP_SIZES:
+            raise StageError(f"pack: tinygemm takes group sizes {L.TINYGEMM_GROUP_SIZES}; {name} has {g}")
+    tensors, records = pack_tinygemm(layers)
+    out = Path(ctx.out)
+    save_file(tensors, str(out / TINYGEMM_TENSORS))
+    base = _untied_tensors(src, {f"{name}.weight" for name in layers})
+    save_file({k: v.contiguous() for k, v in base.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    copied = _copy_side_files(src, out)
+    fallback = sorted(n for n, r in records.items() if r["kernel"] != "tinygemm")
+    for name in fallback:
+        ctx.log(f"warning: {name} runs dequant + GEMM at every row count: {records[name]['reason']}")
+    doc = {
+        "format": "edgekiln-tinygemm/1", "layout": L.tinygemm_layout(), "group_size": int(meta["group_size"]),
+        "sym": bool(meta.get("sym", False)), "activation_dtype": "bfloat16", "prefill": prefill,
+        "prefill_threshold": threshold, "layers": records, "fallback_layers": fallback,
+        "base_tensors": "model.safetensors", "side_files": copied,
+        "load": "pipeline.int4_runtime.load_tinygemm_model(<this folder>, <this folder>, prefill_mode)",
+    }
+    (out / TINYGEMM_JSON).write_text(json.dumps(doc, indent=2) + "\n")
+    return {"files": [TINYGEMM_TENSORS, TINYGEMM_JSON, "model.safetensors"], "fallback_layers": fallback,
+            "layout": doc["layout"], "bytes": _bytes([out / TINYGEMM_TENSORS, out / "model.safetensors"])}
+
+
+def _write_ort(ctx, export_dir: Path, quant_dir: Path, accuracy_level: int) -> dict:
+    from pipeline.int4_runtime import PackError, quantize_onnx_matmuls
+
+    src = export_dir / "model.onnx"
+    if not src.is_file() or not (export_dir / "io.json").is_file():
+        raise StageError(f"pack: no model.onnx/io.json in the export artifact {export_dir}; rerun export")
+    try:
+        summary = quantize_onnx_matmuls(src, quant_dir, Path(ctx.out) / "model.onnx", accuracy_level)
+    except PackError as err:
+        raise StageError(f"pack: {err}") from None
+    shutil.copy2(export_dir / "io.json", Path(ctx.out) / "io.json")
+    copied = _copy_side_files(export_dir, Path(ctx.out))
+    return {"converted": summary["converted"], "bytes": summary["bytes"], "external_data": summary["external_data"],
+            "ops_top": dict(sorted(summary["ops"].items(), key=lambda kv: -kv[1])[:8]),
+            "unmatched_matmuls": summary["unmatched_matmuls"], "side_files": copied}
+
+
+def run(ctx: StageContext) -> dict:
+    from omegaconf import OmegaConf
+
+    from pipeline import weight_path
+    from pipeline.int4_runtime import PREFILL_MODES, PackError, read_quant
+
+    cfg = ctx.cfg.pack
+    prefill = str(cfg.tinygemm_prefill)
+    if prefill not in PREFILL_MODES:
+        raise StageError(f"pack.tinygemm_prefill must be one of {PREFILL_MODES}, got {prefill!r}")
+    level = int(cfg.ort_accuracy_level)
+    if level not in (0, 1, 2, 3, 4):
+        raise StageError(f"pack.ort_accuracy_level must be 0..4, got {level}")
+    threshold = int(cfg.prefill_threshold)
+    if threshold < 1:
+        raise StageError(f"pack.prefill_threshold must be >= 1, got {threshold}")
+
+    device = OmegaConf.to_container(ctx.cfg.device, resolve=True)
+    try:
+        sel = weight_path.select(device, str(ctx.cfg.priority.name))
+    except ValueError as err:
+        raise StageError(f"pack: {err}") from None
+    out = Path(ctx.out)
+    (out / "weight_path.json").write_text(json.dumps(sel, indent=2) + "\n")
+    ctx.log(f"weight path {sel['path']} ({'verified' if sel['verified'] else 'unverified'}): {sel['kernel']}")
+    if sel["path"] in ("qnn_graph", "model_dtype"):
+        reason = f"{sel['path']}: no 4-bit CPU weight layout for device {device.get('name')!r}"
+        return {"applies": False, "reason": reason, "weight_path": sel,
+                "metrics": {"path": sel["path"], "layers": 0, "bytes": 0}}
+
+    quant_dir = Path(ctx.inputs["quantize"])
+    try:
+        meta, layers = read_quant(quant_dir)
+    except PackError as err:
+        raise StageError(f"pack: {err}") from None
+    src = Path(ctx.inputs["untie_head"])
+    if sel["path"] == "w4a8_gptq_vllm":
+        detail = _write_gptq(ctx, meta, layers, src)
+    elif sel["path"] == "w4a16_tinygemm":
+        detail = _write_tinygemm(ctx, meta, layers, src, prefill, threshold)
+    elif sel["path"] == "w4_ort_matmulnbits":
+        detail = _write_ort(ctx, Path(ctx.inputs["export"]), quant_dir, level)
+    else:  # pragma: no cover - select() returns only the paths above
+        raise StageError(f"pack: unknown weight path {sel['path']!r}")
+    ctx.log(f"{sel['path']}: {len(layers)} layers, {detail['bytes'] / 1e6:.1f} MB")
+    return {"weight_path": sel, "pack": detail,
+            "metrics": {"path": sel["path"], "layers": len(layers), "bytes": detail["bytes"]}}

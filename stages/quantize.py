@@ -1,0 +1,215 @@
+"""quantize: 4-bit group-wise weights (GPTQ or round-to-nearest) for every
+decoder linear and the output head.
+
+The head is quantized too: left in 16/32-bit it cost more per decode step
+than the whole 4-bit saving on the 1.7B model (field notes); untie_head has
+made it `lm_head.weight`. The algorithm and the grid are in pipeline/gptq.py.
+
+Output (the contract the packers read; pipeline.gptq.load_quantized and
+quant_meta read it back):
+
+- quant.json: {"format": "edgekiln-int4/1", "bits": 4, "group_size": g, "sym",
+  "method", "scale_search", "layers": {name: {"in_features", "out_features",
+  "weight_rel_mse", "out_rel_err_h"}}, "calibration": {"data_sha256", ...}}.
+  A layer quantized under `group_fallback: divisor` also records its own
+  "group_size" (absent otherwise).
+- quantized.safetensors: per layer L, `L.qweight` uint8 [N, K] (codes 0..15,
+  unpacked), `L.scales` float32 [N, K//g], `L.zeros` uint8 [N, K//g] (all 8
+  when sym). W[n, k] = (qweight[n, k] - zeros[n, k//g]) * scales[n, k//g].
+
+out_rel_err_h = tr(E H E^T) / tr(W H W^T), E = W - W_q, with H the layer's
+calibration second moment: the relative error of the layer's output on the
+calibration inputs, the quantity GPTQ minimizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+
+from pipeline.context import StageError
+
+READS = ("quantize",)
+INPUTS = ("untie_head", "calibrate")
+TOOLCHAIN = ("torch", "numpy", "safetensors")
+
+FALLBACKS = ("error", "divisor")
+_QUANTIZED_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "zeros")
+
+
+def _settings(cfg) -> dict:
+    from pipeline import gptq
+
+    q = cfg.quantize
+    s = {
+        "method": str(q.get("method", "gptq")),
+        "bits": int(q.get("bits", 4)),
+        "group_size": int(q.get("group_size", 128)),
+        "sym": bool(q.get("sym", True)),
+        "scale_search": bool(q.get("scale_search", True)),
+        "damp": float(q.get("damp", 0.01)),
+        "block_size": int(q.get("block_size", 128)),
+        "group_fallback": str(q.get("group_fallback", "error")),
+    }
+    if s["method"] not in gptq.METHODS:
+        raise StageError(f"quantize.method={s['method']!r} is not known; use {' or '.join(gptq.METHODS)}")
+    if s["bits"] != gptq.BITS:
+        raise StageError(f"quantize.bits={s['bits']}: only {gptq.BITS}-bit is supported")
+    if s["group_size"] < 1:
+        raise StageError("quantize.group_size must be positive")
+    if s["block_size"] < 1:
+        raise StageError("quantize.block_size must be positive")
+    if not 0 <= s["damp"] < 1:
+        raise StageError("quantize.damp must be in [0, 1)")
+    if s["group_fallback"] not in FALLBACKS:
+        raise StageError(f"quantize.group_fallback={s['group_fallback']!r}; use {' or '.join(FALLBACKS)}")
+    return s
+
+
+def _layer_group_size(name: str, k: int, s: dict) -> int:
+    g = s["group_size"]
+    if k % g == 0:
+        return g
+    if s["group_fallback"] == "divisor":
+        for d in range(min(g, k) - min(g, k) % 32, 0, -32):
+            if k % d == 0:
+                return d
+        raise StageError(f"{name}: in_features K={k} has no divisor <= {g} that is a multiple of 32")
+    raise StageError(
+        f"{name}: quantize.group_size={g} does not divide in_features K={k} "
+        f"(choose a group size that divides it, or quantize.group_fallback=divisor)"
+    )
+
+
+def _weight_map(src: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    weight_map = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for k in f.keys():
+                weight_map[k] = shard.name
+    if not weight_map:
+        raise StageError(f"no *.safetensors weights in {src}")
+    return weight_map
+
+
+def run(ctx) -> dict:
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from pipeline import gptq
+
+    s = _settings(ctx.cfg)
+    src = Path(ctx.inputs["untie_head"])
+    cal_dir = Path(ctx.inputs["calibrate"])
+    t_start = time.perf_counter()
+
+    config = json.loads((src / "config.json").read_text())
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method", "unknown method")
+        raise StageError(f"{src} is already quantized ({method}); quantize needs the full-precision checkpoint")
+    weight_map = _weight_map(src)
+    already = [n for n in weight_map if n.rsplit(".", 1)[-1] in _QUANTIZED_SUFFIXES]
+    if already:
+        raise StageError(f"{src} is already quantized (tensor {already[0]})")
+
+    calibration = json.loads((cal_dir / "calibration.json").read_text())
+    layers = calibration["layers"]
+    if "lm_head" not in layers or "lm_head.weight" not in weight_map:
+        raise StageError("no separate lm_head.weight to quantize: the head must be untied (untie_head) and calibrated")
+    missing = [n for n in layers if f"{n}.weight" not in weight_map]
+    if missing:
+        raise StageError(f"{len(missing)} calibrated linear(s) have no weight in the checkpoint, e.g. {missing[0]}.weight")
+
+    group_sizes = {name: _layer_group_size(name, int(info["in_features"]), s) for name, info in layers.items()}
+
+    tensors: dict[str, torch.Tensor] = {}
+    report: dict[str, dict] = {}
+    with contextlib.ExitStack() as stack:
+        shards: dict[str, object] = {}
+
+        def weight(name: str) -> torch.Tensor:
+            shard = weight_map[f"{name}.weight"]
+            if shard not in shards:
+                shards[shard] = stack.enter_context(safe_open(str(src / shard), framework="pt"))
+            return shards[shard].get_tensor(f"{name}.weight")
+
+        hess = stack.enter_context(safe_open(str(cal_dir / "hessians.safetensors"), framework="pt"))
+        h_cache: dict[str, torch.Tensor] = {}
+        with ctx.progress(len(layers), f"{s['method']} int4 g{s['group_size']}") as bar:
+            for name, info in layers.items():
+                w = weight(name).float()
+                n_out, k_in = int(info["out_features"]), int(info["in_features"])
+                if tuple(w.shape) != (n_out, k_in):
+                    raise StageError(
+                        f"{name}.weight is {list(w.shape)} but calibration saw a [{n_out}, {k_in}] linear: "
+                        f"calibrate and untie_head outputs do not belong together"
+                    )
+                key = info["hessian"]
+                if key not in h_cache:
+                    h_cache.clear()  # shared H are used by neighbouring layers: keep one
+                    h_cache[key] = hess.get_tensor(key).double()
+                h = h_cache[key]
+                g = group_sizes[name]
+                try:
+                    q = gptq.quantize_weight(
+                        w, h, method=s["method"], group_size=g, sym=s["sym"], scale_search=s["scale_search"],
+                        damp=s["damp"], block_size=s["block_size"], name=name,
+                    )
+                except gptq.QuantError as e:
+                    raise StageError(str(e)) from None
+                err = gptq.errors(w, q.dequantize(), h)
+                entry = {
+                    "in_features": k_in,
+                    "out_features": n_out,
+                    "weight_rel_mse": err["weight_rel_mse"],
+                    "out_rel_err_h": err["out_rel_err_h"],
+                }
+                if g != s["group_size"]:
+                    entry["group_size"] = g
+                report[name] = entry
+                tensors[f"{name}.qweight"] = q.qweight.contiguous()
+                tensors[f"{name}.scales"] = q.scales.contiguous()
+                tensors[f"{name}.zeros"] = q.zeros.contiguous()
+                bar.advance()
+
+    save_file(tensors, str(ctx.out / gptq.QUANT_TENSORS), metadata={"format": gptq.FORMAT})
+    meta = {
+        "format": gptq.FORMAT,
+        "bits": s["bits"],
+        "group_size": s["group_size"],
+        "sym": s["sym"],
+        "method": s["method"],
+        "scale_search": s["scale_search"],
+        "damp": s["damp"],
+        "block_size": s["block_size"],
+        "layers": report,
+        "calibration": {
+            "data_sha256": calibration["data_sha256"],
+            "dataset": calibration.get("dataset"),
+            "samples": calibration.get("samples"),
+            "tokens": calibration.get("tokens"),
+        },
+    }
+    (ctx.out / gptq.QUANT_JSON).write_text(json.dumps(meta, indent=2) + "\n")
+    out_errs = [e["out_rel_err_h"] for e in report.values()]
+    worst = max(report, key=lambda n: report[n]["out_rel_err_h"])
+    wall = time.perf_counter() - t_start
+    ctx.log(f"{len(report)} linears ({s['method']}, g{s['group_size']}, {'sym' if s['sym'] else 'asym'}): "
+            f"mean out_rel_err_h {sum(out_errs) / len(out_errs):.4g}, worst {worst} "
+            f"{report[worst]['out_rel_err_h']:.4g}, {wall:.1f} s")
+    return {
+        "metrics": {
+            "layers": len(report),
+            "mean_out_rel_err": sum(out_errs) / len(out_errs),
+            "max_out_rel_err": max(out_errs),
+            "seconds": round(wall, 2),
+        }
+    }

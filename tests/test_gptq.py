@@ -1,0 +1,298 @@
+"""GPTQ / RTN on the int4 grid, and the calibrate and quantize stages on a tiny checkpoint.
+
+The algorithm tests use random matrices with a correlated input Hessian; the
+stage tests train a tiny embedded model through stages/model.py's own code
+(a few steps: the numbers do not matter, the shapes and the tokenizer do).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from pipeline import gptq
+from pipeline.context import StageContext, StageError
+
+torch.set_num_threads(1)
+
+
+def correlated_hessian(k: int, rows: int = 4096, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(k, k, generator=g) / k**0.5
+    x = torch.randn(rows, k, generator=g) @ mix + 0.3 * torch.randn(rows, k, generator=g)
+    x[:, :8] *= 5  # a few outlier channels, as in real activations
+    return (x.T @ x).double()
+
+
+def weights(n: int, k: int, seed: int = 1, skew: float = 0.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) * 0.05 + skew
+
+
+def out_err(w, q, h) -> float:
+    return gptq.errors(w, q.dequantize(), h)["out_rel_err_h"]
+
+
+# --------------------------------------------------------------------------
+# the algorithm
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_gptq_output_error_clearly_below_rtn(sym):
+    w, h = weights(128, 256), correlated_hessian(256)
+    e_gptq = out_err(w, gptq.gptq_quantize(w, h, group_size=64, sym=sym), h)
+    e_rtn = out_err(w, gptq.rtn_quantize(w, h, group_size=64, sym=sym), h)
+    assert e_gptq < 0.75 * e_rtn, (e_gptq, e_rtn)
+
+
+def test_scale_search_no_worse():
+    w, h = weights(128, 256), correlated_hessian(256)
+    d = torch.diagonal(h).float()
+
+    def diag_err(q):  # what the search minimizes, exactly
+        return float(((q.dequantize() - w).square() @ d).sum())
+
+    plain = gptq.rtn_quantize(w, h, group_size=64, scale_search=False)
+    searched = gptq.rtn_quantize(w, h, group_size=64, scale_search=True)
+    assert diag_err(searched) <= diag_err(plain) * (1 + 1e-6)
+    assert (plain.scales * 7.5 - w.view(128, 4, 64).abs().amax(-1)).abs().max() < 1e-6  # plain: absmax / 7.5
+    g_plain = out_err(w, gptq.gptq_quantize(w, h, group_size=64, scale_search=False), h)
+    g_search = out_err(w, gptq.gptq_quantize(w, h, group_size=64, scale_search=True), h)
+    assert g_search <= g_plain * 1.02, (g_search, g_plain)
+
+
+def test_asymmetric_beats_symmetric_on_skewed_weights():
+    w, h = weights(128, 256, skew=0.08), correlated_hessian(256)
+    for method in ("gptq", "rtn"):
+        sym = out_err(w, gptq.quantize_weight(w, h, method=method, group_size=64, sym=True), h)
+        asym = out_err(w, gptq.quantize_weight(w, h, method=method, group_size=64, sym=False), h)
+        assert asym < 0.7 * sym, (method, asym, sym)
+
+
+@pytest.mark.parametrize("method", ["gptq", "rtn"])
+@pytest.mark.parametrize("sym", [True, False])
+def test_codes_scales_zeros(method, sym):
+    w, h = weights(64, 256), correlated_hessian(256)
+    q = gptq.quantize_weight(w, h, method=method, group_size=128, sym=sym)
+    assert q.qweight.dtype == torch.uint8 and q.qweight.shape == (64, 256)
+    assert int(q.qweight.max()) <= 15
+    assert q.scales.dtype == torch.float32 and q.scales.shape == (64, 2)
+    assert q.zeros.dtype == torch.uint8 and q.zeros.shape == (64, 2)
+    assert bool((q.scales > 0).all())
+    if sym:
+        assert bool((q.zeros == 8).all())
+    else:
+        assert int(q.zeros.max()) <= 15
+    deq = gptq.dequantize(q.qweight, q.scales, q.zeros, 128)
+    assert deq.shape == w.shape and deq.dtype == torch.float32
+    manual = (q.qweight.float() - q.zeros.float().repeat_interleave(128, 1)) * q.scales.repeat_interleave(128, 1)
+    assert torch.equal(deq, manual)
+    assert torch.equal(gptq.dequantize(q.qweight, q.scales, q.zeros), deq)  # group size inferred
+
+
+def test_group_size_must_divide_k():
+    w, h = weights(16, 96), correlated_hessian(96)
+    with pytest.raises(gptq.QuantError, match="K=96"):
+        gptq.gptq_quantize(w, h, group_size=64)
+    from stages import quantize
+
+    s = {"group_size": 128, "group_fallback": "error"}
+    with pytest.raises(StageError, match=r"model\.layers\.0\.mlp\.down_proj.*K=96"):
+        quantize._layer_group_size("model.layers.0.mlp.down_proj", 96, s)
+    assert quantize._layer_group_size("x", 96, {**s, "group_fallback": "divisor"}) == 96
+    assert quantize._layer_group_size("x", 320, {**s, "group_fallback": "divisor"}) == 64
+    assert quantize._layer_group_size("x", 256, s) == 128
+
+
+def test_dead_columns_and_block_group_nesting():
+    w, h = weights(32, 256), correlated_hessian(256)
+    h[5, :] = 0
+    h[:, 5] = 0  # input 5 never active in calibration
+    q = gptq.gptq_quantize(w, h, group_size=64, block_size=128)
+    assert torch.isfinite(q.dequantize()).all()
+    # its weight is kept (rounded), not zeroed
+    col = q.dequantize()[:, 5]
+    assert (col - w[:, 5]).square().sum() / w[:, 5].square().sum() < 0.1
+    # blocks smaller than groups, and not nesting at all, give valid results too
+    for block in (32, 48):
+        e = out_err(w, gptq.gptq_quantize(w, h, group_size=64, block_size=block), h)
+        assert e < out_err(w, gptq.rtn_quantize(w, h, group_size=64), h)
+
+
+# --------------------------------------------------------------------------
+# the stages, on a tiny embedded checkpoint
+# --------------------------------------------------------------------------
+
+TINY = {
+    "seed": 0, "threads": 1, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
+    "sliding_window": 16, "full_attention_every": 2, "max_position_embeddings": 128, "seq_len": 32,
+    "batch_size": 4, "steps": 3, "warmup_steps": 1,
+}
+
+
+def ctx(stage: str, out: Path, cfg: dict, inputs: dict) -> StageContext:
+    out.mkdir(parents=True, exist_ok=True)
+    return StageContext(stage=stage, build="t", cfg=OmegaConf.create(cfg), inputs=inputs, out=out)
+
+
+@pytest.fixture(scope="module")
+def tiny_untied(tmp_path_factory):
+    from stages import model, untie_head
+
+    root = tmp_path_factory.mktemp("tiny")
+    model.run(ctx("model", root / "model", {"model": {"name": "embedded", "source": "embedded", "train": TINY}}, {}))
+    untie_head.run(ctx("untie_head", root / "untied", {"model": {}}, {"model": root / "model"}))
+    return root / "untied"
+
+
+CAL = {"dataset": "stdlib_docstrings_heldout", "samples": 16, "seq_len": 32, "min_samples": 16, "seed": 0}
+
+
+@pytest.fixture(scope="module")
+def calibrated(tiny_untied, tmp_path_factory):
+    from stages import calibrate
+
+    out = tmp_path_factory.mktemp("cal")
+    result = calibrate.run(ctx("calibrate", out, {"calibrate": CAL}, {"untie_head": tiny_untied}))
+    return out, result
+
+
+def test_calibrate_hessians_for_every_linear(tiny_untied, calibrated):
+    from safetensors.torch import load_file
+
+    out, result = calibrated
+    info = json.loads((out / "calibration.json").read_text())
+    assert info["dataset"] == "stdlib_docstrings_heldout"
+    assert info["samples"] == 16 and info["seq_len"] == 32 and info["tokens"] == 16 * 32
+    expected = {"lm_head"} | {
+        f"model.layers.{i}.{m}"
+        for i in range(2)
+        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    }
+    assert set(info["layers"]) == expected
+    hs = load_file(str(out / "hessians.safetensors"))
+    for name, layer in info["layers"].items():
+        h = hs[layer["hessian"]]
+        assert h.dtype == torch.float32 and h.shape == (layer["in_features"], layer["in_features"])
+        assert layer["rows"] == 16 * 32
+        assert torch.allclose(h, h.T) and float(torch.diagonal(h).min()) >= 0
+    L = info["layers"]
+    assert L["lm_head"]["out_features"] == 512 and L["lm_head"]["in_features"] == 128
+    # q/k/v share their input, as do gate/up; o and down see their own
+    assert L["model.layers.0.self_attn.k_proj"]["hessian"] == L["model.layers.0.self_attn.q_proj"]["hessian"]
+    assert L["model.layers.0.self_attn.v_proj"]["hessian"] == L["model.layers.0.self_attn.q_proj"]["hessian"]
+    assert L["model.layers.0.mlp.up_proj"]["hessian"] == L["model.layers.0.mlp.gate_proj"]["hessian"]
+    assert L["model.layers.0.mlp.down_proj"]["hessian"] != L["model.layers.0.mlp.gate_proj"]["hessian"]
+    assert len(hs) == 2 * 4 + 1
+    # the held-out split reproduces training's (checked against training_report.json)
+    report = json.loads((tiny_untied / "training_report.json").read_text())
+    assert info["corpus"]["heldout_tokens"] == report["split"]["heldout_tokens"]
+    assert info["corpus"]["corpus_sha256"] == report["corpus"]["sha256"]
+    assert result["metrics"]["samples"] == 16 and len(info["data_sha256"]) == 64
+
+
+def test_calibrate_data_sha_is_of_the_token_ids(tiny_untied, calibrated):
+    from transformers import AutoTokenizer
+
+    from stages import calibrate
+
+    out, _ = calibrated
+    info = json.loads((out / "calibration.json").read_text())
+    held, _ = calibrate.heldout_ids(tiny_untied, AutoTokenizer.from_pretrained(tiny_untied))
+    windows = torch.tensor(held[: info["windows_available"] * 32]).view(-1, 32)
+    picks = torch.randperm(info["windows_available"], generator=torch.Generator().manual_seed(0))[:16].sort().values
+    ids = windows[picks].numpy().astype("<i4")
+    assert hashlib.sha256(ids.tobytes()).hexdigest() == info["data_sha256"]
+
+
+def test_calibrate_fails_when_too_few_samples(tiny_untied, tmp_path):
+    from stages import calibrate
+
+    cfg = {"calibrate": {**CAL, "samples": 100_000, "min_samples": 100_000}}
+    with pytest.raises(StageError, match="too short"):
+        calibrate.run(ctx("calibrate", tmp_path / "c", cfg, {"untie_head": tiny_untied}))
+    with pytest.raises(StageError, match="dataset"):
+        calibrate.run(ctx("calibrate", tmp_path / "d", {"calibrate": {**CAL, "dataset": "wikitext"}},
+                          {"untie_head": tiny_untied}))
+
+
+QCFG = {"method": "gptq", "bits": 4, "group_size": 128, "sym": True, "scale_search": True,
+        "damp": 0.01, "block_size": 128}
+
+
+def test_quantize_end_to_end_format(tiny_untied, calibrated, tmp_path):
+    from safetensors import safe_open
+
+    from stages import quantize
+
+    cal, _ = calibrated
+    cal_info = json.loads((cal / "calibration.json").read_text())
+    results = {}
+    for method in ("gptq", "rtn"):
+        out = tmp_path / method
+        results[method] = quantize.run(ctx("quantize", out, {"quantize": {**QCFG, "method": method}},
+                                           {"untie_head": tiny_untied, "calibrate": cal}))
+    out = tmp_path / "gptq"
+    meta = json.loads((out / "quant.json").read_text())
+    assert meta["format"] == "edgekiln-int4/1" and meta["bits"] == 4 and meta["group_size"] == 128
+    assert meta["sym"] is True and meta["method"] == "gptq" and meta["scale_search"] is True
+    assert meta["calibration"]["data_sha256"] == cal_info["data_sha256"]
+    assert set(meta["layers"]) == set(cal_info["layers"])
+    for name, layer in meta["layers"].items():
+        assert set(layer) == {"in_features", "out_features", "weight_rel_mse", "out_rel_err_h"}
+        assert 0 < layer["out_rel_err_h"] < 0.2 and 0 < layer["weight_rel_mse"] < 0.2
+    with safe_open(str(out / "quantized.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        assert keys == {f"{n}.{t}" for n in meta["layers"] for t in ("qweight", "scales", "zeros")}
+        q = f.get_tensor("lm_head.qweight")
+        assert q.dtype == torch.uint8 and q.shape == (512, 128) and int(q.max()) <= 15
+        assert f.get_tensor("lm_head.scales").shape == (512, 1)
+        z = f.get_tensor("model.layers.0.mlp.down_proj.zeros")
+        assert z.dtype == torch.uint8 and z.shape == (128, 2) and bool((z == 8).all())
+    loaded = gptq.load_quantized(out)
+    assert gptq.quant_meta(out)["method"] == "gptq"
+    from safetensors.torch import load_file
+
+    w = load_file(str(tiny_untied / "model-lm_head.safetensors"))["lm_head.weight"]
+    deq = gptq.dequantize(*loaded["lm_head"], gptq.layer_group_size(meta, "lm_head"))
+    assert deq.shape == w.shape and (deq - w).square().sum() / w.square().sum() < 0.2
+    m = results["gptq"]["metrics"]
+    assert m["layers"] == 15 and m["max_out_rel_err"] >= m["mean_out_rel_err"] > 0
+    assert m["mean_out_rel_err"] < results["rtn"]["metrics"]["mean_out_rel_err"]
+
+
+def test_quantize_refuses_quantized_checkpoint_and_bad_config(tiny_untied, calibrated, tmp_path):
+    import shutil
+
+    from stages import quantize
+
+    cal, _ = calibrated
+    src = tmp_path / "src"
+    shutil.copytree(tiny_untied, src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq"}
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(StageError, match="already quantized"):
+        quantize.run(ctx("quantize", tmp_path / "o1", {"quantize": QCFG}, {"untie_head": src, "calibrate": cal}))
+    for bad, match in (({"bits": 8}, "only 4-bit"), ({"method": "awq"}, "not known"),
+                       ({"group_size": 96}, "K=128")):
+        with pytest.raises(StageError, match=match):
+            quantize.run(ctx("quantize", tmp_path / "o2", {"quantize": {**QCFG, **bad}},
+                             {"untie_head": tiny_untied, "calibrate": cal}))
+
+
+def test_heldout_split_is_the_tail_and_never_empty():
+    from pipeline import corpus
+
+    train, held = corpus.heldout_split(list(range(1000)), 0.05)
+    assert len(held) == 50 and train + held == list(range(1000))
+    with pytest.raises(corpus.CorpusError):
+        corpus.heldout_split([1, 2, 3], 0.05)  # int(3 * 0.05) == 0: no held-out part
