@@ -73,6 +73,7 @@ def _run_dvc(args: list[str]) -> int:
 def summary(name: str) -> None:
     """The build's parity and speed, read back from its artifacts' manifests."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     rows = []
@@ -89,7 +90,7 @@ def summary(name: str) -> None:
     table.add_column("value", justify="right")
     for stage, result in rows:
         for k, v in (result.get("summary") or result.get("metrics") or {}).items():
-            table.add_row(stage, k, f"{v:.4g}" if isinstance(v, float) else str(v))
+            table.add_row(stage, escape(k), escape(f"{v:.4g}" if isinstance(v, float) else str(v)))
     console.print(table)
 
 

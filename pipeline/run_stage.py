@@ -141,7 +141,21 @@ def run(stage: str, build: str | None = None, model: str | None = None) -> Path:
     return final
 
 
+def _quiet_libraries() -> None:
+    """No network, no per-file progress bars or exporter chatter from libraries:
+    the stage's own progress and one-line log are what a user reads."""
+    import logging
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    # torch.onnx warns once per missing torchvision op: not ours to fix.
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _quiet_libraries()
     parser = argparse.ArgumentParser(
         prog="python -m pipeline.run_stage",
         description="Run one stage of one build (what dvc.yaml's commands call).",

@@ -211,7 +211,7 @@ def run(ctx: StageContext) -> dict:
     failures = [f"{k} {metrics[k]:.4g} < parity.min_{k} {v:g}" for k, v in thresholds.items() if metrics[k] < v]
     summary = (f"SNR {metrics['logits_snr_db']:.1f} dB (worst step {metrics['worst_step_snr_db']:.1f}), "
                f"top1 {metrics['top1_agreement']:.4f}, top5 {metrics['top5_agreement']:.4f}, "
-               f"greedy {metrics['greedy_match']}/{len(prompts)} over {steps} steps")
+               f"greedy {metrics['greedy_match']}/{len(prompts)} over {metrics['steps']} steps")
     ctx.log(summary)
     if failures:
         for p in per_prompt:

@@ -22,6 +22,7 @@ TINY_MODEL = [
     "model.train.num_attention_heads=2",
     "model.train.num_key_value_heads=1",
     "model.train.sliding_window=16",
+    "model.train.full_attention_every=2",
     "model.train.steps=30",
     "model.train.batch_size=8",
     "model.train.seq_len=64",
@@ -41,27 +42,37 @@ def git(cwd: Path, *args: str) -> str:
 
 
 def repo_copy(dest: Path) -> Path:
-    """A clean checkout of the working tree (tracked + untracked-not-ignored files)."""
+    """A clean checkout of the working tree (tracked + untracked-not-ignored
+    files), with an empty build registry: builds registered in the developer's
+    own checkout must not leak into (and be rebuilt by) the test's DVC runs."""
     files = git(ROOT, "ls-files", "-co", "--exclude-standard", "-z").split("\0")
     for rel in filter(None, files):
+        if rel.startswith("builds/") or rel in ("dvc.lock", "dvc.yaml"):
+            continue
         src = ROOT / rel
         if not src.is_file():
             continue
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, target)
+    subprocess.run([sys.executable, "-m", "pipeline.dvcgen"], cwd=dest, check=True, capture_output=True, env=venv_env())
     git(dest, "init", "-q")
     git(dest, "-c", "user.email=t@t", "-c", "user.name=t", "add", "-A")
     git(dest, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "copy")
     return dest
 
 
-def run_cli(repo: Path, *args: str, module: str = "pipeline", timeout: int = 900) -> subprocess.CompletedProcess:
+def venv_env() -> dict:
+    """The environment of a user who activated the venv (`python` is the venv's)."""
     env = dict(os.environ)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env.pop("PYTHONPATH", None)
+    return env
+
+
+def run_cli(repo: Path, *args: str, module: str = "pipeline", timeout: int = 900) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=repo, capture_output=True, text=True, env=env, timeout=timeout
+        [sys.executable, "-m", module, *args], cwd=repo, capture_output=True, text=True, env=venv_env(), timeout=timeout
     )
 
 
