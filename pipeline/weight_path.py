@@ -69,11 +69,11 @@ def select(device, priority: str) -> dict[str, Any]:
                               "of 12 greedy prompts. The kernel needs avx512_bf16 + AMX."),
                 "verified": True,
             }
-        if runtime == "onnxruntime":
+        if runtime == "onnxruntime" and priority == "speed":
             return {
                 "path": "w4_ort_matmulnbits", "kernel": "com.microsoft.MatMulNBits (accuracy_level 4)",
                 "runtime": "onnxruntime",
-                "rationale": ("x86 without AMX (or priority fidelity), ONNX Runtime deploy: MatMulNBits "
+                "rationale": ("x86 without AMX, priority speed, ONNX Runtime deploy: MatMulNBits "
                               "(block 32, symmetric, accuracy_level 4) measured as ORT's fastest 4-bit CPU path on "
                               "this project's 2-core AVX-512+VNNI builders; the untied head is quantized too (a tied "
                               "head reached through a Transpose is skipped)."),
@@ -82,8 +82,9 @@ def select(device, priority: str) -> dict[str, Any]:
         return {
             "path": "w4a16_tinygemm", "kernel": "aten._weight_int4pack_mm_for_cpu (tinygemm, bf16 activations)",
             "runtime": "torch",
-            "rationale": ("x86 without AMX, or priority fidelity (costs ~7-8% of decode against W4A8 where AMX "
-                          "exists). " + _TINYGEMM_X86),
+            "rationale": ("x86 without AMX, or priority fidelity: bf16 activations, where W4A8 and MatMulNBits "
+                          "at accuracy_level 4 round activations to int8 (costs ~7-8% of decode against W4A8 "
+                          "where AMX exists). " + _TINYGEMM_X86),
             "verified": True,
         }
     if arch == "aarch64":

@@ -468,8 +468,8 @@ EXPECTED = {
     "galaxy_s24": ("qnn_graph", "qnn_graph", False),
     "galaxy_s25": ("qnn_graph", "qnn_graph", False),
     "jetson_orin": ("model_dtype", "model_dtype", False),
-    "x86_avx2": ("w4_ort_matmulnbits", "w4_ort_matmulnbits", True),
-    "x86_avx512": ("w4_ort_matmulnbits", "w4_ort_matmulnbits", True),
+    "x86_avx2": ("w4a16_tinygemm", "w4a16_tinygemm", True),
+    "x86_avx512": ("w4_ort_matmulnbits", "w4a16_tinygemm", True),
     "xeon_amx": ("w4a8_gptq_vllm", "w4a16_tinygemm", True),
 }
 
