@@ -43,6 +43,7 @@ STAGES: tuple[str, ...] = (
     "quantize",
     "export",
     "pack",
+    "deploy_profile",
     "verify_parity",
     "benchmark",
 )

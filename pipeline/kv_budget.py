@@ -1,0 +1,83 @@
+"""KV cache sizing from the model's config, instead of a server's round default.
+
+The serving engine's CPU KV size is an integer number of GiB (minimum 1 GiB);
+sized from the model instead, resident memory fell from 8329 MB to 5254 MB on a
+2048-token single stream with unchanged output (field notes). Two figures:
+
+- flat: every layer holds the whole context. What the engine accounts today,
+  so it is the figure that is safe to pass as `kv_cache_memory_bytes`.
+- per_layer_type: sliding-window layers hold only their window (rounded up to
+  the block size), full layers the whole context. On the 1.7B hybrid (21
+  sliding of window 512 + 7 full) at 32k context it is 3.8x smaller.
+
+Conservative by construction: the window is rounded up to the block size, the
+context too, both figures carry 1.25 headroom, and a config with a
+`sliding_window` but no `layer_types` map is charged the flat rate (which of
+its layers slide is unknown). Too small a budget is not graceful: the engine
+preempts by recompute, a stall on a single stream.
+"""
+
+from __future__ import annotations
+
+import math
+
+HEADROOM = 1.25
+BLOCK_SIZE = 16  # vLLM's default KV block, in tokens
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
+
+
+def _round_up(n: int, block: int) -> int:
+    return int(math.ceil(n / block) * block)
+
+
+def kv_budget(
+    config: dict,
+    context_length: int,
+    *,
+    kv_dtype: str = "bfloat16",
+    block_size: int = BLOCK_SIZE,
+    headroom: float = HEADROOM,
+) -> dict:
+    """KV bytes for one stream of `context_length` tokens; see the module docstring."""
+    text = config.get("text_config") or config
+    layers = int(text["num_hidden_layers"])
+    heads = int(text["num_attention_heads"])
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
+    if context_length < 1:
+        raise ValueError(f"context_length must be positive, got {context_length}")
+    elem = DTYPE_BYTES[kv_dtype]
+    per_token_layer = 2 * kv_heads * head_dim * elem  # K and V
+    ctx_tokens = _round_up(context_length, block_size)
+    flat_tokens = layers * ctx_tokens
+
+    layer_types = text.get("layer_types")
+    window = text.get("sliding_window")
+    if layer_types and window:
+        if len(layer_types) != layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries for {layers} layers")
+        window_tokens = min(_round_up(int(window), block_size), ctx_tokens)
+        hybrid_tokens = sum(window_tokens if t == "sliding_attention" else ctx_tokens for t in layer_types)
+        basis = f"{sum(t == 'sliding_attention' for t in layer_types)} sliding (window {window}) + " \
+                f"{sum(t != 'sliding_attention' for t in layer_types)} full layers"
+    else:
+        hybrid_tokens = flat_tokens
+        basis = (
+            "sliding_window without layer_types: which layers slide is unknown, charged flat"
+            if window else "every layer full attention"
+        )
+    flat = flat_tokens * per_token_layer
+    hybrid = hybrid_tokens * per_token_layer
+    return {
+        "context_length": context_length,
+        "block_size": block_size,
+        "kv_dtype": kv_dtype,
+        "bytes_per_token_flat": layers * per_token_layer,
+        "flat_bytes": flat,
+        "per_layer_type_bytes": hybrid,
+        "flat_over_per_layer_type": flat / hybrid,
+        "headroom": headroom,
+        "kv_cache_memory_bytes": int(math.ceil(flat * headroom)),
+        "per_layer_type_with_headroom": int(math.ceil(hybrid * headroom)),
+        "basis": basis,
+    }
