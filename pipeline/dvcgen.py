@@ -5,6 +5,10 @@ sections it declares in READS, its `deps` are its code (the import closure of
 the stage module and the runner), its toolchain file, its input artifacts and,
 where it reads probed facts, the probe's host.json. tests/test_dvc_yaml.py
 regenerates it and fails on any difference, so a hand edit cannot drift.
+
+Top-level `metrics` and `plots` (DVC 3) point at files inside each build's
+benchmark output (names declared by stages/benchmark.py), so `dvc metrics show`,
+`dvc plots show` and `dvc plots diff` compare builds and versions.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from .layout import (
     PROBE_DIR,
     PROBED_SECTIONS,
     ROOT,
+    declaration,
     declarations,
     depends_on_host,
     model_id,
@@ -105,7 +110,44 @@ def generate(builds: dict[str, dict] | None = None, with_exp: bool = True) -> di
             if decl.scope == "host" or (decl.scope == "model" and build != EXP_BUILD):
                 continue
             stages[stage_ref(build, decl.name)] = _stage_entry(decl, build, cfg)
-    return {"stages": stages}
+    doc: dict = {"stages": stages}
+    doc.update(reports(list(targets)))
+    return doc
+
+
+def reports(builds: list[str]) -> dict:
+    """Top-level `metrics` and `plots` for these builds' benchmark outputs.
+
+    Plot columns are fixed (a missing field fails `dvc plots show`), so the
+    benchmark writes null where an arm did not run (e.g. llama.cpp absent).
+    A build not yet run shows as '-' in `dvc metrics show`.
+    """
+    bench = declaration("benchmark").module
+    metrics, plots = [], []
+    for build in builds:
+        out = output_dir("benchmark", build)
+        metrics.append(f"{out}/metrics.json")
+        plots.append({
+            f"{build}--decode_tok_s_vs_context": {
+                "template": "linear",
+                "x": "context",
+                "y": {f"{out}/{bench.PLOT_CONTEXT}": ["artifact", *bench.BASELINES]},
+                "title": f"{build}: decode tok/s against prompt length (medians)",
+                "x_label": "prompt tokens before decode",
+                "y_label": "decode tok/s",
+            }
+        })
+        plots.append({
+            f"{build}--resident_mib": {
+                "template": "bar_horizontal",
+                "x": "resident_mib",
+                "y": {f"{out}/{bench.PLOT_MEMORY}": "arm"},
+                "title": f"{build}: resident memory per arm (MiB, medians)",
+                "x_label": "resident MiB",
+                "y_label": "arm",
+            }
+        })
+    return {"metrics": metrics, "plots": plots} if builds else {}
 
 
 def model_files(builds: dict[str, dict]) -> dict[str, dict]:

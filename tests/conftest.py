@@ -34,6 +34,8 @@ FAST_RUN = [
     "benchmark.prompt_length=8",
     "benchmark.decode_tokens=8",
     "benchmark.warmup_tokens=2",
+    "benchmark.context_points=[8,16]",
+    "benchmark.context_decode_tokens=8",
 ]
 
 

@@ -1,0 +1,164 @@
+"""The llama.cpp baseline: GGUF conversion, Q4_K_M quantization, and a decoder.
+
+llama-cpp-python is an optional extra (source only, ~15 min to build on two
+cores), so nothing here imports it at module level. What it provides, per the
+field notes: the llama.cpp tree with `convert_hf_to_gguf.py` (plus its
+`conversion/` package and gguf-py) and `llama_model_quantize`, whose Q4_K_M
+output is byte-identical to `llama-quantize`'s. The converter runs as a
+subprocess of the same interpreter; the quantizer in process.
+
+Not exercised on the project's builders (llama-cpp-python is not installed
+there): the code follows llama-cpp-python's documented API.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SKIP_REASON = "llama.cpp baseline skipped: llama-cpp-python not installed (pip install llama-cpp-python, ~15 min build)"
+CONVERTER = "convert_hf_to_gguf.py"
+Q4_K_M = 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M in llama.h
+
+
+class LlamaCppUnavailable(RuntimeError):
+    """The baseline cannot run here; the message says why (shown in the report)."""
+
+
+def available() -> tuple[bool, str]:
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception as e:  # ImportError, or a broken native library
+        if isinstance(e, ImportError):
+            return False, SKIP_REASON
+        return False, f"llama.cpp baseline skipped: import llama_cpp failed ({type(e).__name__}: {e})"
+    return True, ""
+
+
+def version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("llama-cpp-python")
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def find_converter() -> Path | None:
+    """convert_hf_to_gguf.py inside the installed package tree (or its distribution's files)."""
+    import llama_cpp
+
+    roots = [Path(llama_cpp.__file__).resolve().parent]
+    roots.append(roots[0].parent)
+    for root in roots:
+        direct = root / CONVERTER
+        if direct.is_file():
+            return direct
+    for root in roots[:1]:
+        for hit in sorted(root.rglob(CONVERTER)):
+            return hit
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("llama-cpp-python")
+    except metadata.PackageNotFoundError:
+        return None
+    for f in dist.files or ():
+        if str(f).endswith(CONVERTER):
+            p = Path(dist.locate_file(f))
+            if p.is_file():
+                return p
+    return None
+
+
+def convert(hf_dir: Path, out_file: Path, outtype: str = "f16") -> Path:
+    """HF checkpoint -> GGUF with the converter llama-cpp-python bundles."""
+    conv = find_converter()
+    if conv is None:
+        raise LlamaCppUnavailable(
+            f"llama.cpp baseline skipped: {CONVERTER} not found in the installed llama-cpp-python package"
+        )
+    env = dict(os.environ)
+    # The converter imports `gguf` (gguf-py beside it in the llama.cpp tree) and its `conversion/` package.
+    extra = [str(d) for d in (conv.parent / "gguf-py", conv.parent) if d.is_dir()]
+    env["PYTHONPATH"] = os.pathsep.join(extra + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    cmd = [sys.executable, str(conv), str(hf_dir), "--outfile", str(out_file), "--outtype", outtype]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0 or not out_file.is_file():
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise LlamaCppUnavailable(f"llama.cpp baseline skipped: {CONVERTER} failed on this checkpoint: {last}")
+    return out_file
+
+
+def quantize(f16_file: Path, out_file: Path, ftype: int = Q4_K_M, threads: int = 0) -> Path:
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = int(threads)
+    rc = llama_cpp.llama_model_quantize(str(f16_file).encode(), str(out_file).encode(), ctypes.byref(params))
+    if rc != 0 or not out_file.is_file():
+        raise LlamaCppUnavailable(f"llama.cpp baseline skipped: llama_model_quantize returned {rc}")
+    return out_file
+
+
+def build_q4_k_m(hf_dir: Path, work: Path, threads: int = 0) -> Path:
+    """The Q4_K_M GGUF of `hf_dir` under `work` (f16 intermediate removed)."""
+    work.mkdir(parents=True, exist_ok=True)
+    f16 = convert(hf_dir, work / "model-f16.gguf")
+    out = quantize(f16, work / "model-q4_k_m.gguf", threads=threads)
+    f16.unlink(missing_ok=True)
+    return out
+
+
+class LlamaCppDecoder:
+    """reset/step/prefill over llama_cpp.Llama, the same API as OnnxDecoder.
+
+    n_ctx and threads explicit; use_mmap off, so the weights are read into the
+    process and count as resident like the other arms' (no page-cache sharing
+    that would make the arm look smaller than it is).
+    """
+
+    def __init__(self, gguf: str, threads: int, n_ctx: int):
+        import llama_cpp
+
+        if n_ctx < 1:
+            raise ValueError("LlamaCppDecoder needs an explicit n_ctx")
+        self.llm = llama_cpp.Llama(
+            model_path=str(gguf), n_ctx=int(n_ctx), n_batch=int(n_ctx), n_threads=int(threads),
+            n_threads_batch=int(threads), use_mmap=False, logits_all=False, verbose=False,
+        )
+        self.n_ctx = int(n_ctx)
+        self.vocab_size = int(self.llm.n_vocab())
+
+    def reset(self) -> None:
+        self.llm.reset()
+
+    def _eval(self, ids):
+        import numpy as np
+
+        self.llm.eval(list(ids))
+        return np.asarray(self.llm.scores[self.llm.n_tokens - 1], dtype=np.float32)
+
+    def step(self, token_id: int):
+        return self._eval([int(token_id)])
+
+    def prefill(self, token_ids):
+        return self._eval([int(t) for t in token_ids])
+
+    def kv_bytes(self) -> int:
+        """f16 K and V for n_ctx positions, from the GGUF's own metadata (llama.cpp allocates n_ctx up front)."""
+        md = self.llm.metadata or {}
+        arch = md.get("general.architecture", "")
+
+        def get(key, default=0):
+            return int(md.get(f"{arch}.{key}", default) or default)
+
+        layers = get("block_count")
+        kv_heads = get("attention.head_count_kv", get("attention.head_count"))
+        head_dim = get("attention.key_length", get("embedding_length") // max(get("attention.head_count", 1), 1))
+        return 2 * layers * self.n_ctx * kv_heads * head_dim * 2

@@ -1,0 +1,135 @@
+"""The benchmark statistics on synthetic timings (no model, no runtime): interleaving,
+spread, the noise-floor rule, the context-point check, and the HTML report."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline import report
+from pipeline.context import StageError
+from pipeline.stats import compare, fmt, interleave, spread
+
+
+def test_interleave_runs_every_arm_once_per_pass_in_order():
+    order = interleave(["a", "b", "c"], 3)
+    assert [arm for _, arm in order] == ["a", "b", "c"] * 3
+    assert [p for p, _ in order] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    # Never A A A B B B: a drift during the run hits every arm alike.
+    assert all(order[i][1] != order[i + 1][1] for i in range(len(order) - 1))
+
+
+@pytest.mark.parametrize("arms,passes", [([], 3), (["a"], 0)])
+def test_interleave_refuses_empty(arms, passes):
+    with pytest.raises(ValueError):
+        interleave(arms, passes)
+
+
+def test_spread_min_median_max():
+    s = spread([30.0, 10.0, 20.0, 50.0])
+    assert s == {"min": 10.0, "median": 25.0, "max": 50.0, "n": 4}
+    assert spread([7.0]) == {"min": 7.0, "median": 7.0, "max": 7.0, "n": 1}
+    assert fmt(spread([1.0, 2.0, 3.0])) == "2.0 [1.0-3.0]"
+    with pytest.raises(ValueError):
+        spread([])
+
+
+def test_spread_median_resists_one_outlier():
+    """A 30% swing in one pass moves the median not at all."""
+    s = spread([100.0, 101.0, 70.0, 99.0, 100.0])
+    assert s["median"] == 100.0 and s["min"] == 70.0
+
+
+@pytest.mark.parametrize(
+    "a,b,higher,verdict",
+    [
+        ([105.0], [100.0], True, "no difference"),   # +5%: inside the 8% floor
+        ([95.0], [100.0], True, "no difference"),    # -5%: inside, the other direction
+        ([107.9], [100.0], True, "no difference"),
+        ([110.0], [100.0], True, "better"),          # +10% throughput
+        ([90.0], [100.0], True, "worse"),            # -10% throughput
+        ([110.0], [100.0], False, "worse"),          # +10% memory or latency
+        ([90.0], [100.0], False, "better"),          # -10% memory or latency
+        ([104.0], [100.0], False, "no difference"),
+    ],
+)
+def test_noise_floor_rule(a, b, higher, verdict):
+    c = compare(a, b, 0.08, higher_is_better=higher)
+    assert c["verdict"] == verdict
+    assert c["ratio"] == pytest.approx(a[0] / b[0])
+    assert c["noise_floor"] == 0.08
+
+
+def test_noise_floor_compares_medians_not_best_passes():
+    # a's best pass is 30% above b's, but the medians are within 8%: no difference.
+    c = compare([130.0, 100.0, 99.0], [100.0, 101.0, 98.0], 0.08)
+    assert c["verdict"] == "no difference" and c["ratio"] == pytest.approx(1.0)
+
+
+def test_noise_floor_is_a_parameter():
+    assert compare([105.0], [100.0], 0.02)["verdict"] == "better"
+    assert compare([115.0], [100.0], 0.20)["verdict"] == "no difference"
+    with pytest.raises(ValueError):
+        compare([1.0], [0.0], 0.08)
+
+
+def test_context_points_must_fit_the_exported_context():
+    from stages.benchmark import check_context_points
+
+    assert check_context_points([128, 32], 256, 32, 4) == [32, 128]
+    assert check_context_points([], 256, 32, 4) == []
+    with pytest.raises(StageError, match="context_points: 221 must be in \\[1, 220\\]"):
+        check_context_points([32, 221], 256, 32, 4)
+    with pytest.raises(StageError):
+        check_context_points([0], 256, 32, 4)
+    with pytest.raises(StageError, match="duplicates"):
+        check_context_points([8, 8], 256, 32, 4)
+
+
+def _s(m, lo=None, hi=None):
+    return {"min": m if lo is None else lo, "median": m, "max": m if hi is None else hi, "n": 3}
+
+
+def synthetic_report(on_target: bool) -> dict:
+    arms = {}
+    for arm, tok in (("ort_int4", 1800.0), ("onnx_fp32", 600.0), ("torch_eager_fp32", 150.0)):
+        arms[arm] = {f: _s(tok, tok * 0.8, tok * 1.05) for f in ("decode_tok_s", "prefill_tok_s")}
+        arms[arm].update({f: _s(1.0) for f in ("ttft_ms", "load_s", "cold_start_s", "warm_start_s", "kv_mib")})
+        arms[arm].update({f: _s(100.0) for f in ("peak_rss_mib", "resident_mib")})
+    mem = {f: _s(10.0) for f in ("before_load_mib", "after_load_mib", "after_run_mib", "load_delta_mib",
+                                 "run_delta_mib", "anon_after_run_mib", "file_after_run_mib",
+                                 "weights_file_mib", "weights_mapped_resident_mib")}
+    return {
+        "settings": {"prompt_length": 32, "decode_tokens": 64, "passes": 3, "threads": 2, "context_length": 256,
+                     "context_decode_tokens": 32, "order": "interleaved A B A B, one process per pass"},
+        "on_target": on_target,
+        "device": "galaxy_s25",
+        "host": {"device_class": "x86_avx512", "cpu_model": "Synthetic CPU", "isa": ["avx512f"], "physical_cores": 2},
+        "notes": ["llama.cpp baseline skipped: llama-cpp-python not installed"],
+        "arms": arms,
+        "memory": {a: mem for a in arms},
+        "context": {a: {"32": {"decode_tok_s": _s(arms[a]["decode_tok_s"]["median"], 1.0, 2000.0)},
+                        "128": {"decode_tok_s": _s(arms[a]["decode_tok_s"]["median"] * 0.9)}} for a in arms},
+        "artifact_arm": "ort_int4",
+        "artifact_vs_eager": {"decode_tok_s": {"ratio": 12.0, "verdict": "better", "noise_floor": 0.08}},
+        "artifact_vs_llamacpp": None,
+    }
+
+
+def test_report_renders_charts_for_every_arm():
+    parity = {"artifact": {"per_prompt": [{"prompt": "The <b> function", "logits_snr_db": 38.0, "worst_step_snr_db": 28.0},
+                                          {"prompt": "If", "logits_snr_db": float("inf"), "worst_step_snr_db": 30.0}]}}
+    page = report.render(synthetic_report(on_target=True), parity=parity, build="b1")
+    assert page.startswith("<!DOCTYPE html>") and page.count("<svg") == 3
+    for arm in ("ort_int4", "onnx_fp32", "torch_eager_fp32"):
+        assert arm in page
+    assert "CROSS-MEASURED" not in page and "cross-measured" not in page
+    assert "The &lt;b&gt; function" in page  # text is escaped
+    assert "llama.cpp baseline skipped" in page
+    assert "1800.0 [1440.0&ndash;1890.0]" in page  # spreads, not a single number
+
+
+def test_report_labels_cross_measured_results():
+    page = report.render(synthetic_report(on_target=False), parity=None, build="b2")
+    assert "CROSS-MEASURED" in page and "(cross-measured)" in page
+    assert "not galaxy_s25 figures" in page
+    assert "<svg" in page and "python -m pipeline.report b2" in page
