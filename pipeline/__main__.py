@@ -116,25 +116,39 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(cfg, sort_keys=False), end="")
         return 0
     name = cfg["build"]["name"]
-    is_new = not (ROOT / BUILDS / f"{name}.yaml").exists()
-    path = register(cfg)
-    print(f"build {name}: {path.relative_to(ROOT)} -> {ARTIFACTS}/{name}/", file=sys.stderr)
-    targets = [stage_ref(name, s) for s in STAGES if declaration(s).scope == "build"]
-    rc = _run_dvc(["repro", *targets])
-    if rc != 0:
-        if is_new:
-            # A build that never succeeded is not left in the registry, where
-            # every later plain `dvc repro` would trip over it.
-            path.unlink()
-            from . import dvcgen
+    from . import locks
 
-            dvcgen.write()
-        print(
-            f"error: build {name} failed (the stage's error is above); nothing failed was cached"
-            + ("; the new build was not registered" if is_new else ""),
-            file=sys.stderr,
-        )
-        return rc
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        # One run of a build at a time (a second waits, then finds it built);
+        # registry rewrites are serialized across builds (pipeline/locks.py).
+        with locks.hold(name, say=say):
+            is_new = not (ROOT / BUILDS / f"{name}.yaml").exists()
+            with locks.hold(locks.REGISTRY, say=say):
+                path = register(cfg)
+            print(f"build {name}: {path.relative_to(ROOT)} -> {ARTIFACTS}/{name}/", file=sys.stderr)
+            targets = [stage_ref(name, s) for s in STAGES if declaration(s).scope == "build"]
+            # Another build's `dvc repro` holds DVC's repository lock: queue behind it, not fail.
+            locks.note_dvc_lock(ROOT, say)
+            rc = _run_dvc(["--wait-for-lock", "repro", *targets])
+            if rc != 0:
+                if is_new:
+                    # A build that never succeeded is not left in the registry, where
+                    # every later plain `dvc repro` would trip over it.
+                    from . import dvcgen
+
+                    with locks.hold(locks.REGISTRY, say=say):
+                        path.unlink()
+                        dvcgen.write()
+                print(
+                    f"error: build {name} failed (the stage's error is above); nothing failed was cached"
+                    + ("; the new build was not registered" if is_new else ""),
+                    file=sys.stderr,
+                )
+                return rc
+    except locks.LockError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     summary(name)
     return 0
 

@@ -32,11 +32,43 @@ LIMITS = {
     "parity.min_greedy_match": (0, 10_000),
     "device.cores": (0, 4096),
     "device.threads": (0, 4096),
+    "device.memory_gib": (0, 1 << 20),  # 0: auto, filled by the probe
+    "parity.min_top1_agreement": (0, 1),
+    "parity.min_top5_agreement": (0, 1),
+    "benchmark.context_decode_tokens": (1, 131072),
+    "calibrate.samples": (1, 100_000),
+    "calibrate.seq_len": (2, 131072),
+    "calibrate.min_samples": (1, 100_000),
+    "calibrate.seed": (0, 2**32 - 1),
+    "quantize.block_size": (1, 65536),
+    "pack.ort_accuracy_level": (0, 4),  # MatMulNBits accuracy_level
+    "pack.prefill_threshold": (1, 131072),
 }
+
+# Closed vocabularies of the stages' settings (kept here, not imported, so that
+# this module's import closure, part of every stage's cache key, stays small).
+CHOICES = {
+    "quantize.method": ("gptq", "rtn"),  # pipeline/gptq.py METHODS
+    "quantize.group_fallback": ("error", "divisor"),  # stages/quantize.py FALLBACKS
+    "calibrate.dataset": ("stdlib_docstrings_heldout",),  # stages/calibrate.py DATASETS
+    "pack.tinygemm_prefill": ("dequant_packed", "deinterleave_once"),  # pipeline/int4_runtime.py PREFILL_MODES
+    "benchmark.llamacpp": ("auto", "off"),
+}
+# Group sizes every 4-bit kernel takes: tinygemm's (pipeline/int4_layouts.py
+# TINYGEMM_GROUP_SIZES), all powers of two >= 16 as MatMulNBits requires.
+GROUP_SIZES = (32, 64, 128, 256)
+# What a model's name may be: it names a folder under artifacts/_models/.
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,79}$")
 
 
 class ConfigError(Exception):
     """One line, naming the file or override and the key."""
+
+    def __init__(self, message: object = ""):
+        # A user's override is echoed back: its control characters (a newline
+        # would break the one-line contract) are shown escaped.
+        text = str(message)
+        super().__init__("".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text))
 
 
 def _group_choice(overrides: list[str], group: str) -> str:
@@ -101,9 +133,22 @@ def _translate(exc: Exception, overrides: list[str]) -> ConfigError:
         m = re.search(r"Could not (?:override|append to) '([^']+)'", text)
         key = m.group(1) if m else "?"
         return ConfigError(f"command-line override for '{key}': no such key in the schema")
-    if "Error parsing override" in text or "mismatched input" in text or "no viable alternative" in text:
+    if ("Error parsing override" in text or "mismatched input" in text or "no viable alternative" in text
+            or "NoViableAlt" in text or "token recognition error" in text):
         bad = next((o for o in overrides if o in text), " ".join(overrides))
         return ConfigError(f"malformed override '{bad}': write key=value, e.g. device=x86_avx512")
+    if "Config group override must be" in text:  # group=null
+        bad = next((o for o in overrides if o.split("=", 1)[0].lstrip("+~") in GROUPS and "=" in o
+                    and o.split("=", 1)[1].strip() in ("", "null", "~")), " ".join(overrides))
+        group = bad.split("=", 1)[0].lstrip("+~")
+        options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+        return ConfigError(f"command-line override '{bad}': {group} needs an option: choose one of {', '.join(options)}")
+    if first.startswith("Error merging override") and exc.__cause__ is not None and str(exc.__cause__).strip():
+        first = str(exc.__cause__).strip().splitlines()[0]  # the reason, not Hydra's wrapper
+        if "is not Optional" in first:
+            first += ": null is not allowed here"
+    if "'NoneType' object has no attribute" in first:
+        first = "cannot set keys inside a section that is null here"
     if full_key:
         return ConfigError(f"{_where(full_key, overrides)}: {full_key}: {first}")
     return ConfigError(first)
@@ -153,6 +198,19 @@ def validate(cfg, overrides: list[str] = (), source: str | None = None) -> dict:
     return resolved
 
 
+def _first_nan(d, prefix: str = "") -> str | None:
+    """The first key holding a float NaN (a threshold of NaN passes everything)."""
+    items = d.items() if isinstance(d, dict) else enumerate(d) if isinstance(d, list) else ()
+    for k, v in items:
+        key = f"{prefix}.{k}" if prefix and isinstance(k, str) else f"{prefix}[{k}]" if prefix else str(k)
+        if isinstance(v, float) and v != v:
+            return key
+        found = _first_nan(v, key)
+        if found is not None:
+            return found
+    return None
+
+
 def _get(d: dict, dotted: str):
     for part in dotted.split("."):
         d = d[part]
@@ -166,16 +224,51 @@ def _check(c: dict, where) -> None:
             f"{where('build.name')}: build.name {name!r} must match {BUILD_NAME.pattern} "
             f"(no '/', no '..', not {sorted(RESERVED_BUILD_NAMES)}): it names a folder under artifacts/"
         )
+    nan = _first_nan(c)
+    if nan is not None:
+        raise ConfigError(f"{where(nan)}: {nan} is NaN: every comparison with it is false, so it would disable a check")
     for key, (lo, hi) in LIMITS.items():
         v = _get(c, key)
-        if not lo <= v <= hi:
+        if isinstance(v, bool) or not lo <= v <= hi:
             raise ConfigError(f"{where(key)}: {key}={v} is outside [{lo}, {hi}]")
+    for key, options in CHOICES.items():
+        v = _get(c, key)
+        if v not in options:
+            raise ConfigError(f"{where(key)}: {key}={v!r} is not one of: {', '.join(options)}")
+    q = c["quantize"]
+    if q["bits"] != 4:  # pipeline/gptq.py BITS
+        raise ConfigError(f"{where('quantize.bits')}: quantize.bits={q['bits']}: only 4-bit is supported")
+    if q["group_size"] not in GROUP_SIZES:
+        raise ConfigError(
+            f"{where('quantize.group_size')}: quantize.group_size={q['group_size']} is not supported: "
+            f"choose one of {', '.join(map(str, GROUP_SIZES))} (what the 4-bit kernels take)"
+        )
+    if not 0 <= q["damp"] < 1:
+        raise ConfigError(f"{where('quantize.damp')}: quantize.damp={q['damp']} must be in [0, 1)")
+    cal = c["calibrate"]
+    if cal["min_samples"] > cal["samples"]:
+        raise ConfigError(
+            f"{where('calibrate.min_samples')}: calibrate.min_samples={cal['min_samples']} "
+            f"exceeds calibrate.samples={cal['samples']}"
+        )
+    noise = c["benchmark"]["noise_floor"]
+    if not 0 <= noise < 1:
+        raise ConfigError(f"{where('benchmark.noise_floor')}: benchmark.noise_floor={noise} must be in [0, 1)")
     ctx = c["export"]["context_length"]
     b = c["benchmark"]
     if b["prompt_length"] + b["decode_tokens"] + b["warmup_tokens"] > ctx:
         raise ConfigError(
             f"{where('benchmark.prompt_length')}: benchmark.prompt_length + decode_tokens + warmup_tokens "
             f"= {b['prompt_length'] + b['decode_tokens'] + b['warmup_tokens']} exceeds export.context_length={ctx}"
+        )
+    limit = ctx - b["context_decode_tokens"] - b["warmup_tokens"]
+    points = b["context_points"]
+    bad = next((x for x in points if not 1 <= x <= limit), None)
+    if bad is not None or len(set(points)) != len(points):
+        what = f"{bad} must be in [1, {limit}]" if bad is not None else f"{points} has duplicates"
+        raise ConfigError(
+            f"{where('benchmark.context_points')}: benchmark.context_points: {what} (export.context_length {ctx} "
+            f"- context_decode_tokens {b['context_decode_tokens']} - warmup_tokens {b['warmup_tokens']})"
         )
     p = c["parity"]
     if not p["prompts"]:
@@ -188,12 +281,44 @@ def _check(c: dict, where) -> None:
     m = c["model"]
     if m["source"] not in ("embedded", "hf"):
         raise ConfigError(f"{where('model.source')}: model.source must be 'embedded' or 'hf', not {m['source']!r}")
+    if not MODEL_NAME.fullmatch(str(m["name"])) or ".." in str(m["name"]):
+        raise ConfigError(
+            f"{where('model.name')}: model.name {m['name']!r} must match {MODEL_NAME.pattern} "
+            f"(no '/', no '..'): it names a folder under artifacts/_models/"
+        )
     if m["source"] == "hf":
-        path = Path(str(m["path"])).expanduser()
-        if not path.is_absolute():
-            raise ConfigError(f"{where('model.path')}: model.path must be an absolute directory, got {m['path']!r}")
+        _check_model_path(m["path"], where)
     if c["priority"]["name"] not in ("speed", "fidelity"):
         raise ConfigError(f"{where('priority.name')}: priority must be speed or fidelity")
+
+
+def _check_model_path(raw, where) -> None:
+    """An absolute checkpoint directory outside this repository's artifacts/:
+    the model stage reads it, and a path into artifacts/ would read (and key
+    on) another build's output, or a folder a stage is writing."""
+    text = str(raw)
+    if not text.strip():
+        raise ConfigError(f"{where('model.path')}: model.path is empty: give the checkpoint's absolute directory")
+    if "\x00" in text:
+        raise ConfigError(f"{where('model.path')}: model.path contains a NUL byte")
+    try:
+        path = Path(text).expanduser()
+    except RuntimeError:  # ~user that does not exist
+        raise ConfigError(f"{where('model.path')}: model.path {raw!r}: cannot expand '~'") from None
+    if not path.is_absolute():
+        raise ConfigError(f"{where('model.path')}: model.path must be an absolute directory, got {raw!r}")
+    if ".." in path.parts:
+        raise ConfigError(f"{where('model.path')}: model.path {raw!r} contains '..': give the plain absolute directory")
+    artifacts = (ROOT / "artifacts").resolve()
+    try:
+        real = path.resolve()
+    except (OSError, RuntimeError):  # a symlink loop
+        raise ConfigError(f"{where('model.path')}: model.path {raw!r} cannot be resolved (symlink loop?)") from None
+    if real == artifacts or real.is_relative_to(artifacts):
+        raise ConfigError(
+            f"{where('model.path')}: model.path {raw!r} is inside artifacts/: a checkpoint must live outside "
+            f"the pipeline's outputs (copy it elsewhere)"
+        )
 
 
 def load_build_file(path: Path) -> dict:

