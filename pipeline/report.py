@@ -249,7 +249,27 @@ def parity_section(parity: dict) -> str:
     out.append("<p>verify_parity records per prompt the SNR over its decode and the worst single step, "
                "not the SNR of every step; the bar is the former, the red tick the latter.</p>")
     items = "".join(f"<li>{i + 1}: {_e(v[0])}</li>" for i, v in enumerate(vals))
-    return "\n".join(out) + f"<ol style='font-size:11px'>{items}</ol>"
+    out.append(f"<ol style='font-size:11px'>{items}</ol>")
+    steps = step_snr_series(per)
+    if steps:
+        out.append("<h2>Parity: logits SNR per decode step</h2>")
+        out.append(svg_lines({"SNR over prompts": steps}, "decode step (bins of 8)", "SNR dB",
+                             "parity SNR per decode step"))
+        out.append("<p>Each point: median over the prompts and the 8 steps of its bin; whiskers: min-max. "
+                   "A drop past the sliding window would show where the window starts to slide.</p>")
+    return "\n".join(out)
+
+
+def step_snr_series(per_prompt: list[dict], bin_steps: int = 8) -> list[tuple[float, float, float, float]]:
+    """(first step of bin, median, min, max) of the per-step SNR over prompts, finite values only."""
+    import statistics
+
+    bins: dict[int, list[float]] = {}
+    for p in per_prompt:
+        for i, v in enumerate(p.get("step_snr_db") or []):
+            if isinstance(v, (int, float)):
+                bins.setdefault(i // bin_steps * bin_steps, []).append(float(v))
+    return [(float(b), statistics.median(v), min(v), max(v)) for b, v in sorted(bins.items())]
 
 
 STYLE = """body{font-family:sans-serif;max-width:960px;margin:2em auto;color:#222}

@@ -125,6 +125,7 @@ def _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, what: str):
                 "top5_overlap": float(overlap.mean() / 5),
                 "greedy_match": free == cont,
                 "greedy_first_divergence": first_div,
+                "step_snr_db": [round(x, 2) if math.isfinite(x) else _finite(x) for x in step_snr],
                 "reference_continuation": cont,
             })
             all_ref.append(r)

@@ -133,3 +133,13 @@ def test_report_labels_cross_measured_results():
     assert "CROSS-MEASURED" in page and "(cross-measured)" in page
     assert "not galaxy_s25 figures" in page
     assert "<svg" in page and "python -m pipeline.report b2" in page
+
+
+def test_step_snr_series_bins_finite_values():
+    from pipeline.report import step_snr_series
+
+    per = [{"step_snr_db": [40.0, 42.0, "inf", 38.0] + [30.0] * 8}, {"step_snr_db": [44.0] * 12}]
+    series = step_snr_series(per, bin_steps=8)
+    assert [s[0] for s in series] == [0.0, 8.0]
+    first = series[0]
+    assert first[2] == 30.0 and first[3] == 44.0  # min, max over prompts and steps; "inf" skipped
