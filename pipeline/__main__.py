@@ -128,9 +128,12 @@ def main(argv: list[str] | None = None) -> int:
                 path = register(cfg)
             print(f"build {name}: {path.relative_to(ROOT)} -> {ARTIFACTS}/{name}/", file=sys.stderr)
             targets = [stage_ref(name, s) for s in STAGES if declaration(s).scope == "build"]
-            # Another build's `dvc repro` holds DVC's repository lock: queue behind it, not fail.
-            locks.note_dvc_lock(ROOT, say)
-            rc = _run_dvc(["--wait-for-lock", "repro", *targets])
+            # Builds share outputs (the probe, a shared model), and a second
+            # `dvc repro` fails on DVC's per-output rwlock ("... is busy") rather
+            # than waiting: queue every build of this checkout behind one lock.
+            with locks.hold(locks.REPRO, say=say):
+                locks.note_dvc_lock(ROOT, say)
+                rc = _run_dvc(["--wait-for-lock", "repro", *targets])
             if rc != 0:
                 if is_new:
                     # A build that never succeeded is not left in the registry, where

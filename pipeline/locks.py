@@ -8,11 +8,13 @@ the first left (usually: nothing to do). The build registry (builds/ and the
 generated dvc.yaml) is rewritten under its own short lock, `_registry`, so two
 builds registering at once cannot drop each other's stages.
 
-Builds of different names do not wait on each other here; within one checkout
-DVC itself holds a repository-wide lock for the whole of `dvc repro`, which
-the CLI asks it to wait for (`dvc --wait-for-lock`), so their stages run one
-build after the other. Builds that must run side by side need separate
-checkouts (or separate CI jobs sharing a DVC remote).
+Builds of different names share outputs (the probe's host facts, a model
+trained once for all its builds), and DVC does not wait on the per-output
+read/write lock of a running `dvc repro`: a second one fails with "... is
+busy" (seen here). So every `dvc repro` of this checkout runs under one more
+lock, `_repro`: builds of different devices queue, one after the other, with
+a line saying so. Builds that must run side by side need separate checkouts
+(or separate CI jobs sharing a DVC remote).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .layout import ARTIFACTS, BUILD_NAME, ROOT
 
 LOCK_DIR = f"{ARTIFACTS}/.locks"
 REGISTRY = "_registry"
+REPRO = "_repro"
 _INTERNAL = re.compile(r"^_[a-z0-9_]{1,40}$")
 
 
