@@ -90,3 +90,15 @@ def built_repo(tmp_path_factory):
     proc = run_cli(repo, "device=x86_avx512", *TINY_MODEL, *FAST_RUN)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return repo, proc
+
+
+def report_line(config, line: str) -> None:
+    """A line in pytest's own output (not captured), e.g. how many faults were tried."""
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    capman = config.pluginmanager.get_plugin("capturemanager")
+    if tr is None or capman is None:  # pragma: no cover
+        print(line)
+        return
+    with capman.global_and_fixture_disabled():
+        tr.write_line("")
+        tr.write_line(line)

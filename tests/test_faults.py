@@ -24,6 +24,7 @@ import pytest
 from pipeline import locks, manifest, run_stage
 from pipeline.context import StageError
 from pipeline.layout import StageDecl
+from tests.conftest import report_line
 
 FAULTS: Counter = Counter()
 STAGE = "untie_head"
@@ -33,20 +34,8 @@ FORK = multiprocessing.get_context("fork")
 @pytest.fixture(scope="module", autouse=True)
 def report_counts(request):
     yield
-    report(request.config, f"fault injection: {sum(FAULTS.values())} faults tried "
+    report_line(request.config, f"fault injection: {sum(FAULTS.values())} faults tried "
            f"({', '.join(f'{k} {v}' for k, v in sorted(FAULTS.items()))})")
-
-
-def report(config, line: str) -> None:
-    """A line in pytest's own output (not captured), e.g. how many faults were tried."""
-    tr = config.pluginmanager.get_plugin("terminalreporter")
-    capman = config.pluginmanager.get_plugin("capturemanager")
-    if tr is None or capman is None:  # pragma: no cover
-        print(line)
-        return
-    with capman.global_and_fixture_disabled():
-        tr.write_line("")
-        tr.write_line(line)
 
 
 def fake_stage(monkeypatch, root: Path, run, stage: str = STAGE, inputs: tuple[str, ...] = ()):

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.config import GROUPS, ConfigError, compose, validate
-from tests.conftest import ROOT, venv_env
+from tests.conftest import ROOT, report_line, venv_env
 
 INPUTS: Counter = Counter()
 EXAMPLES = int(os.environ.get("EDGEKILN_FUZZ_EXAMPLES", "40"))
@@ -38,15 +38,8 @@ FUZZ = settings(
 def report_counts(request):
     yield
     total = sum(INPUTS.values())
-    line = f"config fuzzing: {total} override lists tried ({', '.join(f'{k} {v}' for k, v in sorted(INPUTS.items()))})"
-    tr = request.config.pluginmanager.get_plugin("terminalreporter")
-    capman = request.config.pluginmanager.get_plugin("capturemanager")
-    if tr is None or capman is None:  # pragma: no cover
-        print(line)
-        return
-    with capman.global_and_fixture_disabled():
-        tr.write_line("")
-        tr.write_line(line)
+    report_line(request.config, f"config fuzzing: {total} override lists tried "
+                f"({', '.join(f'{k} {v}' for k, v in sorted(INPUTS.items()))})")
 
 
 def _leaves(d: dict, prefix: str = "") -> list[str]:
