@@ -7,8 +7,9 @@ field notes: the llama.cpp tree with `convert_hf_to_gguf.py` (plus its
 output is byte-identical to `llama-quantize`'s. The converter runs as a
 subprocess of the same interpreter; the quantizer in process.
 
-Not exercised on the project's builders (llama-cpp-python is not installed
-there): the code follows llama-cpp-python's documented API.
+Run here with llama-cpp-python 0.3.36 built from source: its wheel does not
+ship the converter, so `benchmark.llamacpp_src` points at a llama.cpp tree
+(the sdist's vendor/llama.cpp); the Gemma 3 embedded model converts and runs.
 """
 
 from __future__ import annotations
@@ -46,9 +47,13 @@ def version() -> str:
         return "absent"
 
 
-def find_converter() -> Path | None:
-    """convert_hf_to_gguf.py inside the installed package tree (or its distribution's files)."""
+def find_converter(src: str | None = None) -> Path | None:
+    """convert_hf_to_gguf.py in `src` (a llama.cpp tree), else inside the installed package."""
     import llama_cpp
+
+    if src:
+        candidate = Path(src).expanduser() / CONVERTER
+        return candidate if candidate.is_file() else None
 
     roots = [Path(llama_cpp.__file__).resolve().parent]
     roots.append(roots[0].parent)
@@ -73,12 +78,14 @@ def find_converter() -> Path | None:
     return None
 
 
-def convert(hf_dir: Path, out_file: Path, outtype: str = "f16") -> Path:
-    """HF checkpoint -> GGUF with the converter llama-cpp-python bundles."""
-    conv = find_converter()
+def convert(hf_dir: Path, out_file: Path, outtype: str = "f16", src: str | None = None) -> Path:
+    """HF checkpoint -> GGUF with llama.cpp's own converter."""
+    conv = find_converter(src)
     if conv is None:
+        where = src or "the installed llama-cpp-python package"
         raise LlamaCppUnavailable(
-            f"llama.cpp baseline skipped: {CONVERTER} not found in the installed llama-cpp-python package"
+            f"llama.cpp baseline skipped: {CONVERTER} not found in {where} (the wheel does not ship it: "
+            "set benchmark.llamacpp_src to a llama.cpp tree, e.g. the llama-cpp-python sdist's vendor/llama.cpp)"
         )
     env = dict(os.environ)
     # The converter imports `gguf` (gguf-py beside it in the llama.cpp tree) and its `conversion/` package.
@@ -92,6 +99,20 @@ def convert(hf_dir: Path, out_file: Path, outtype: str = "f16") -> Path:
     return out_file
 
 
+class _NativeStderrSilenced:
+    """llama.cpp's loader prints every GGUF key to fd 2 from C: keep it out of the stage log."""
+
+    def __enter__(self):
+        self._saved = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+
+    def __exit__(self, *exc):
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+
+
 def quantize(f16_file: Path, out_file: Path, ftype: int = Q4_K_M, threads: int = 0) -> Path:
     import ctypes
 
@@ -100,16 +121,17 @@ def quantize(f16_file: Path, out_file: Path, ftype: int = Q4_K_M, threads: int =
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
     params.nthread = int(threads)
-    rc = llama_cpp.llama_model_quantize(str(f16_file).encode(), str(out_file).encode(), ctypes.byref(params))
+    with _NativeStderrSilenced():
+        rc = llama_cpp.llama_model_quantize(str(f16_file).encode(), str(out_file).encode(), ctypes.byref(params))
     if rc != 0 or not out_file.is_file():
         raise LlamaCppUnavailable(f"llama.cpp baseline skipped: llama_model_quantize returned {rc}")
     return out_file
 
 
-def build_q4_k_m(hf_dir: Path, work: Path, threads: int = 0) -> Path:
+def build_q4_k_m(hf_dir: Path, work: Path, threads: int = 0, src: str | None = None) -> Path:
     """The Q4_K_M GGUF of `hf_dir` under `work` (f16 intermediate removed)."""
     work.mkdir(parents=True, exist_ok=True)
-    f16 = convert(hf_dir, work / "model-f16.gguf")
+    f16 = convert(hf_dir, work / "model-f16.gguf", src=src)
     out = quantize(f16, work / "model-q4_k_m.gguf", threads=threads)
     f16.unlink(missing_ok=True)
     return out

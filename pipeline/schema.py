@@ -122,6 +122,10 @@ class BenchmarkConfig:
     # The llama.cpp Q4_K_M arm (llama-cpp-python, an optional extra): auto runs it
     # when `import llama_cpp` works and says why it is skipped otherwise; off skips it.
     llamacpp: str = "auto"  # auto | off
+    # A llama.cpp source tree holding convert_hf_to_gguf.py and gguf-py (the
+    # wheel of llama-cpp-python ships only the library; its sdist's
+    # vendor/llama.cpp has the converter). null: look inside the installed package.
+    llamacpp_src: Optional[str] = None
 
 
 @dataclass

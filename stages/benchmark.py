@@ -91,7 +91,8 @@ def _llama_arm(ctx, b, threads: int) -> tuple[Path | None, str, tempfile.Tempora
     tmp = tempfile.TemporaryDirectory(prefix="edgekiln-gguf-")
     try:
         with ctx.progress(None, "llama.cpp baseline: convert to GGUF f16, quantize Q4_K_M"):
-            gguf = llamacpp.build_q4_k_m(ctx.inputs["untie_head"], Path(tmp.name), threads=threads)
+            gguf = llamacpp.build_q4_k_m(ctx.inputs["untie_head"], Path(tmp.name), threads=threads,
+                                         src=b.get("llamacpp_src"))
     except llamacpp.LlamaCppUnavailable as e:
         tmp.cleanup()
         return None, str(e), None
