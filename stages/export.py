@@ -7,7 +7,6 @@ plus the checkpoint's `config.json`, generation config and tokenizer files.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from pipeline.context import StageContext, StageError
@@ -16,23 +15,11 @@ READS = ("export",)
 INPUTS = ("untie_head",)
 TOOLCHAIN = ("torch", "transformers", "onnx", "onnxscript", "onnxruntime")
 
-# Files that travel with the graph so the artifact serves on its own.
-SIDE_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-)
 MIN_OPSET = 18  # the dynamo exporter's floor
 
 
 def run(ctx: StageContext) -> dict:
+    from pipeline.checkpoint_files import copy_side_files
     from pipeline.decode_graph import DecodeGraphError, export_decode_step
 
     src = Path(ctx.inputs["untie_head"])
@@ -63,12 +50,8 @@ def run(ctx: StageContext) -> dict:
     except DecodeGraphError as err:
         raise StageError(f"export: {err}") from None
 
-    copied = []
-    for name in SIDE_FILES:
-        f = src / name
-        if f.is_file():
-            shutil.copy2(f, Path(ctx.out) / name)
-            copied.append(name)
+    # config and tokenizer travel with the graph, so the artifact serves on its own
+    copied = copy_side_files(src, Path(ctx.out))
     if not any(n.startswith("tokenizer") for n in copied):
         ctx.log("warning: the checkpoint has no tokenizer files; the artifact carries none")
 

@@ -26,28 +26,15 @@ import json
 import shutil
 from pathlib import Path
 
+from pipeline.checkpoint_files import copy_side_files
 from pipeline.context import StageContext, StageError
 
 READS = ("pack", "device", "priority")
 INPUTS = ("untie_head", "quantize", "export")
 TOOLCHAIN = ("torch", "onnx", "onnxruntime", "safetensors", "numpy")
 
-SIDE_FILES = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-    "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
-    "chat_template.jinja",
-)
 GPTQ_DIR = "gptq"
 GPTQ_GROUP_SIZES = (32, 64, 128)  # vLLM's gptq_marlin/CPU check (-1 aside)
-
-
-def _copy_side_files(src: Path, dst: Path, names=SIDE_FILES) -> list[str]:
-    copied = []
-    for name in names:
-        if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
-            copied.append(name)
-    return copied
 
 
 def _untied_tensors(src: Path, skip: set[str]) -> dict:
@@ -105,7 +92,7 @@ def _write_gptq(ctx, meta, layers, src: Path) -> dict:
             tensors[f"{name}.{part}"] = t
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    copied = _copy_side_files(src, out)
+    copied = copy_side_files(src, out)
     cfg = json.loads((src / "config.json").read_text())
     cfg["tie_word_embeddings"] = False
     if "text_config" in cfg and isinstance(cfg["text_config"], dict):
@@ -136,7 +123,7 @@ def _write_tinygemm(ctx, meta, layers, src: Path, prefill: str, threshold: int) 
     base = _untied_tensors(src, {f"{name}.weight" for name in layers})
     save_file({k: v.contiguous() for k, v in base.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
-    copied = _copy_side_files(src, out)
+    copied = copy_side_files(src, out)
     fallback = sorted(n for n, r in records.items() if r["kernel"] != "tinygemm")
     for name in fallback:
         ctx.log(f"warning: {name} runs dequant + GEMM at every row count: {records[name]['reason']}")
@@ -163,7 +150,7 @@ def _write_ort(ctx, export_dir: Path, quant_dir: Path, accuracy_level: int) -> d
     except PackError as err:
         raise StageError(f"pack: {err}") from None
     shutil.copy2(export_dir / "io.json", Path(ctx.out) / "io.json")
-    copied = _copy_side_files(export_dir, Path(ctx.out))
+    copied = copy_side_files(export_dir, Path(ctx.out))
     return {"converted": summary["converted"], "bytes": summary["bytes"], "external_data": summary["external_data"],
             "ops_top": dict(sorted(summary["ops"].items(), key=lambda kv: -kv[1])[:8]),
             "unmatched_matmuls": summary["unmatched_matmuls"], "side_files": copied}
