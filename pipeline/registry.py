@@ -94,6 +94,7 @@ from pathlib import Path
 import yaml
 
 from .layout import ARTIFACTS, BUILDS, ROOT, canonical_json, model_id, sha256_text, stage_ref
+from .manifest import content_hash, verify
 from .stats import compare, spread
 
 REGISTRY = "registry"
@@ -152,8 +153,9 @@ def bundle_files(folder: Path, stages=BUNDLE_STAGES) -> dict[str, dict]:
 
 
 def bundle_sha256(files: dict[str, dict]) -> str:
-    """The version's content address: sha256 over every file's path and sha256."""
-    return sha256_text(canonical_json({k: v["sha256"] for k, v in files.items()}))
+    """The version's content address: sha256 over every file's path and sha256
+    (the same rule as an artifact manifest's content_sha256)."""
+    return content_hash(files)
 
 
 # ---------------------------------------------------------------- gates (pure)
@@ -404,7 +406,6 @@ def _read_json(path: Path) -> dict | None:
 def collect(root: Path, build: str) -> dict:
     """Everything a version records about a finished build, gates applied (no I/O to the remote)."""
     from .context import StageError
-    from .manifest import verify
 
     cfg_path = root / BUILDS / f"{build}.yaml"
     if not cfg_path.is_file():
@@ -596,7 +597,6 @@ def pull(root: Path, device: str, dest: Path, *, model: str | None = None, chann
          version: str | None = None, remote: str | None = None, force: bool = False) -> dict:
     """Fetch a version's blobs from the remote; hand over only what re-hashes right."""
     from .context import StageError
-    from .manifest import verify
 
     if channel and version:
         raise RegistryError("pass --channel or --version, not both")
