@@ -19,7 +19,17 @@ import sys
 from pathlib import Path
 
 from .config import GROUPS, CONF_DIR, ConfigError, compose, validate
-from .layout import ARTIFACTS, BUILDS, ROOT, STAGES, declaration, output_dir, stage_ref
+from .layout import (
+    ARTIFACTS,
+    BUILDS,
+    ROOT,
+    STAGES,
+    declaration,
+    model_id,
+    model_stage_ref,
+    output_dir,
+    stage_ref,
+)
 
 
 def _help() -> str:
@@ -68,6 +78,44 @@ def _run_dvc(args: list[str]) -> int:
     from dvc.cli import main as dvc_main
 
     return dvc_main(args)
+
+
+def _stale(stage_name: str) -> bool:
+    """Is this DVC stage out of date? `dvc status` takes only read locks, so
+    asking does not disturb builds reading the stage's output."""
+    from dvc.repo import Repo
+
+    # `_wait_for_lock` is what DVC's own CLI passes for `--wait-for-lock`.
+    with Repo(str(ROOT), _wait_for_lock=True) as repo:
+        return bool(repo.status(targets=[stage_name]))
+
+
+def build(name: str, model: dict, say) -> int:
+    """Run the build's DVC stages: the shared model first, then its own.
+
+    Builds of different devices run side by side (pipeline/locks.py): the
+    model they share is brought up to date by one of them at a time and read
+    by all under a shared lock; everything else each build writes or reads is
+    its own. `--single-item` keeps each `dvc repro` to the stages named, in
+    the order given (the pipeline's), so no build re-runs another's probe.
+    """
+    from . import locks
+
+    mid = model_id(model)
+    refresh, use = locks.model_locks(mid)
+    about = f"model {mid}"
+    with locks.hold(refresh, say=say, what=about, waits_for="another build bringing it up to date"):
+        rc = _run_dvc(["--wait-for-lock", "repro", "--single-item", model_stage_ref("probe", model)])
+        if rc == 0 and _stale(model_stage_ref("model", model)):
+            with locks.hold(use, say=say, what=about,
+                            waits_for="the builds reading its previous version to finish"):
+                rc = _run_dvc(["--wait-for-lock", "repro", "--single-item", model_stage_ref("model", model)])
+    if rc != 0:
+        return rc
+    with locks.hold(use, shared=True, say=say, what=about, waits_for="it to be rewritten"):
+        locks.note_dvc_lock(ROOT, say)
+        own = [stage_ref(name, s) for s in STAGES if declaration(s).scope in ("host", "build")]
+        return _run_dvc(["--wait-for-lock", "repro", "--single-item", *own])
 
 
 def summary(name: str) -> None:
@@ -127,13 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             with locks.hold(locks.REGISTRY, say=say):
                 path = register(cfg)
             print(f"build {name}: {path.relative_to(ROOT)} -> {ARTIFACTS}/{name}/", file=sys.stderr)
-            targets = [stage_ref(name, s) for s in STAGES if declaration(s).scope == "build"]
-            # Builds share outputs (the probe, a shared model), and a second
-            # `dvc repro` fails on DVC's per-output rwlock ("... is busy") rather
-            # than waiting: queue every build of this checkout behind one lock.
-            with locks.hold(locks.REPRO, say=say):
-                locks.note_dvc_lock(ROOT, say)
-                rc = _run_dvc(["--wait-for-lock", "repro", *targets])
+            rc = build(name, cfg["model"], say)
             if rc != 0:
                 if is_new:
                     # A build that never succeeded is not left in the registry, where

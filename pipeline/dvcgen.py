@@ -3,7 +3,9 @@
 Nothing in dvc.yaml is written by hand: each stage's `params` are exactly the
 sections it declares in READS, its `deps` are its code (the import closure of
 the stage module and the runner), its toolchain file, its input artifacts and,
-where it reads probed facts, the probe's host.json. tests/test_dvc_yaml.py
+where it reads probed facts, its probe's host.json. The probe runs once per
+consumer (`probe--<model id>` for a shared model, `<build>--probe` for a
+build), so no two builds write one output (pipeline/layout.py). tests/test_dvc_yaml.py
 regenerates it and fails on any difference, so a hand edit cannot drift.
 
 Top-level `metrics` and `plots` (DVC 3) point at files inside each build's
@@ -23,15 +25,15 @@ from .layout import (
     BUILDS,
     EXP_BUILD,
     EXP_PARAMS,
-    HOST_FILE,
-    PROBE_DIR,
     PROBED_SECTIONS,
     ROOT,
     declaration,
     declarations,
     depends_on_host,
+    host_file,
     model_id,
     model_params_file,
+    model_stage_ref,
     output_dir,
     params_file,
     stage_ref,
@@ -57,24 +59,26 @@ def registered_builds() -> dict[str, dict]:
 def _stage_entry(stage, build: str, cfg: dict | None, model_ref: str | None = None) -> dict:
     decl = stage
     sections = [s for s in decl.reads if s not in PROBED_SECTIONS or s == "device"]
+    model_section = cfg["model"] if cfg else None
     if decl.scope == "host":
+        who = f"--model {model_ref}" if model_ref else f"--build {build}"
+        out = output_dir(decl.name, None if model_ref else build, model_section)
         return {
-            "cmd": f"python -m pipeline.run_stage {decl.name}",
+            "cmd": f"python -m pipeline.run_stage {decl.name} {who}",
             "always_changed": True,
             "deps": list(stage_code(decl.name)),
-            "outs": [{PROBE_DIR: {"cache": False}}],
+            "outs": [{out: {"cache": False}}],
         }
-    model_section = cfg["model"] if cfg else None
     if model_ref:
         cmd = f"python -m pipeline.run_stage {decl.name} --model {model_ref}"
         params = [{model_params_file(model_ref): sections}]
     else:
         cmd = f"python -m pipeline.run_stage {decl.name} --build {build}"
         params = [{params_file(build): sections}] if sections else []
-    deps = list(stage_code(decl.name)) + [toolchain_file(decl.name)]
+    deps = list(stage_code(decl.name)) + [toolchain_file(decl.name, None if model_ref else build, model_section)]
     device_name = cfg["device"]["name"] if cfg else None
     if depends_on_host(decl.name, build, device_name):
-        deps.append(HOST_FILE)
+        deps.append(host_file(build))
     for name in decl.inputs:
         deps.append(output_dir(name, build, model_section))
     if decl.name == "model" and cfg and cfg["model"]["source"] == "hf":
@@ -91,23 +95,21 @@ def generate(builds: dict[str, dict] | None = None, with_exp: bool = True) -> di
     builds = registered_builds() if builds is None else builds
     decls = declarations()
     stages: dict[str, dict] = {}
-    for decl in decls:
-        if decl.scope == "host":
-            stages[decl.name] = _stage_entry(decl, "", None)
-    # One model stage per distinct model section among registered builds.
+    # One model stage (and its own probe) per distinct model section among
+    # registered builds.
     models = {}
     for cfg in builds.values():
         models.setdefault(model_id(cfg["model"]), cfg)
-    for decl in decls:
-        if decl.scope == "model":
-            for mid, cfg in sorted(models.items()):
-                stages[f"model--{mid.replace('.', '_')}"] = _stage_entry(decl, "", cfg, model_ref=mid)
+    for mid, cfg in sorted(models.items()):
+        for decl in decls:
+            if decl.scope in ("host", "model"):
+                stages[model_stage_ref(decl.name, cfg["model"])] = _stage_entry(decl, "", cfg, model_ref=mid)
     targets = dict(builds)
     if with_exp:
         targets[EXP_BUILD] = None
     for build, cfg in targets.items():
         for decl in decls:
-            if decl.scope == "host" or (decl.scope == "model" and build != EXP_BUILD):
+            if decl.scope == "model" and build != EXP_BUILD:
                 continue
             stages[stage_ref(build, decl.name)] = _stage_entry(decl, build, cfg)
     doc: dict = {"stages": stages}

@@ -5,7 +5,12 @@ run (pipeline/run_stage.py) resolves its params, inputs and output folder here,
 so the cache key DVC computes and what a stage actually sees cannot drift apart.
 
 Scopes:
-- `host`: one per repository (the probe: the builder's ISA facts and toolchain).
+- `host`: the probe (the builder's ISA facts and toolchain). It runs once per
+  consumer: one instance per shared model (artifacts/_probe/<model id>/, read
+  by the model stage) and one per build (artifacts/<build>/probe/, read by that
+  build's stages). No output is written by two builds, so builds of different
+  devices run side by side without tripping DVC's per-output lock (a probe
+  shared by all builds would be rewritten by one while another reads it).
 - `model`: one per distinct `model` section, shared by every registered build of
   that model (training the embedded model once, not once per device).
 - `build`: one per build, under artifacts/<build>/<stage>/.
@@ -31,8 +36,7 @@ ARTIFACTS = "artifacts"
 BUILDS = "builds"
 EXP_BUILD = "exp"
 EXP_PARAMS = "params.yaml"
-PROBE_DIR = f"{ARTIFACTS}/_probe"
-HOST_FILE = f"{PROBE_DIR}/host.json"
+MODEL_PROBES = f"{ARTIFACTS}/_probe"
 
 # The pipeline, in order. Each name is a module in stages/.
 STAGES: tuple[str, ...] = (
@@ -114,15 +118,34 @@ def model_params_file(mid: str) -> str:
     return f"{BUILDS}/_models/{mid}.yaml"
 
 
-def toolchain_file(stage: str) -> str:
-    return f"{PROBE_DIR}/toolchain/{stage}.json"
+def probe_dir(build: str | None, model_section: dict | None = None) -> str:
+    """The probe instance of a build (`build` given) or of a shared model."""
+    if build is not None:
+        return f"{ARTIFACTS}/{build}/probe"
+    assert model_section is not None
+    return f"{MODEL_PROBES}/{model_id(model_section)}"
+
+
+def _serving_probe(stage: str, build: str | None, model_section: dict | None) -> str:
+    """The probe instance whose files `stage` of this build (or model) depends on."""
+    if build is None or (declaration(stage).scope == "model" and build != EXP_BUILD):
+        return probe_dir(None, model_section)
+    return probe_dir(build)
+
+
+def toolchain_file(stage: str, build: str | None, model_section: dict | None = None) -> str:
+    return f"{_serving_probe(stage, build, model_section)}/toolchain/{stage}.json"
+
+
+def host_file(build: str) -> str:
+    return f"{probe_dir(build)}/host.json"
 
 
 def output_dir(stage: str, build: str | None, model_section: dict | None = None) -> str:
     """The artifact folder of `stage` for `build` (repo-relative)."""
     scope = declaration(stage).scope
     if scope == "host":
-        return PROBE_DIR
+        return probe_dir(build, model_section)
     if scope == "model" and build != EXP_BUILD:
         assert model_section is not None
         return f"{ARTIFACTS}/_models/{model_id(model_section)}"
@@ -147,3 +170,11 @@ def depends_on_host(stage: str, build: str, device_name: str | None) -> bool:
 def stage_ref(build: str, stage: str) -> str:
     """DVC stage name. DVC allows only letters, digits, '_' and '-' in names."""
     return f"{build.replace('.', '_')}--{stage}"
+
+
+def model_stage_ref(stage: str, model_section: dict) -> str:
+    """DVC name of a shared model's stage (`model--<id>`) or its probe (`probe--<id>`).
+
+    No clash with `<build>--<stage>`: a model id ends in a 16-hex-digit hash,
+    never a stage name."""
+    return f"{stage}--{model_id(model_section).replace('.', '_')}"

@@ -1,20 +1,22 @@
-"""Per-build locks: two runs of the same build wait for each other, one at a time.
+"""Build locks: runs of one build queue; builds of different devices run side by side.
 
-`python -m pipeline` holds `artifacts/.locks/<build>.lock` (an flock, which
-the kernel releases when its holder exits, SIGKILL included: no stale lock to
-clean up) from registering the build until its `dvc repro` ends, so a second
-run of the same build prints one line saying it waits, then runs against what
-the first left (usually: nothing to do). The build registry (builds/ and the
-generated dvc.yaml) is rewritten under its own short lock, `_registry`, so two
-builds registering at once cannot drop each other's stages.
+All are flocks under `artifacts/.locks/`, which the kernel releases when the
+holder exits, SIGKILL included: there is never a stale lock to clean up.
 
-Builds of different names share outputs (the probe's host facts, a model
-trained once for all its builds), and DVC does not wait on the per-output
-read/write lock of a running `dvc repro`: a second one fails with "... is
-busy" (seen here). So every `dvc repro` of this checkout runs under one more
-lock, `_repro`: builds of different devices queue, one after the other, with
-a line saying so. Builds that must run side by side need separate checkouts
-(or separate CI jobs sharing a DVC remote).
+- `<build>`: held by `python -m pipeline` from registering the build until its
+  last stage, so a second run of the same build prints one line saying it
+  waits, then runs against what the first left (usually: nothing to do).
+- `_registry`: a short lock around rewriting builds/ and the generated
+  dvc.yaml, so two builds registering at once cannot drop each other's stages.
+- `_model_<hash>` and `_model_<hash>_use`, per shared model: DVC does not wait
+  on its per-output read/write lock (a `dvc repro` that needs an output another
+  one holds fails with "... is busy", seen here), and the one output builds of
+  different devices share is the model they were built from. So one build at
+  a time brings the model up to date (`_model_<hash>`, exclusive, seconds when
+  nothing changed), every build reads it under `_model_<hash>_use` held
+  shared, and the model is only rewritten under that lock held exclusive,
+  after the builds reading the old one have finished. Everything else a build
+  writes or reads is its own (its own probe included: pipeline/layout.py).
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from .layout import ARTIFACTS, BUILD_NAME, ROOT
 
 LOCK_DIR = f"{ARTIFACTS}/.locks"
 REGISTRY = "_registry"
-REPRO = "_repro"
 _INTERNAL = re.compile(r"^_[a-z0-9_]{1,40}$")
 
 
@@ -61,16 +62,22 @@ def hold(
     timeout: float | None = None,
     say: Callable[[str], None] | None = None,
     poll: float = 0.1,
+    shared: bool = False,
+    what: str | None = None,
+    waits_for: str = "another run of it to finish",
 ) -> Iterator[Path]:
-    """Hold the exclusive lock of `name` for the `with` block.
+    """Hold the lock of `name` for the `with` block: exclusive, or `shared`
+    with other shared holders.
 
-    Waits for another holder (forever when `timeout` is None), telling `say`
-    once that it waits and once when it got the lock. Raises LockError (one
-    line) on a timeout, an interrupt while waiting, or a lock file that
-    cannot be created (read-only or full disk).
+    Waits for a conflicting holder (forever when `timeout` is None), telling
+    `say` once that it waits (`<what>: waiting for <waits_for>`) and once when
+    it got the lock. Raises LockError (one line) on a timeout, an interrupt
+    while waiting, or a lock file that cannot be created (read-only or full
+    disk).
     """
     path = lock_path(name, root)
-    what = "the build registry" if name == REGISTRY else f"build {name}"
+    what = what or ("the build registry" if name == REGISTRY else f"build {name}")
+    mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -78,20 +85,21 @@ def hold(
         raise LockError(f"cannot create the lock of {what} ({path}): {e.strerror or e}") from None
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
         except BlockingIOError:
             t0 = time.monotonic()
             if say:
-                say(f"{what}: waiting for another run of it to finish{_holder(fd)}; lock {path}")
+                say(f"{what}: waiting for {waits_for}{_holder(fd)}; lock {path}")
             try:
-                _wait(fd, timeout, poll)
+                _wait(fd, timeout, poll, mode)
             except KeyboardInterrupt:
                 raise LockError(f"{what}: interrupted while waiting for its lock; nothing was built") from None
             if say:
                 say(f"{what}: lock acquired after {time.monotonic() - t0:.1f} s")
         try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()} {time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode(), 0)
+            if not shared:  # shared holders are many: none of them is "the" holder
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()} {time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode(), 0)
         except OSError:
             pass  # the holder note is informative only; the flock is what locks
         yield path
@@ -99,14 +107,14 @@ def hold(
         os.close(fd)  # releases the flock
 
 
-def _wait(fd: int, timeout: float | None, poll: float) -> None:
+def _wait(fd: int, timeout: float | None, poll: float, mode: int = fcntl.LOCK_EX) -> None:
     if timeout is None:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, mode)
         return
     deadline = time.monotonic() + timeout
     while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
             return
         except BlockingIOError:
             if time.monotonic() >= deadline:
@@ -131,8 +139,8 @@ def note_dvc_lock(root: Path | None = None, say: Callable[[str], None] | None = 
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             if say:
-                say(f"waiting for another DVC command in this checkout{_holder(fd)} to finish "
-                    f"(builds of one checkout run one after the other)")
+                say(f"waiting for another DVC command in this checkout{_holder(fd)} "
+                    f"(DVC holds its repository lock for seconds between stages)")
             return True
         except OSError:
             return False
@@ -140,6 +148,15 @@ def note_dvc_lock(root: Path | None = None, say: Callable[[str], None] | None = 
         return False
     finally:
         os.close(fd)
+
+
+def model_locks(mid: str) -> tuple[str, str]:
+    """(refresh, use) lock names of a shared model: a model id may hold
+    characters a lock name may not, so the names carry a hash of it."""
+    import hashlib
+
+    tag = hashlib.sha256(mid.encode()).hexdigest()[:16]
+    return f"_model_{tag}", f"_model_{tag}_use"
 
 
 def fd_name(fd: int) -> str:

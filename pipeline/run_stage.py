@@ -29,9 +29,9 @@ from .context import StageContext, StageError
 from .devices import resolve
 from .layout import (
     EXP_BUILD,
-    HOST_FILE,
     ROOT,
     declaration,
+    host_file,
     model_params_file,
     output_dir,
     params_file,
@@ -66,7 +66,7 @@ def visible_params(stage: str, full: dict, build: str, host_facts) -> dict:
 def stage_params(stage: str, build: str | None, model: str | None) -> tuple[dict, dict | None]:
     """(sections the stage sees, the build's model section) for this run."""
     decl = declaration(stage)
-    if decl.scope == "host":
+    if decl.scope == "host" and model is None:
         return {}, None
     if model is not None:
         from omegaconf import OmegaConf
@@ -75,16 +75,17 @@ def stage_params(stage: str, build: str | None, model: str | None) -> tuple[dict
         if not path.is_file():
             raise StageError(f"{path}: model params missing: re-register a build of this model")
         section = OmegaConf.to_container(OmegaConf.load(path), resolve=True)["model"]
-        return {"model": section}, section
+        return ({} if decl.scope == "host" else {"model": section}), section
     full = load_build_file(ROOT / params_file(build))
-    host = lambda: _load_json(ROOT / HOST_FILE, "host facts")  # noqa: E731
+    host = lambda: _load_json(ROOT / host_file(build), "host facts")  # noqa: E731
     return visible_params(stage, full, build, host), full["model"]
 
 
-def cache_key(stage: str, params: dict, inputs: dict[str, dict]) -> dict:
+def cache_key(stage: str, params: dict, inputs: dict[str, dict], build: str | None = None,
+              model_section: dict | None = None) -> dict:
     """Everything that shapes the output; its sha256 is the manifest's config_hash."""
     code = {p: manifest.sha256_file(ROOT / p) for p in stage_code(stage)}
-    tc_path = ROOT / toolchain_file(stage)
+    tc_path = ROOT / toolchain_file(stage, build, model_section)
     toolchain = json.loads(tc_path.read_text()) if stage != "probe" else {}
     return {
         "stage": stage,
@@ -133,7 +134,7 @@ def run(stage: str, build: str | None = None, model: str | None = None) -> Path:
     _remove_stale(final)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     tmp.mkdir()
-    key = cache_key(stage, params, input_manifests)
+    key = cache_key(stage, params, input_manifests, build, model_section)
     ctx = StageContext(
         stage=stage,
         build=build or model or "host",
@@ -264,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         scope = declaration(args.stage).scope
         if scope == "build" and not args.build:
             raise StageError(f"stage {args.stage} needs --build")
+        if scope == "host" and not (args.build or args.model):
+            raise StageError(f"stage {args.stage} needs --build or --model (the build or shared model it probes for)")
         out = run(args.stage, args.build, args.model)
     except (StageError, ConfigError, KeyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e

@@ -121,12 +121,41 @@ def test_dvc_params_are_exactly_the_declared_sections():
             recorded = entry.get("params", [{}])[0].get(params_file(build), []) if declared else []
             assert recorded == declared, (build, stage)
             assert f"stages/{stage}.py" in entry["deps"]
-            assert f"artifacts/_probe/toolchain/{stage}.json" in entry["deps"]
+            # Each build reads its own probe: no output is shared between builds.
+            assert f"artifacts/{build}/probe/toolchain/{stage}.json" in entry["deps"]
+            assert not any(d.startswith("artifacts/_probe") for d in entry["deps"]), (build, stage)
             reads_host = "host" in declaration(stage).reads or (
                 "device" in declaration(stage).reads and build == "exp"
             )
-            assert ("artifacts/_probe/host.json" in entry["deps"]) == reads_host, (build, stage)
+            assert (f"artifacts/{build}/probe/host.json" in entry["deps"]) == reads_host, (build, stage)
             assert entry["outs"] == [f"artifacts/{build}/{stage}"]
+        probe = doc[stage_ref(build, "probe")]
+        assert probe["always_changed"] and probe["outs"] == [{f"artifacts/{build}/probe": {"cache": False}}]
+
+
+def test_no_output_is_written_by_two_builds_or_read_across_builds():
+    """What lets builds of different devices run side by side under DVC's
+    per-output lock: a build's stages write and read only their own folders,
+    the shared model's stage and its own probe; nothing else is shared."""
+    builds = {"b1": BASES["x86_avx512"], "b2": BASES["galaxy_s25"]}
+    stages = generate(builds, with_exp=True)["stages"]
+    owner: dict[str, str] = {}
+    for name, entry in stages.items():
+        for out in entry["outs"]:
+            path = next(iter(out)) if isinstance(out, dict) else out
+            assert path not in owner, (path, name, owner.get(path))
+            owner[path] = name
+
+    def writers(entry):  # the stages whose output each dep lies in
+        return {owner[o] for d in entry["deps"] for o in owner if d == o or d.startswith(o + "/")}
+
+    mid = model_id(BASES["x86_avx512"]["model"])
+    for build in builds:
+        for stage in BUILD_STAGES:
+            foreign = {w for w in writers(stages[stage_ref(build, stage)]) if not w.startswith(f"{build}--")}
+            assert foreign <= {f"model--{mid}"}, (build, stage, foreign)
+        assert writers(stages[stage_ref(build, "untie_head")]) == {f"model--{mid}", f"{build}--probe"}
+    assert writers(stages[f"model--{mid}"]) == {f"probe--{mid}"}
 
 
 def test_builds_never_share_an_output():

@@ -468,17 +468,22 @@ def test_unwritable_lock_folder_is_one_line(tmp_path):
     FAULTS["unwritable output"] += 1
 
 
-def _cli_child(root, log, overrides):
-    """`python -m pipeline` with registration and DVC replaced by a timed sleep."""
+def _cli_child(root, log, overrides, stale=False, seconds=0.8):
+    """`python -m pipeline` with registration and DVC replaced by timed sleeps.
+
+    The fake `dvc repro` of the build's own stages sleeps `seconds`; the model
+    is `stale` (must be rebuilt) or up to date, as DVC would say."""
     import sys
 
     import pipeline.__main__ as cli
 
     def fake_dvc(args):
         t0 = time.time()
-        time.sleep(0.8)
+        own = not any(a.startswith(("model--", "probe--")) for a in args)
+        time.sleep(seconds if own else 0.05)
         with open(log, "a") as f:
-            f.write(json.dumps({"pid": os.getpid(), "start": t0, "end": time.time(), "args": args}) + "\n")
+            f.write(json.dumps({"pid": os.getpid(), "start": t0, "end": time.time(), "args": args,
+                                "own": own}) + "\n")
         return 0
 
     def fake_register(cfg):
@@ -489,6 +494,7 @@ def _cli_child(root, log, overrides):
 
     cli.ROOT, locks.ROOT = Path(root), Path(root)
     cli._run_dvc, cli.register, cli.summary = fake_dvc, fake_register, lambda name: None
+    cli._stale = lambda ref: stale
     sys.stderr = open(Path(root) / f"stderr-{os.getpid()}.txt", "w")
     rc = cli.main(list(overrides))
     sys.stderr.flush()
@@ -504,11 +510,56 @@ def test_cli_runs_of_the_same_build_queue(tmp_path):
     for p in procs:
         p.join(60)
     assert [p.exitcode for p in procs] == [0, 0]
-    a, b = _spans(log)
+    a, b = [s for s in _spans(log) if s["own"]]
     assert b["start"] >= a["end"], (a, b)
-    assert a["args"][0] == "--wait-for-lock" and a["args"][1] == "repro"
+    assert a["args"][:3] == ["--wait-for-lock", "repro", "--single-item"]
     said = "".join(p.read_text() for p in tmp_path.glob("stderr-*.txt"))
     assert "build x86_avx2-embedded-speed: waiting for another run of it to finish" in said, said
+    FAULTS["concurrent builds"] += 1
+
+
+def test_cli_builds_of_different_devices_run_side_by_side(tmp_path):
+    """Same model, two devices: each brings the model up to date in turn (a
+    short step), then their own stages run at the same time."""
+    log = tmp_path / "dvc.jsonl"
+    procs = [FORK.Process(target=_cli_child, args=(tmp_path, log, [f"device={d}"], False, 2.0))
+             for d in ("x86_avx2", "galaxy_s25")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    spans = _spans(log)
+    a, b = [s for s in spans if s["own"]]
+    assert b["start"] < a["end"], (a, b)  # overlapping: neither waited for the other
+    assert {x["args"][-1] for x in (a, b)} == {"x86_avx2-embedded-speed--benchmark",
+                                               "galaxy_s25-embedded-speed--benchmark"}
+    assert all(x["args"][3].endswith("--probe") for x in (a, b))  # each build runs its own probe
+    model_steps = [s for s in spans if not s["own"]]
+    assert [s["args"][-1].split("--")[0] for s in model_steps] == ["probe", "probe"]  # up to date: no rebuild
+    FAULTS["concurrent builds"] += 1
+
+
+def test_a_stale_model_is_rewritten_only_after_its_readers_finish(tmp_path):
+    """A build whose model must be rebuilt waits, saying so, for the builds
+    still reading the current model; their stages never see it change."""
+    log = tmp_path / "dvc.jsonl"
+    reader = FORK.Process(target=_cli_child, args=(tmp_path, log, ["device=x86_avx2"], False, 2.0))
+    reader.start()
+    deadline = time.time() + 30
+    while time.time() < deadline and not (log.exists() and "probe--" in log.read_text()):
+        time.sleep(0.02)
+    time.sleep(0.3)  # the reader is in its own stages, holding the model shared
+    writer = FORK.Process(target=_cli_child, args=(tmp_path, log, ["device=galaxy_s25"], True, 0.1))
+    writer.start()
+    reader.join(60), writer.join(60)
+    assert [reader.exitcode, writer.exitcode] == [0, 0]
+    spans = _spans(log)
+    read = next(s for s in spans if s["own"] and s["pid"] == reader.pid)
+    rebuild = next(s for s in spans if s["args"][-1].startswith("model--"))
+    assert rebuild["pid"] == writer.pid and rebuild["start"] >= read["end"], (read, rebuild)
+    said = (tmp_path / f"stderr-{writer.pid}.txt").read_text()
+    assert "waiting for the builds reading its previous version to finish" in said, said
     FAULTS["concurrent builds"] += 1
 
 

@@ -354,7 +354,8 @@ def test_publish_promote_refuse_rollback_and_pull_on_a_fresh_clone(fleet):
     repro = _dvc(clone, "repro", "--pull", *_build_stages(clone, BUILD))
     t_repro = time.perf_counter() - t0
     assert repro.returncode == 0, repro.stdout + repro.stderr
-    assert ran_stages(repro.stdout) == ["probe"], repro.stdout  # the probe always runs (it records the host)
+    # Only the probes run (always: they record the host); every other output is pulled.
+    assert all(r.startswith("probe--") or r.endswith("--probe") for r in ran_stages(repro.stdout)), repro.stdout
     for stage in ("untie_head", "calibrate", "quantize", "export", "pack", "deploy_profile", "verify_parity", "benchmark"):
         verify(clone / "artifacts" / BUILD / stage, expect_stage=stage)
     status = _dvc(clone, "status", *_build_stages(clone, BUILD))
