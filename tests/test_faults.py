@@ -8,12 +8,14 @@ seconds. Each test adds to FAULTS; the module prints how many it injected.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import multiprocessing
 import os
 import re
 import signal
+import subprocess
 import time
 import types
 from collections import Counter
@@ -124,6 +126,48 @@ def test_uncreatable_output_folder_is_one_line(tmp_path, monkeypatch, capsys):
     line = one_error_line(capsys)
     assert "artifacts/b" in line, line
     FAULTS["unwritable output"] += 1
+
+
+@contextlib.contextmanager
+def _tmpfs(where: Path, options: str):
+    """A real tmpfs mounted at `where` (root in a VM or container that allows it);
+    the test is skipped, saying why, where mounting is not allowed."""
+    where.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here to make a real {options} file system "
+                    f"({(proc.stderr or proc.stdout).strip()[:120] or 'mount failed'}); the simulated errors above still run")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def test_a_real_full_disk_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    """A 256 KiB file system, a stage writing 1 MiB: the kernel's own ENOSPC."""
+    with _tmpfs(tmp_path / "small", "size=256k") as root:
+        def write_a_lot(ctx):
+            (ctx.out / "weights.bin").write_bytes(b"w" * (1 << 20))
+            return {}
+
+        fake_stage(monkeypatch, root, write_a_lot)
+        monkeypatch.setenv("TMPDIR", str(tmp_path))
+        assert run_stage.main([STAGE, "--build", "b"]) == 1
+        line = one_error_line(capsys)
+        assert "disk full while writing" in line and str(root / "artifacts" / "b" / STAGE) in line, line
+        assert leftovers(root / "artifacts" / "b") == []
+        FAULTS["disk full (real)"] += 1
+
+
+def test_a_real_read_only_file_system_is_one_line(tmp_path, monkeypatch, capsys):
+    with _tmpfs(tmp_path / "ro", "ro,size=64k") as root:
+        fake_stage(monkeypatch, root, good_run)
+        monkeypatch.setenv("TMPDIR", str(tmp_path))
+        assert run_stage.main([STAGE, "--build", "b"]) == 1
+        line = one_error_line(capsys)
+        assert "read-only file system" in line and str(root / "artifacts") in line and "writable" in line, line
+        FAULTS["read-only output (real)"] += 1
 
 
 @pytest.mark.parametrize(
