@@ -4,6 +4,7 @@
     python -m pipeline device=galaxy_s25       # a cross-build for another device class
     python -m pipeline model=hf model.path=/abs/ckpt device=x86_avx512
     python -m pipeline --cfg                   # print the composed config, build nothing
+    python -m pipeline generate BUILD "prompt" # stream text from a built artifact
     python -m pipeline --help
 
 Overrides are Hydra's (`group=option`, `section.key=value`). The build is
@@ -144,6 +145,10 @@ def summary(name: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["generate"]:
+        from .generate import main as generate_main
+
+        return generate_main(argv[1:])
     if any(a in ("-h", "--help") for a in argv):
         print(_help())
         return 0

@@ -1,0 +1,173 @@
+"""python -m pipeline generate BUILD "prompt": stream text from a built artifact.
+
+The artifact is run the way its deploy profile says (runtime, threads), from
+the build's own folders, after their manifests are verified: what a fleet
+device would run, not a re-export. Greedy by default; `--temperature` samples.
+
+    python -m pipeline generate x86_avx512-embedded-speed "def read_file(path):"
+    python -m pipeline generate BUILD "prompt" --max-new-tokens 64 --temperature 0.8 --seed 1
+
+Tokens are printed as they are decoded; prefill and decode speed go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from .layout import ARTIFACTS, BUILD_NAME, ROOT
+
+
+class GenerateError(Exception):
+    """One line: why the build cannot be run."""
+
+
+# deploy profile runtime -> the benchmark arm that runs that artifact
+_ARMS = {"onnxruntime": "ort_int4", "torch": "tinygemm_w4a16"}
+
+
+def open_build(build: str, threads: int | None = None):
+    """(decoder, tokenizer, facts) for a built artifact, manifests verified."""
+    from . import manifest
+    from .bench_arm import make_decoder
+    from .context import StageError
+
+    if not BUILD_NAME.fullmatch(build) or ".." in build:
+        raise GenerateError(f"{build!r} is not a build name")
+    base = ROOT / ARTIFACTS / build
+    if not base.is_dir():
+        known = sorted(p.name for p in (ROOT / ARTIFACTS).glob("*/deploy_profile") if p.is_dir())
+        raise GenerateError(f"no build {build!r} under {ARTIFACTS}/ (built: {', '.join(p.split('/')[0] for p in known) or 'none'}); "
+                            f"build it with `python -m pipeline ...` first")
+    folders = {}
+    for stage in ("deploy_profile", "pack", "untie_head"):
+        try:
+            folders[stage] = base / stage
+            manifest.verify(folders[stage], expect_stage=stage)
+        except StageError as e:
+            raise GenerateError(str(e)) from None
+    profile = json.loads((folders["deploy_profile"] / "profile.json").read_text())
+    runtime = profile.get("runtime")
+    arm = _ARMS.get(runtime)
+    if arm is None:
+        files = ", ".join(profile.get("files") or []) or "none"
+        raise GenerateError(f"build {build}: its runtime is {runtime!r} ({profile['weight_path']['path']}), "
+                            f"which this command does not run here; the deploy profile's files: {files}")
+    wanted = (profile.get("session", {}).get("intra_op_num_threads")
+              or profile.get("torch", {}).get("torch_num_threads") or 1)
+    host = len(os.sched_getaffinity(0))
+    threads = int(threads or min(int(wanted), host))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folders["untie_head"]), local_files_only=True)
+    dec = make_decoder(arm, str(folders["pack"]), threads)
+    return dec, tok, {"runtime": runtime, "arm": arm, "threads": threads, "profile_threads": wanted,
+                      "weight_path": profile["weight_path"]["path"]}
+
+
+def _pick(logits, temperature: float, rng) -> int:
+    import numpy as np
+
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    z = np.asarray(logits, dtype=np.float64) / temperature
+    p = np.exp(z - z.max())
+    return int(rng.choice(len(p), p=p / p.sum()))
+
+
+def generate(dec, tok, prompt: str, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+             emit=None) -> dict:
+    """Prefill the prompt, then decode up to `max_new_tokens`, calling `emit`
+    with each new piece of text. Returns the ids and timings."""
+    import numpy as np
+
+    from .bench_arm import _prefill
+    from .decode_graph import ContextFull
+
+    ids = tok(prompt, add_special_tokens=True)["input_ids"]
+    if not ids:
+        raise GenerateError("the prompt encodes to no tokens")
+    eos = set(filter(lambda x: x is not None, [tok.eos_token_id]))
+    rng = np.random.default_rng(seed)
+    dec.reset()
+    t0 = time.perf_counter()
+    try:
+        logits = _prefill(dec, ids)
+    except ContextFull as e:
+        raise GenerateError(f"the prompt ({len(ids)} tokens) does not fit the artifact's context: {e}") from None
+    t1 = time.perf_counter()
+    out: list[int] = []
+    shown = ""
+    stop = "max_new_tokens"
+    for _ in range(max_new_tokens):
+        nxt = _pick(logits, temperature, rng)
+        if nxt in eos:
+            stop = "eos"
+            break
+        out.append(nxt)
+        text = tok.decode(out, skip_special_tokens=True)
+        if emit and text.startswith(shown):  # a piece can change earlier text (byte fallback): wait for it
+            emit(text[len(shown):])
+            shown = text
+        if len(out) == max_new_tokens:
+            break
+        try:
+            logits = dec.step(nxt)
+        except ContextFull:
+            stop = "context full"
+            break
+    t2 = time.perf_counter()
+    text = tok.decode(out, skip_special_tokens=True)
+    if emit and text != shown and text.startswith(shown):
+        emit(text[len(shown):])
+    return {"prompt_tokens": len(ids), "new_tokens": len(out), "ids": out, "text": text, "stop": stop,
+            "prefill_s": t1 - t0, "decode_s": t2 - t1}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline generate", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    parser.add_argument("build", help="a built build's name (artifacts/<build>/)")
+    parser.add_argument("prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="default: the deploy profile's, capped at this host's CPUs")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1 or args.max_new_tokens > 1_000_000:
+        print("error: --max-new-tokens must be between 1 and 1000000", file=sys.stderr)
+        return 2
+    if args.temperature < 0:
+        print("error: --temperature must be >= 0", file=sys.stderr)
+        return 2
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        dec, tok, facts = open_build(args.build, args.threads)
+        print(f"[{args.build}: {facts['weight_path']} on {facts['runtime']}, {facts['threads']} threads]",
+              file=sys.stderr, flush=True)
+        sys.stdout.write(args.prompt)
+        sys.stdout.flush()
+        res = generate(dec, tok, args.prompt, args.max_new_tokens, args.temperature, args.seed,
+                       emit=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
+    except GenerateError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    print()
+    pre = res["prompt_tokens"] / res["prefill_s"] if res["prefill_s"] > 0 else float("inf")
+    dec_rate = res["new_tokens"] / res["decode_s"] if res["decode_s"] > 0 else float("inf")
+    print(f"[{res['prompt_tokens']} prompt tokens at {pre:.1f} tok/s; {res['new_tokens']} new at "
+          f"{dec_rate:.1f} tok/s; stopped: {res['stop']}]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

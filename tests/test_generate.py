@@ -1,0 +1,71 @@
+"""`python -m pipeline generate`: text streamed from a built artifact, through
+its deploy profile, refused in one line when the build is missing, tampered
+with, or runs on a runtime this host does not have."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import venv_env
+
+pytestmark = pytest.mark.slow
+BUILD = "x86_avx512-embedded-speed"
+
+
+def gen(repo, *args):
+    return subprocess.run([sys.executable, "-m", "pipeline", "generate", *args], cwd=repo,
+                          capture_output=True, text=True, env=venv_env(), timeout=300)
+
+
+def test_generate_streams_the_greedy_continuation_of_the_artifact(built_repo):
+    repo, _ = built_repo
+    proc = gen(repo, BUILD, "def read", "--max-new-tokens", "12")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("def read")  # the tiny test model's continuation may be whitespace
+    assert "w4_ort_matmulnbits on onnxruntime" in proc.stderr and "12 new at" in proc.stderr, proc.stderr
+    # Greedy is deterministic, and is the packed artifact's own greedy decode.
+    again = gen(repo, BUILD, "def read", "--max-new-tokens", "12")
+    assert again.stdout == proc.stdout
+    sys.path.insert(0, str(repo))
+    from pipeline.bench_arm import make_decoder
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(repo / "artifacts" / BUILD / "untie_head"))
+    dec = make_decoder("ort_int4", str(repo / "artifacts" / BUILD / "pack"), 1)
+    ids = tok("def read")["input_ids"]
+    expected = tok.decode(dec.generate_greedy(ids, 12), skip_special_tokens=True)
+    assert proc.stdout == "def read" + expected + "\n"  # the streamed pieces, then a newline
+
+
+def test_generate_samples_reproducibly_with_a_seed(built_repo):
+    repo, _ = built_repo
+    a = gen(repo, BUILD, "The", "--max-new-tokens", "10", "--temperature", "1.0", "--seed", "3")
+    b = gen(repo, BUILD, "The", "--max-new-tokens", "10", "--temperature", "1.0", "--seed", "3")
+    assert a.returncode == 0 and a.stdout == b.stdout, a.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (["no-such-build", "x"], "no build 'no-such-build'"),
+    (["../etc", "x"], "is not a build name"),
+    ([BUILD, "x", "--max-new-tokens", "0"], "--max-new-tokens must be"),
+])
+def test_bad_requests_are_one_line(built_repo, args, words):
+    repo, _ = built_repo
+    proc = gen(repo, *args)
+    assert proc.returncode != 0 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_tampered_artifact_is_refused_before_it_runs(built_repo):
+    repo, _ = built_repo
+    target = repo / "artifacts" / BUILD / "pack" / "io.json"
+    original = target.read_bytes()
+    try:
+        target.write_bytes(original.replace(b'"context_length"', b'"context_length" ', 1))
+        proc = gen(repo, BUILD, "x")
+        assert proc.returncode == 1 and str(target) in proc.stderr and "sha256" in proc.stderr, proc.stderr
+    finally:
+        target.write_bytes(original)
