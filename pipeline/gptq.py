@@ -45,6 +45,13 @@ The grid (4 bits, codes 0..15, group size g along the input dimension K):
   the same multipliers.
 - `rtn`: the same grid and scale choice, every weight rounded to nearest with
   no error feedback: the baseline GPTQ has to beat.
+- `scale_dtype`: "fp32" (default) keeps scales as computed; "fp16" rounds
+  every candidate scale to the nearest fp16 value before its codes are chosen,
+  so the scale search, the codes and GPTQ's error feedback all see the scale
+  a format storing fp16 scales (GGUF Q4_0's block scale d) will hold, and the
+  weights it writes dequantize to exactly what was quantized. A scale below
+  fp16's smallest subnormal (2^-24) is raised to it (an all-zero group then
+  still codes to exactly zero); one above fp16's maximum is an error.
 """
 
 from __future__ import annotations
@@ -63,6 +70,9 @@ SYM_ZERO = 8
 QUANT_JSON = "quant.json"
 QUANT_TENSORS = "quantized.safetensors"
 METHODS = ("gptq", "rtn")
+SCALE_DTYPES = ("fp32", "fp16")
+_FP16_MAX = 65504.0
+_FP16_MIN_SUBNORMAL = 2.0**-24
 
 # Candidate multipliers of the scale search (see the module docstring).
 SEARCH_MULTIPLIERS = tuple(round(0.70 + 0.01 * i, 2) for i in range(31))
@@ -88,22 +98,49 @@ class Quantized:
 # --------------------------------------------------------------------------
 
 
-def _candidates(w: torch.Tensor, sym: bool, scale_search: bool):
-    """(scale [N], zero [N]) candidates for a group w [N, g]; the plain choice first."""
+def _check_scale_dtype(scale_dtype: str, name: str = "weight") -> None:
+    if scale_dtype not in SCALE_DTYPES:
+        raise QuantError(f"{name}: unknown scale_dtype {scale_dtype!r}; known: {', '.join(SCALE_DTYPES)}")
+
+
+def round_scale(scale: torch.Tensor, scale_dtype: str = "fp32") -> torch.Tensor:
+    """The scale as it will be stored: unchanged for fp32, nearest fp16 value (as float32) for fp16."""
+    if scale_dtype == "fp32":
+        return scale
+    _check_scale_dtype(scale_dtype)
+    if bool((scale > _FP16_MAX).any()):
+        raise QuantError(f"a group scale {float(scale.max()):.6g} exceeds fp16's maximum {_FP16_MAX:g}: "
+                         f"these weights cannot take fp16 scales (quantize.scale_dtype=fp32)")
+    return scale.clamp_min(_FP16_MIN_SUBNORMAL).to(torch.float16).to(torch.float32)
+
+
+def _named(name: str, fn, *args):
+    """fn(*args), a QuantError from it prefixed with the layer's name."""
+    try:
+        return fn(*args)
+    except QuantError as e:
+        raise QuantError(f"{name}: {e}") from None
+
+
+def _candidates(w: torch.Tensor, sym: bool, scale_search: bool, scale_dtype: str = "fp32"):
+    """(scale [N], zero [N]) candidates for a group w [N, g]; the plain choice first.
+
+    Each scale is already rounded to `scale_dtype` (so the asymmetric zero point
+    and everything downstream use the stored value)."""
     tiny = torch.finfo(torch.float32).tiny
     if sym:
         amax = w.abs().amax(dim=1).clamp_min(tiny)
         zero = torch.full_like(amax, float(SYM_ZERO))
-        yield amax / 7.5, zero
+        yield round_scale(amax / 7.5, scale_dtype), zero
         if scale_search:
             for m in SEARCH_MULTIPLIERS:
-                yield (amax * (m / 7.0)).clamp_min(tiny), zero
+                yield round_scale((amax * (m / 7.0)).clamp_min(tiny), scale_dtype), zero
     else:
         wmin = w.amin(dim=1).clamp(max=0.0)
         wmax = w.amax(dim=1).clamp(min=0.0)
         for m in (1.0, *SEARCH_MULTIPLIERS[:-1]) if scale_search else (1.0,):
             lo, hi = wmin * m, wmax * m
-            scale = ((hi - lo) / MAXQ).clamp_min(tiny)
+            scale = round_scale(((hi - lo) / MAXQ).clamp_min(tiny), scale_dtype)
             zero = torch.round(-lo / scale).clamp(0, MAXQ)
             yield scale, zero
 
@@ -115,11 +152,12 @@ def _codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Te
     return torch.clamp(torch.round(w / scale) + zero, 0, MAXQ)
 
 
-def group_params(w: torch.Tensor, weight: torch.Tensor | None, sym: bool, scale_search: bool):
+def group_params(w: torch.Tensor, weight: torch.Tensor | None, sym: bool, scale_search: bool,
+                 scale_dtype: str = "fp32"):
     """Per-row (scale, zero) of one group w [N, g], chosen to minimize the
     diag(H)-weighted reconstruction error sum_k weight[k] (w - w_q)^2."""
     best_s = best_z = best_err = None
-    for scale, zero in _candidates(w, sym, scale_search):
+    for scale, zero in _candidates(w, sym, scale_search, scale_dtype):
         if best_s is None and not scale_search:
             return scale, zero
         deq = (_codes(w, scale, zero) - zero[:, None]) * scale[:, None]
@@ -174,9 +212,10 @@ def _diag_weight(h: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def rtn_quantize(w: torch.Tensor, h: torch.Tensor | None = None, *, group_size: int = 128, sym: bool = True,
-                 scale_search: bool = True, name: str = "weight") -> Quantized:
+                 scale_search: bool = True, scale_dtype: str = "fp32", name: str = "weight") -> Quantized:
     """Round-to-nearest on the grid; H (optional) only weights the scale search."""
     _check(w, h, group_size, name)
+    _check_scale_dtype(scale_dtype, name)
     w = w.detach().float()
     n, k = w.shape
     d = _diag_weight(h)
@@ -185,7 +224,8 @@ def rtn_quantize(w: torch.Tensor, h: torch.Tensor | None = None, *, group_size: 
     zeros = torch.empty(n, k // group_size, dtype=torch.uint8)
     for gi, c0 in enumerate(range(0, k, group_size)):
         wg = w[:, c0 : c0 + group_size]
-        s, z = group_params(wg, None if d is None else d[c0 : c0 + group_size], sym, scale_search)
+        s, z = _named(name, group_params, wg, None if d is None else d[c0 : c0 + group_size], sym, scale_search,
+                      scale_dtype)
         codes[:, c0 : c0 + group_size] = _codes(wg, s, z).to(torch.uint8)
         scales[:, gi], zeros[:, gi] = s, z.to(torch.uint8)
     return Quantized(codes, scales, zeros, group_size)
@@ -209,9 +249,10 @@ def _inverse_hessian_factor(h: torch.Tensor, damp: float, name: str) -> torch.Te
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, *, group_size: int = 128, sym: bool = True,
                   scale_search: bool = True, damp: float = 0.01, block_size: int = 128,
-                  name: str = "weight") -> Quantized:
+                  scale_dtype: str = "fp32", name: str = "weight") -> Quantized:
     """GPTQ of one weight [N, K] given its input second moment H [K, K]."""
     _check(w, h, group_size, name)
+    _check_scale_dtype(scale_dtype, name)
     w = w.detach().float().clone()
     n, k = w.shape
     h = h.detach().double().clone()
@@ -246,7 +287,9 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, *, group_size: int = 128, sy
                 # Groups nest in blocks or blocks in groups, so the group's
                 # current weights are w1[:, i:i+g] or (at a block start) w[:, col:col+g].
                 wg = w1[:, i : i + g] if col + g <= i2 else w[:, col : col + g]
-                scale, zero = group_params(wg, d[col : col + g], sym, scale_search)
+                # with scale_dtype fp16 the scale is already the stored one, so
+                # the codes and the error fed forward below are against it
+                scale, zero = _named(name, group_params, wg, d[col : col + g], sym, scale_search, scale_dtype)
                 scales[:, col // g], zeros[:, col // g] = scale, zero.to(torch.uint8)
             wc = w1[:, i]
             q = _codes(wc, scale, zero)
@@ -260,14 +303,15 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, *, group_size: int = 128, sy
 
 def quantize_weight(w: torch.Tensor, h: torch.Tensor | None, *, method: str = "gptq", group_size: int = 128,
                     sym: bool = True, scale_search: bool = True, damp: float = 0.01, block_size: int = 128,
-                    name: str = "weight") -> Quantized:
+                    scale_dtype: str = "fp32", name: str = "weight") -> Quantized:
     if method == "gptq":
         if h is None:
             raise QuantError(f"{name}: GPTQ needs the layer's calibration Hessian")
         return gptq_quantize(w, h, group_size=group_size, sym=sym, scale_search=scale_search, damp=damp,
-                             block_size=block_size, name=name)
+                             block_size=block_size, scale_dtype=scale_dtype, name=name)
     if method == "rtn":
-        return rtn_quantize(w, h, group_size=group_size, sym=sym, scale_search=scale_search, name=name)
+        return rtn_quantize(w, h, group_size=group_size, sym=sym, scale_search=scale_search,
+                            scale_dtype=scale_dtype, name=name)
     raise QuantError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
 
 

@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pipeline.decode_graph import _Greedy
+
 SKIP_REASON = "llama.cpp baseline skipped: llama-cpp-python not installed (pip install llama-cpp-python, ~15 min build)"
 CONVERTER = "convert_hf_to_gguf.py"
 Q4_K_M = 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M in llama.h
@@ -137,7 +139,7 @@ def build_q4_k_m(hf_dir: Path, work: Path, threads: int = 0, src: str | None = N
     return out
 
 
-class LlamaCppDecoder:
+class LlamaCppDecoder(_Greedy):
     """reset/step/prefill over llama_cpp.Llama, the same API as OnnxDecoder.
 
     n_ctx and threads explicit; use_mmap off, so the weights are read into the
@@ -161,10 +163,15 @@ class LlamaCppDecoder:
         self.llm.reset()
 
     def _eval(self, ids):
+        """The last token's logits, read from the context (llama_get_logits_ith(ctx,
+        -1)), which logits_all=False does compute. Not `Llama.scores`: 0.3.36
+        fills that only with logits_all=True and leaves it at zero otherwise
+        (found by the GGUF fidelity work: every logit read that way was 0)."""
         import numpy as np
 
         self.llm.eval(list(ids))
-        return np.asarray(self.llm.scores[self.llm.n_tokens - 1], dtype=np.float32)
+        ptr = self.llm._ctx.get_logits_ith(-1)
+        return np.ctypeslib.as_array(ptr, shape=(self.vocab_size,)).astype(np.float32, copy=True)
 
     def step(self, token_id: int):
         return self._eval([int(token_id)])

@@ -151,6 +151,10 @@ class QuantizeConfig:
     scale_search: bool = True  # per-group scale search weighted by diag(H)
     damp: float = 0.01  # GPTQ dampening, fraction of mean(diag(H))
     block_size: int = 128  # GPTQ lazy-update block
+    # fp32: scales kept as computed. fp16: each scale rounded to fp16 before its
+    # codes are chosen (GPTQ's error feedback sees the rounded one), so a format
+    # with fp16 scales (GGUF Q4_0) holds the weights exactly (pipeline/gguf_q4.py).
+    scale_dtype: str = "fp32"  # fp32 | fp16
     # error: a group size that does not divide a layer's K fails the build.
     # divisor: such a layer uses the largest divisor of K below group_size that
     # is a multiple of 32, recorded as the layer's own group_size in quant.json.

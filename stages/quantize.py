@@ -9,7 +9,9 @@ Output (the contract the packers read; pipeline.gptq.load_quantized and
 quant_meta read it back):
 
 - quant.json: {"format": "edgekiln-int4/1", "bits": 4, "group_size": g, "sym",
-  "method", "scale_search", "layers": {name: {"in_features", "out_features",
+  "method", "scale_search", ["scale_dtype": "fp16" only when set: an fp32
+  run's quant.json stays byte-identical to the ones before the option],
+  "layers": {name: {"in_features", "out_features",
   "weight_rel_mse", "out_rel_err_h"}}, "calibration": {"data_sha256", ...}}.
   A layer quantized under `group_fallback: divisor` also records its own
   "group_size" (absent otherwise).
@@ -52,6 +54,7 @@ def _settings(cfg) -> dict:
         "damp": float(q.get("damp", 0.01)),
         "block_size": int(q.get("block_size", 128)),
         "group_fallback": str(q.get("group_fallback", "error")),
+        "scale_dtype": str(q.get("scale_dtype", "fp32")),
     }
     if s["method"] not in gptq.METHODS:
         raise StageError(f"quantize.method={s['method']!r} is not known; use {' or '.join(gptq.METHODS)}")
@@ -63,6 +66,9 @@ def _settings(cfg) -> dict:
         raise StageError("quantize.block_size must be positive")
     if not 0 <= s["damp"] < 1:
         raise StageError("quantize.damp must be in [0, 1)")
+    if s["scale_dtype"] not in gptq.SCALE_DTYPES:
+        raise StageError(f"quantize.scale_dtype={s['scale_dtype']!r} is not known; "
+                         f"use {' or '.join(gptq.SCALE_DTYPES)}")
     if s["group_fallback"] not in FALLBACKS:
         raise StageError(f"quantize.group_fallback={s['group_fallback']!r}; use {' or '.join(FALLBACKS)}")
     return s
@@ -161,7 +167,7 @@ def run(ctx) -> dict:
                 try:
                     q = gptq.quantize_weight(
                         w, h, method=s["method"], group_size=g, sym=s["sym"], scale_search=s["scale_search"],
-                        damp=s["damp"], block_size=s["block_size"], name=name,
+                        damp=s["damp"], block_size=s["block_size"], scale_dtype=s["scale_dtype"], name=name,
                     )
                 except gptq.QuantError as e:
                     raise StageError(str(e)) from None
@@ -190,6 +196,7 @@ def run(ctx) -> dict:
         "scale_search": s["scale_search"],
         "damp": s["damp"],
         "block_size": s["block_size"],
+        **({"scale_dtype": s["scale_dtype"]} if s["scale_dtype"] != "fp32" else {}),
         "layers": report,
         "calibration": {
             "data_sha256": calibration["data_sha256"],
@@ -202,7 +209,8 @@ def run(ctx) -> dict:
     out_errs = [e["out_rel_err_h"] for e in report.values()]
     worst = max(report, key=lambda n: report[n]["out_rel_err_h"])
     wall = time.perf_counter() - t_start
-    ctx.log(f"{len(report)} linears ({s['method']}, g{s['group_size']}, {'sym' if s['sym'] else 'asym'}): "
+    scale_note = f", {s['scale_dtype']} scales" if s["scale_dtype"] != "fp32" else ""
+    ctx.log(f"{len(report)} linears ({s['method']}, g{s['group_size']}, {'sym' if s['sym'] else 'asym'}{scale_note}): "
             f"mean out_rel_err_h {sum(out_errs) / len(out_errs):.4g}, worst {worst} "
             f"{report[worst]['out_rel_err_h']:.4g}, {wall:.1f} s")
     return {
