@@ -99,6 +99,8 @@ ARMS = {
     "ort_int4": "ONNX Runtime, the decode step with MatMulNBits 4-bit weights (packed artifact)",
     "tinygemm_w4a16": "PyTorch eager with tinygemm int4 linears, bf16 activations (packed artifact)",
     "llamacpp_q4_k_m": "llama.cpp Q4_K_M through llama-cpp-python, GGUF from its bundled converter (baseline)",
+    "ortgenai_int4": "onnxruntime-genai int4 from its own model builder (round-to-nearest, block 32, "
+                     "GroupQueryAttention), decoded by its own generator loop (baseline)",
 }
 
 
@@ -117,6 +119,10 @@ def make_decoder(arm: str, artifact: str, threads: int, n_ctx: int = 0):
         from pipeline.llamacpp import LlamaCppDecoder
 
         return LlamaCppDecoder(artifact, threads=threads, n_ctx=n_ctx)
+    if arm == "ortgenai_int4":
+        from pipeline.ortgenai import GenaiDecoder
+
+        return GenaiDecoder(artifact, threads=threads, n_ctx=n_ctx)
     raise SystemExit(f"unknown arm {arm!r}: one of {', '.join(ARMS)}")
 
 
@@ -131,6 +137,8 @@ def import_runtime(arm: str) -> None:
         import onnxruntime  # noqa: F401
     elif arm == "llamacpp_q4_k_m":
         import llama_cpp  # noqa: F401
+    elif arm == "ortgenai_int4":
+        import onnxruntime_genai  # noqa: F401
     else:
         import torch  # noqa: F401
         import transformers  # noqa: F401
@@ -171,6 +179,9 @@ def _run(dec, ids, decode_tokens: int) -> tuple[float, float]:
     t0 = time.perf_counter()
     logits = _prefill(dec, ids)
     t1 = time.perf_counter()
+    if hasattr(dec, "decode_greedy"):  # a runtime's own loop (onnxruntime-genai): what its users run
+        dec.decode_greedy(decode_tokens)
+        return t1 - t0, time.perf_counter() - t1
     token = int(np.argmax(logits))
     for _ in range(decode_tokens):
         token = int(np.argmax(dec.step(token)))

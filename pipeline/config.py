@@ -53,6 +53,7 @@ CHOICES = {
     "calibrate.dataset": ("stdlib_docstrings_heldout",),  # stages/calibrate.py DATASETS
     "pack.tinygemm_prefill": ("dequant_packed", "deinterleave_once"),  # pipeline/int4_runtime.py PREFILL_MODES
     "benchmark.llamacpp": ("auto", "off"),
+    "benchmark.ortgenai": ("auto", "off"),
     "quantize.scale_dtype": ("fp32", "fp16"),  # pipeline/gptq.py SCALE_DTYPES
 }
 # Group sizes every 4-bit kernel takes: tinygemm's (pipeline/int4_layouts.py

@@ -183,7 +183,8 @@ def _figures_table(report: dict) -> str:
 
 def _verdicts(report: dict) -> str:
     items = []
-    for key, label in (("artifact_vs_eager", "vs fp32 eager PyTorch"), ("artifact_vs_llamacpp", "vs llama.cpp Q4_K_M")):
+    for key, label in (("artifact_vs_eager", "vs fp32 eager PyTorch"), ("artifact_vs_llamacpp", "vs llama.cpp Q4_K_M"),
+                       ("artifact_vs_ortgenai", "vs onnxruntime-genai int4")):
         v = report.get(key)
         if not v:
             continue

@@ -126,6 +126,9 @@ class BenchmarkConfig:
     # wheel of llama-cpp-python ships only the library; its sdist's
     # vendor/llama.cpp has the converter). null: look inside the installed package.
     llamacpp_src: Optional[str] = None
+    # The onnxruntime-genai int4 arm (the `peers` extra): auto runs it when the
+    # package is installed and its builder can build the model; off skips it.
+    ortgenai: str = "auto"  # auto | off
 
 
 @dataclass

@@ -7,8 +7,10 @@ against context length). Every figure is min / median / max; a ratio within
 the noise floor is reported as no difference (pipeline/stats.py says why).
 
 Baselines, same weights and machine: fp32 eager PyTorch, ONNX Runtime fp32,
-and llama.cpp Q4_K_M (llama-cpp-python, an optional extra; the report says why
-when it is skipped). For a CPU build the ratio to llama.cpp is the headline.
+llama.cpp Q4_K_M (llama-cpp-python, an optional extra) and onnxruntime-genai's
+int4 build (the `peers` extra); the report says why an optional one is
+skipped. For a CPU build the ratios to llama.cpp and onnxruntime-genai are the
+headline.
 
 Where the host is not the device class the build is for (a cross-build), every
 figure is labelled as cross-measured, never as the target's.
@@ -28,7 +30,7 @@ from pathlib import Path
 
 READS = ("benchmark", "export", "device", "host")
 INPUTS = ("untie_head", "export", "pack")
-TOOLCHAIN = ("torch", "transformers", "onnxruntime", "numpy", "llama-cpp-python")
+TOOLCHAIN = ("torch", "transformers", "onnxruntime", "numpy", "llama-cpp-python", "onnxruntime-genai")
 
 FIGURES = ("decode_tok_s", "prefill_tok_s", "ttft_ms", "peak_rss_mib", "resident_mib", "load_s", "cold_start_s",
            "warm_start_s", "kv_mib")
@@ -38,7 +40,8 @@ HIGHER_IS_BETTER = {"decode_tok_s": True, "prefill_tok_s": True}
 # The packed artifact's own runtime, per weight path (pipeline/weight_path.py).
 PACKED_ARMS = {"w4_ort_matmulnbits": "ort_int4", "w4a16_tinygemm": "tinygemm_w4a16"}
 LLAMA_ARM = "llamacpp_q4_k_m"
-BASELINES = ("onnx_fp32", "torch_eager_fp32", LLAMA_ARM)
+GENAI_ARM = "ortgenai_int4"
+BASELINES = ("onnx_fp32", "torch_eager_fp32", LLAMA_ARM, GENAI_ARM)
 PLOT_CONTEXT = "plots/decode_tok_s_vs_context.json"
 PLOT_MEMORY = "plots/resident_mib.json"
 
@@ -99,6 +102,24 @@ def _llama_arm(ctx, b, threads: int) -> tuple[Path | None, str, tempfile.Tempora
     return gguf, "", tmp
 
 
+def _genai_arm(ctx, b, work: Path) -> tuple[Path | None, str, str | None]:
+    """(model folder, skip reason, repair note). Built per run, like the GGUF: a
+    baseline, not an output."""
+    from pipeline import ortgenai
+
+    if str(b.ortgenai) == "off":
+        return None, "onnxruntime-genai baseline off (benchmark.ortgenai=off)", None
+    ok, reason = ortgenai.available()
+    if not ok:
+        return None, reason, None
+    try:
+        with ctx.progress(None, "onnxruntime-genai baseline: its int4 model builder"):
+            out = ortgenai.build_int4(ctx.inputs["untie_head"], work / "ortgenai")
+            return out, "", ortgenai.repair_head(out)
+    except ortgenai.GenaiUnavailable as e:
+        return None, str(e), None
+
+
 def _plot_rows(context: dict, arms: list[str], headline: str | None) -> list[dict]:
     """Rows {context, artifact, onnx_fp32, torch_eager_fp32, llamacpp_q4_k_m}: fixed columns
     (dvc plots fails on a missing field), null where an arm did not run."""
@@ -150,6 +171,14 @@ def run(ctx) -> dict:
         arms[LLAMA_ARM] = gguf
     else:
         notes.append(llama_skip)
+    genai_tmp = tempfile.TemporaryDirectory(prefix="edgekiln-ortgenai-")
+    genai, genai_skip, genai_repair = _genai_arm(ctx, b, Path(genai_tmp.name))
+    if genai is not None:
+        arms[GENAI_ARM] = genai
+        if genai_repair:
+            notes.append(genai_repair)
+    else:
+        notes.append(genai_skip)
     headline = packed_arm or "onnx_fp32"
     runs: dict[str, list[dict]] = {a: [] for a in arms}
     order = interleave(list(arms), int(b.passes))
@@ -167,6 +196,7 @@ def run(ctx) -> dict:
     finally:
         if gguf_tmp is not None:
             gguf_tmp.cleanup()
+        genai_tmp.cleanup()
 
     figures = {arm: {f: spread([r[f] for r in rs]) for f in FIGURES} for arm, rs in runs.items()}
     memory = {arm: {m: spread([r["memory"][m] for r in rs]) for m in MEMORY} for arm, rs in runs.items()}
@@ -188,6 +218,7 @@ def run(ctx) -> dict:
 
     vs_eager = versus("torch_eager_fp32")
     vs_llama = versus(LLAMA_ARM) if LLAMA_ARM in runs else None
+    vs_genai = versus(GENAI_ARM) if GENAI_ARM in runs else None
     settings = {
         "prompt_length": b.prompt_length,
         "decode_tokens": b.decode_tokens,
@@ -216,6 +247,8 @@ def run(ctx) -> dict:
         "artifact_vs_eager": vs_eager,
         "artifact_vs_llamacpp": vs_llama,
         "llamacpp": {"ran": vs_llama is not None, "skipped": llama_skip or None},
+        "artifact_vs_ortgenai": vs_genai,
+        "ortgenai": {"ran": vs_genai is not None, "skipped": genai_skip or None},
         "passes": runs,
     }
     (ctx.out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
@@ -240,6 +273,9 @@ def run(ctx) -> dict:
     if vs_llama:
         metrics["decode_vs_llamacpp"] = vs_llama["decode_tok_s"]["ratio"]
         metrics["prefill_vs_llamacpp"] = vs_llama["prefill_tok_s"]["ratio"]
+    if vs_genai:
+        metrics["decode_vs_ortgenai"] = vs_genai["decode_tok_s"]["ratio"]
+        metrics["prefill_vs_ortgenai"] = vs_genai["prefill_tok_s"]["ratio"]
     (ctx.out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     (ctx.out / "plots").mkdir()
     rows = _plot_rows(context, list(runs), headline if packed_arm else None)
@@ -302,6 +338,13 @@ def summary_table(report: dict) -> dict:
         out["prefill vs llama.cpp Q4_K_M"] = f"{p['ratio']:.2f}x ({p['verdict']})"
     else:
         out["vs llama.cpp Q4_K_M"] = report["llamacpp"]["skipped"]
+    vg = report.get("artifact_vs_ortgenai")
+    if vg:
+        d, p = vg["decode_tok_s"], vg["prefill_tok_s"]
+        out["decode vs onnxruntime-genai int4"] = f"{d['ratio']:.2f}x ({d['verdict']})"
+        out["prefill vs onnxruntime-genai int4"] = f"{p['ratio']:.2f}x ({p['verdict']})"
+    elif report.get("ortgenai"):
+        out["vs onnxruntime-genai int4"] = report["ortgenai"]["skipped"]
     host = report["host"]
     out["measured on"] = ("target" if report["on_target"] else f"{host['device_class']} host (cross-measured)") + \
         f": {host.get('cpu_model', '?')}, {host.get('physical_cores', '?')} cores"

@@ -1,0 +1,142 @@
+"""onnxruntime-genai as a baseline arm: the peer a CPU user would pick instead.
+
+Its model builder makes an int4 CPU model from the same untied checkpoint
+(round-to-nearest, symmetric, block 32, MatMulNBits at the accuracy level
+given, attention as GroupQueryAttention); its own C++ generator runs it. An
+optional component (`pip install -e '.[peers]'`): when it is absent, or its
+builder cannot read the model's config, the arm is skipped and the reason is
+reported, never replaced by another figure.
+
+Its builder (0.18, with transformers 5) wires the head to the wrong tensor:
+the logits MatMul reads the last layer's post-attention norm, skipping that
+layer's MLP and the final norm (found here: its fp32 build disagreed with the
+HF model at the very first token; with the one edge rewired it agrees to
+128 dB). `build_int4` repairs exactly that edge and says so, so the baseline
+is the model its builder meant to build, doing the same work as ours.
+
+Two ways to drive it, both its public API:
+- `prefill(ids)` / `step(token)`: append tokens and read the logits (what the
+  parity comparison needs: teacher-forced logits against the fp32 reference);
+- `decode_greedy(n)`: its own greedy loop (`generate_next_token`), which is
+  what its users run and what the speed figures time.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+class GenaiUnavailable(RuntimeError):
+    """One line: why the onnxruntime-genai arm cannot run."""
+
+
+def available() -> tuple[bool, str]:
+    try:
+        import onnxruntime_genai  # noqa: F401
+    except ImportError as e:
+        return False, (f"onnxruntime-genai baseline skipped: not installed ({e.name or e}); "
+                       f"pip install -e '.[peers]' adds it")
+    return True, ""
+
+
+def version() -> str:
+    import onnxruntime_genai as og
+
+    return og.__version__
+
+
+def build_int4(hf_dir: Path, out_dir: Path, accuracy_level: int = 4, timeout: int = 1800) -> Path:
+    """Its model builder on a local checkpoint; GenaiUnavailable with the builder's
+    own last error line when it cannot build this model."""
+    out_dir = Path(out_dir)
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out_dir),
+           "-p", "int4", "-e", "cpu", "-c", str(out_dir / "_cache"),
+           "--extra_options", f"accuracy_level={int(accuracy_level)}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    if proc.returncode != 0 or not (out_dir / "genai_config.json").is_file():
+        lines = [l.strip() for l in (proc.stderr or proc.stdout).splitlines() if l.strip()]
+        last = lines[-1] if lines else f"exit code {proc.returncode}"
+        raise GenaiUnavailable(f"onnxruntime-genai {version()} baseline skipped: its model builder "
+                               f"cannot build this checkpoint ({last[:300]})")
+    return out_dir
+
+
+def repair_head(out_dir: Path) -> str | None:
+    """Rewire the logits MatMul to the final norm's output where the builder
+    fed it something else; the note saying what was changed, or None."""
+    import onnx
+
+    path = Path(out_dir) / "model.onnx"
+    model = onnx.load(str(path), load_external_data=False)  # the weights file is left as it is
+    head = [n for n in model.graph.node if "logits" in n.output]
+    final = [n for n in model.graph.node if "final_norm" in n.name]
+    if len(head) != 1 or len(final) != 1:
+        raise GenaiUnavailable(f"onnxruntime-genai baseline skipped: cannot find its head and final norm in {path} "
+                               f"({len(head)} logits nodes, {len(final)} final norms)")
+    want = final[0].output[0]
+    if head[0].input[0] == want:
+        return None
+    was = head[0].input[0]
+    head[0].input[0] = want
+    onnx.save(model, str(path))
+    return (f"onnxruntime-genai {version()} builder fed its head {was!r} instead of the final norm; "
+            f"rewired to {want!r} (otherwise the last MLP and the final norm are skipped)")
+
+
+class GenaiDecoder:
+    """Same API as the other decoders (reset/prefill/step/kv_bytes), plus
+    `decode_greedy(n)`, the generator's own loop."""
+
+    def __init__(self, model_dir, threads: int, n_ctx: int):
+        import onnxruntime_genai as og
+
+        model_dir = Path(model_dir)
+        cfg_path = model_dir / "genai_config.json"
+        cfg = json.loads(cfg_path.read_text())
+        opts = cfg["model"]["decoder"].setdefault("session_options", {})
+        opts["intra_op_num_threads"] = int(threads)
+        opts["inter_op_num_threads"] = 1
+        cfg_path.write_text(json.dumps(cfg, indent=4))
+        self.model = og.Model(str(model_dir))
+        self.n_ctx = int(n_ctx) if n_ctx else int(cfg["model"]["context_length"])
+        self._og = og
+        self.vocab_size = int(cfg["model"]["vocab_size"])
+        self._dec = cfg["model"]["decoder"]
+        self.reset()
+
+    def reset(self) -> None:
+        params = self._og.GeneratorParams(self.model)
+        params.set_search_options(max_length=self.n_ctx, do_sample=False, past_present_share_buffer=True)
+        self.gen = self._og.Generator(self.model, params)
+        self.position = 0
+
+    def _logits(self) -> np.ndarray:
+        return np.asarray(self.gen.get_logits(), dtype=np.float32).reshape(-1, self.vocab_size)[-1]
+
+    def prefill(self, token_ids) -> np.ndarray:
+        ids = np.asarray([int(t) for t in token_ids], dtype=np.int32)
+        self.gen.append_tokens(ids)
+        self.position += len(ids)
+        return self._logits()
+
+    def step(self, token_id: int) -> np.ndarray:
+        return self.prefill([token_id])
+
+    def decode_greedy(self, n: int) -> None:
+        """n tokens by its own loop, after a prefill (the token picked from the
+        prefill's logits is the first)."""
+        for _ in range(n):
+            self.gen.generate_next_token()
+        self.position += n
+
+    def kv_bytes(self) -> int:
+        """Its KV buffers as allocated: past_present_share_buffer preallocates
+        max_length per layer, fp32 on CPU (the builder's io dtype here)."""
+        d = self._dec
+        return int(2 * d["num_hidden_layers"] * d["num_key_value_heads"] * d["head_size"] * self.n_ctx * 4)
