@@ -96,7 +96,7 @@ def peak_rss_mib() -> float:
 ARMS = {
     "onnx_fp32": "ONNX Runtime, the exported fp32 decode step",
     "torch_eager_fp32": "PyTorch eager fp32, the Hugging Face model (baseline)",
-    "ort_int4": "ONNX Runtime, the decode step with MatMulNBits 4-bit weights (packed artifact)",
+    "ort_int4": "ONNX Runtime, GroupQueryAttention + MatMulNBits 4-bit graph, IO-bound KV (packed artifact)",
     "tinygemm_w4a16": "PyTorch eager with tinygemm int4 linears, bf16 activations (packed artifact)",
     "llamacpp_q4_k_m": "llama.cpp Q4_K_M through llama-cpp-python, GGUF from its bundled converter (baseline)",
     "ortgenai_int4": "onnxruntime-genai int4 from its own model builder (round-to-nearest, block 32, "
@@ -104,10 +104,15 @@ ARMS = {
 }
 
 
-def make_decoder(arm: str, artifact: str, threads: int, n_ctx: int = 0):
+def make_decoder(arm: str, artifact: str, threads: int, n_ctx: int = 0, session: dict | None = None):
+    """The arm's decoder; `session`: GqaDecoder settings (spinning) from a deploy profile."""
     from pipeline.decode_graph import OnnxDecoder, TorchReference
 
-    if arm in ("onnx_fp32", "ort_int4"):
+    if arm == "ort_int4":
+        from pipeline.gqa_graph import GqaDecoder
+
+        return GqaDecoder(artifact, threads=threads, **(session or {}))
+    if arm == "onnx_fp32":
         return OnnxDecoder(artifact, threads=threads)
     if arm == "torch_eager_fp32":
         return TorchReference(artifact, threads=threads)

@@ -64,7 +64,9 @@ def open_build(build: str, threads: int | None = None):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(folders["untie_head"]), local_files_only=True)
-    dec = make_decoder(arm, str(folders["pack"]), threads)
+    session = ({"session_config": profile["session"].get("session_config") or None}
+               if runtime == "onnxruntime" else None)
+    dec = make_decoder(arm, str(folders["pack"]), threads, session=session)
     return dec, tok, {"runtime": runtime, "arm": arm, "threads": threads, "profile_threads": wanted,
                       "weight_path": profile["weight_path"]["path"]}
 

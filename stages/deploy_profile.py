@@ -6,8 +6,13 @@ Per weight path (pack's weight_path.json):
   binding and preloads (sourced first: vLLM reads them from the environment).
   `kv-cache-memory-bytes` is sized from the model, never the engine's 1 GiB
   minimum (pipeline/kv_budget.py says why and how).
-- w4_ort_matmulnbits: `onnxruntime.json`: the session options, the graph, the
-  decode-step I/O and each layer's KV layout and slot rule.
+- w4_ort_matmulnbits: `onnxruntime.json`: the session options, the graph, its
+  I/O and each layer's KV buffer. Threads and spinning are chosen by a short
+  measured sweep when this host is the target device (pipeline/tune.py; the
+  candidates' spreads and the host fingerprint are recorded), else taken from
+  the device config, saying so. The MatMulNBits accuracy level is the pack
+  stage's (`pack.ort_accuracy_level`), the one verify_parity measured: a
+  faster level would be an unverified artifact.
 - w4a16_tinygemm: `torch.json`: threads, the prefill mode and the loader.
 - every path: `profile.json` with the above, the KV budget (flat and
   per-layer-type) and the weight path's rationale.
@@ -19,9 +24,10 @@ import json
 
 import yaml
 
-READS = ("device", "export")
+READS = ("device", "export", "host")
 INPUTS = ("untie_head", "pack")
-TOOLCHAIN = ("pyyaml",)
+TOOLCHAIN = ("pyyaml", "onnxruntime")
+SWEEP_PROMPT, SWEEP_DECODE, SWEEP_ROUNDS = 32, 48, 5
 
 # Thread binding and preloads doubled vLLM's CPU speed on the builders
 # (field notes: 18-30 tok/s with defaults, 37-40 with both).
@@ -59,21 +65,59 @@ def _vllm(ctx, device, kv, context_length: int) -> dict:
     return {"runtime": "vllm-cpu", "files": ["vllm.yaml", "env.sh"], "vllm_args": args, "env": env}
 
 
-def _onnxruntime(ctx, device, pack_dir) -> dict:
+def _tune(ctx, device, host, pack_dir) -> tuple[dict, dict]:
+    """(settings, evidence): measured here when this host is the target, else the device's."""
+    from pipeline import tune
+
+    fingerprint = {k: host.get(k) for k in ("cpu_model", "arch", "isa", "physical_cores", "device_class")}
+    if host.get("device_class") != device.name:
+        return ({"intra_op_num_threads": int(device.threads), "allow_spinning": None},
+                {"measured": False, "host": fingerprint,
+                 "reason": f"cross-build: this host is {host.get('device_class')}, the target {device.name}; "
+                           f"threads from the device config"})
+    from pipeline.gqa_graph import GqaDecoder
+
+    settings = tune.candidates(int(host["physical_cores"]))
+    # Fit the sweep inside the graph's positions (a small export.context_length).
+    max_len = int(json.loads((pack_dir / "io.json").read_text())["max_len"])
+    n_prompt = max(1, min(SWEEP_PROMPT, max_len // 4))
+    n_decode = max(1, min(SWEEP_DECODE, max_len - n_prompt - 1))
+    prompt = list(range(4, 4 + n_prompt))
+    with ctx.progress(len(settings) * SWEEP_ROUNDS, f"runtime settings sweep, {len(settings)} candidates") as bar:
+        res = tune.sweep(lambda s: GqaDecoder(pack_dir, threads=s["intra_op_num_threads"],
+                                              spinning=s["allow_spinning"]),
+                         settings, prompt, n_decode, rounds=SWEEP_ROUNDS, progress=lambda _: bar.advance())
+    return res["chosen"], {"measured": True, "host": fingerprint, **res}
+
+
+def _onnxruntime(ctx, device, host, pack_dir) -> dict:
+    from pipeline.stats import fmt
+
     io = json.loads((pack_dir / "io.json").read_text())
+    chosen, evidence = _tune(ctx, device, host, pack_dir)
     session = {
         "model": "../pack/model.onnx",
+        "runner": "pipeline.gqa_graph.GqaDecoder (IO binding: the KV buffers bound as past and present)",
         "providers": ["CPUExecutionProvider"],
-        "intra_op_num_threads": int(device.threads),
+        "intra_op_num_threads": int(chosen["intra_op_num_threads"]),
         "inter_op_num_threads": 1,
         "execution_mode": "ORT_SEQUENTIAL",
         "graph_optimization_level": "ORT_ENABLE_ALL",
+        "session_config": ({} if chosen["allow_spinning"] is None else
+                           {"session.intra_op.allow_spinning": "1" if chosen["allow_spinning"] else "0"}),
         "inputs": io["inputs"],
         "outputs": io["outputs"],
         "kv_layout": io["layers"],
-        "context_length": io["context_length"],
+        "context_length": io["max_len"],
+        "tuning": evidence,
     }
     (ctx.out / "onnxruntime.json").write_text(json.dumps(session, indent=2) + "\n")
+    if evidence["measured"]:
+        ctx.log(f"sweep on this host: {chosen} at {fmt(evidence['chosen_decode_tok_s'])} decode tok/s; "
+                + "; ".join(f"{r['setting']['intra_op_num_threads']}t{' spin' if r['setting']['allow_spinning'] else ''} "
+                            f"{fmt(r['decode_tok_s'])}" for r in evidence["candidates"]))
+    else:
+        ctx.log(evidence["reason"])
     return {"runtime": "onnxruntime", "files": ["onnxruntime.json"], "session": session}
 
 
@@ -105,7 +149,9 @@ def run(ctx) -> dict:
     if path == "w4a8_gptq_vllm":
         detail = _vllm(ctx, device, kv, context_length)
     elif path == "w4_ort_matmulnbits":
-        detail = _onnxruntime(ctx, device, pack_dir)
+        from omegaconf import OmegaConf
+
+        detail = _onnxruntime(ctx, device, OmegaConf.to_container(ctx.cfg.host), pack_dir)
     elif path == "w4a16_tinygemm":
         detail = _torch(ctx, device, pack_dir)
     else:

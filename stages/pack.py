@@ -14,16 +14,19 @@ The weight path is chosen by `pipeline.weight_path.select(device, priority)`
   prefill mode), plus `model.safetensors` with the untied checkpoint's
   non-quantized tensors and its config/tokenizer, so the folder loads on its
   own: `int4_runtime.load_tinygemm_model(out, out)`.
-- w4_ort_matmulnbits: `model.onnx` (the export stage's decode step with every
-  quantized linear as com.microsoft.MatMulNBits) + `io.json` and side files
-  copied from the export artifact; runs in `decode_graph.OnnxDecoder` as is.
+- w4_ort_matmulnbits: `model.onnx` + `io.json` (format edgekiln-gqa/1), the
+  graph ONNX Runtime runs fast (pipeline/gqa_graph.py): GroupQueryAttention
+  over KV buffers the runtime binds as past and present, window-sized for
+  sliding layers, every linear (the head included) a MatMulNBits from the
+  quantize stage's own codes, one graph for prefill and decode; serves the
+  export's context length. Config and tokenizer copied from the export
+  artifact; runs in `gqa_graph.GqaDecoder`.
 - qnn_graph / model_dtype: nothing but weight_path.json; {"applies": false}.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from pipeline.checkpoint_files import copy_side_files
@@ -139,21 +142,24 @@ def _write_tinygemm(ctx, meta, layers, src: Path, prefill: str, threshold: int) 
             "layout": doc["layout"], "bytes": _bytes([out / TINYGEMM_TENSORS, out / "model.safetensors"])}
 
 
-def _write_ort(ctx, export_dir: Path, quant_dir: Path, accuracy_level: int) -> dict:
-    from pipeline.int4_runtime import PackError, quantize_onnx_matmuls
+def _write_ort(ctx, untied: Path, export_dir: Path, quant_dir: Path, accuracy_level: int) -> dict:
+    from pipeline.gqa_graph import GqaGraphError, build_gqa_graph
+    from pipeline.int4_runtime import PackError
 
-    src = export_dir / "model.onnx"
-    if not src.is_file() or not (export_dir / "io.json").is_file():
-        raise StageError(f"pack: no model.onnx/io.json in the export artifact {export_dir}; rerun export")
-    try:
-        summary = quantize_onnx_matmuls(src, quant_dir, Path(ctx.out) / "model.onnx", accuracy_level)
-    except PackError as err:
-        raise StageError(f"pack: {err}") from None
-    shutil.copy2(export_dir / "io.json", Path(ctx.out) / "io.json")
+    io_path = export_dir / "io.json"
+    if not io_path.is_file():
+        raise StageError(f"pack: no io.json in the export artifact {export_dir}; rerun export")
+    max_len = int(json.loads(io_path.read_text())["context_length"])
+    with ctx.progress(None, f"GroupQueryAttention + MatMulNBits graph, {max_len} positions"):
+        try:
+            facts = build_gqa_graph(untied, quant_dir, Path(ctx.out), max_len=max_len, accuracy_level=accuracy_level)
+        except (GqaGraphError, PackError) as err:
+            raise StageError(f"pack: {err}") from None
     copied = copy_side_files(export_dir, Path(ctx.out))
-    return {"converted": summary["converted"], "bytes": summary["bytes"], "external_data": summary["external_data"],
-            "ops_top": dict(sorted(summary["ops"].items(), key=lambda kv: -kv[1])[:8]),
-            "unmatched_matmuls": summary["unmatched_matmuls"], "side_files": copied}
+    files = [p for p in Path(ctx.out).glob("model.onnx*")]
+    return {"graph": "edgekiln-gqa/1", "max_len": max_len, "bytes": sum(p.stat().st_size for p in files),
+            "ops": facts.get("ops"), "side_files": copied,
+            "facts": {k: v for k, v in facts.items() if k not in ("records", "ops")}}
 
 
 def run(ctx: StageContext) -> dict:
@@ -197,7 +203,7 @@ def run(ctx: StageContext) -> dict:
     elif sel["path"] == "w4a16_tinygemm":
         detail = _write_tinygemm(ctx, meta, layers, src, prefill, threshold)
     elif sel["path"] == "w4_ort_matmulnbits":
-        detail = _write_ort(ctx, Path(ctx.inputs["export"]), quant_dir, level)
+        detail = _write_ort(ctx, src, Path(ctx.inputs["export"]), quant_dir, level)
     else:  # pragma: no cover - select() returns only the paths above
         raise StageError(f"pack: unknown weight path {sel['path']!r}")
     ctx.log(f"{sel['path']}: {len(layers)} layers, {detail['bytes'] / 1e6:.1f} MB")

@@ -254,18 +254,20 @@ def run(ctx: StageContext) -> dict:
 
 # The packed artifact, run as its runtime runs it, against the fp32 eager model.
 ARTIFACT_RUNTIMES = {
-    "w4_ort_matmulnbits": "ONNX Runtime, MatMulNBits (the packed graph)",
+    "w4_ort_matmulnbits": "ONNX Runtime, GroupQueryAttention + MatMulNBits (the packed graph)",
     "w4a16_tinygemm": "PyTorch, tinygemm int4 kernel with bf16 activations",
     "w4a8_gptq_vllm": "PyTorch, the GPTQ checkpoint dequantized to fp32 (what vLLM loads)",
 }
 
 
 def _artifact_decoder(path: str, pack_dir: Path):
-    from pipeline.decode_graph import OnnxDecoder, TorchReference
+    from pipeline.decode_graph import TorchReference
     from pipeline.int4_runtime import GptqReference, load_tinygemm_model
 
     if path == "w4_ort_matmulnbits":
-        return OnnxDecoder(pack_dir, threads=THREADS), ""
+        from pipeline.gqa_graph import GqaDecoder
+
+        return GqaDecoder(pack_dir, threads=THREADS), ""
     if path == "w4a16_tinygemm":
         return TorchReference(load_tinygemm_model(pack_dir, pack_dir), threads=REF_THREADS), ""
     if path == "w4a8_gptq_vllm":

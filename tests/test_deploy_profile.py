@@ -15,7 +15,11 @@ CONFIG = {"num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads
           "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
 
 
-def run(tmp_path, path, extra_files=None, device=None):
+HOST = {"device_class": "x86_avx512", "cpu_model": "test cpu", "arch": "x86_64", "isa": ["avx512f"],
+        "physical_cores": 2}
+
+
+def run(tmp_path, path, extra_files=None, device=None, host=None):
     untie, pack, out = tmp_path / "untie", tmp_path / "pack", tmp_path / "out"
     for d in (untie, pack, out):
         d.mkdir()
@@ -25,7 +29,8 @@ def run(tmp_path, path, extra_files=None, device=None):
         (pack / name).write_text(text)
     dev = device or {"name": "xeon_amx", "threads": 24}
     ctx = StageContext(stage="deploy_profile", build="b",
-                       cfg=OmegaConf.create({"device": dev, "export": {"context_length": 256}}),
+                       cfg=OmegaConf.create({"device": dev, "export": {"context_length": 256},
+                                             "host": host or HOST}),
                        inputs={"untie_head": untie, "pack": pack}, out=out)
     result = deploy_profile.run(ctx)
     return out, result
@@ -45,13 +50,51 @@ def test_vllm_profile_is_serve_config_with_model_sized_kv(tmp_path):
     assert result["runtime"] == "vllm-cpu"
 
 
-def test_onnxruntime_profile_carries_io_and_kv_layout(tmp_path):
-    io = {"inputs": [{"name": "input_ids"}], "outputs": [{"name": "logits"}], "context_length": 256,
-          "layers": [{"index": 0, "type": "sliding_attention", "cache_len": 63, "slot_rule": "position mod 63"}]}
-    out, _ = run(tmp_path, "w4_ort_matmulnbits", {"io.json": json.dumps(io)},
-                 device={"name": "x86_avx512", "threads": 2})
+IO = {"format": "edgekiln-gqa/1", "inputs": [{"name": "input_ids"}], "outputs": [{"name": "logits"}], "max_len": 256,
+      "layers": [{"index": 0, "type": "sliding_attention", "cache_len": 80, "window": 64}]}
+
+
+def test_a_cross_built_onnxruntime_profile_takes_the_device_threads(tmp_path):
+    out, _ = run(tmp_path, "w4_ort_matmulnbits", {"io.json": json.dumps(IO)},
+                 device={"name": "x86_avx2", "threads": 4})
     session = json.loads((out / "onnxruntime.json").read_text())
-    assert session["intra_op_num_threads"] == 2 and session["kv_layout"][0]["slot_rule"] == "position mod 63"
+    assert session["intra_op_num_threads"] == 4 and session["kv_layout"][0]["cache_len"] == 80
+    assert session["context_length"] == 256 and session["tuning"]["measured"] is False
+    assert "cross-build" in session["tuning"]["reason"] and session["session_config"] == {}
+
+
+class FakeDecoder:
+    """Known speeds: 2 threads twice as fast as 1, spinning no faster."""
+
+    def __init__(self, pack_dir, threads, spinning):
+        self.seconds = 0.004 / threads
+
+    def reset(self):
+        pass
+
+    def step(self, token):
+        import time
+
+        time.sleep(self.seconds)
+        import numpy as np
+
+        return np.zeros(4)
+
+
+def test_on_the_target_the_settings_are_measured_and_recorded(tmp_path, monkeypatch):
+    import pipeline.gqa_graph
+
+    monkeypatch.setattr(pipeline.gqa_graph, "GqaDecoder", FakeDecoder)
+    monkeypatch.setattr(deploy_profile, "SWEEP_DECODE", 8)
+    monkeypatch.setattr(deploy_profile, "SWEEP_PROMPT", 2)
+    out, _ = run(tmp_path, "w4_ort_matmulnbits", {"io.json": json.dumps(IO)},
+                 device={"name": "x86_avx512", "threads": 1})
+    session = json.loads((out / "onnxruntime.json").read_text())
+    tuning = session["tuning"]
+    assert tuning["measured"] and tuning["host"]["cpu_model"] == "test cpu"
+    assert len(tuning["candidates"]) == 2 + 1  # 1 thread; 2 threads with and without spinning
+    assert session["intra_op_num_threads"] == 2  # measured faster than the device config's 1
+    assert session["session_config"] == {"session.intra_op.allow_spinning": "0"}  # spinning bought nothing
 
 
 def test_paths_without_a_cpu_runtime_write_only_the_profile(tmp_path):

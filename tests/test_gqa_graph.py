@@ -1,0 +1,440 @@
+"""The hand-built GroupQueryAttention + MatMulNBits graph against the GPTQ reference.
+
+Tiny random-init Gemma3 / Qwen3 / Llama checkpoints (no downloads), untied,
+their linears round-to-nearest quantized in the quantize stage's format
+(scales rounded to float16 values, so the GPTQ folder that
+`int4_runtime.GptqReference` loads holds exactly the same weights). Window 8,
+sequences of 40+ tokens: every check runs well past the sliding window.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+
+from pipeline import int4_layouts as L  # noqa: E402
+from pipeline.decode_graph import ContextFull, TorchReference, snr_db  # noqa: E402
+from pipeline.gqa_graph import GqaDecoder, GqaGraphError, build_gqa_graph  # noqa: E402
+from pipeline.int4_runtime import GptqReference, read_quant  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+WINDOW = 8
+VOCAB = 128
+MAX_LEN = 48
+GROUP = 32
+
+
+def _gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=WINDOW,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"], max_position_embeddings=256,
+        query_pre_attn_scalar=24, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+    )
+    return Gemma3ForCausalLM(cfg)
+
+
+def _qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+    return Qwen3ForCausalLM(cfg)
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+def _llama_bias():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, attention_bias=True, mlp_bias=True)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(".bias"):
+                p.normal_(0.0, 0.5)  # zero-initialized by HF: give them values that show
+    return model
+
+
+BUILDERS = {"gemma3": _gemma3, "qwen3": _qwen3, "llama": _llama, "llama_bias": _llama_bias}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _rtn(w: np.ndarray, sym: bool):
+    """RTN codes in the quantize stage's layout; scales float16-exact (the GPTQ folder stores fp16)."""
+    n, k = w.shape
+    wg = w.reshape(n, k // GROUP, GROUP).astype(np.float32)
+    if sym:
+        s = np.abs(wg).max(-1) / 7.0
+        s = np.where(s == 0, 1.0, s).astype(np.float16).astype(np.float32)
+        z = np.full((n, k // GROUP), 8, np.uint8)
+    else:
+        lo, hi = wg.min(-1), wg.max(-1)
+        s = (hi - lo) / 15.0
+        s = np.where(s == 0, 1.0, s).astype(np.float16).astype(np.float32)
+        z = np.clip(np.round(-lo / s), 1, 15).astype(np.uint8)  # 1..15: GPTQ v1 cannot store 0
+    q = np.clip(np.round(wg / s[..., None]) + z[..., None], 0, 15).astype(np.uint8).reshape(n, k)
+    return q, s, z
+
+
+def _checkpoint(root: Path, name: str, sym: bool = True, seed: int = 0, tied: bool = False) -> dict:
+    """hf/ (untied), quant/ (quant.json + quantized.safetensors), gptq/ (for GptqReference).
+
+    `tied`: the head holds a copy of the embedding (a tied model after the untie_head stage)."""
+    from safetensors.numpy import save_file
+    from safetensors.torch import save_file as save_torch
+
+    torch.manual_seed(seed)
+    model = BUILDERS[name]().eval()
+    with torch.no_grad():  # random init leaves norms at identity: perturb them so they matter
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.2)
+        if tied:
+            model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+    model.save_pretrained(root / "hf")
+    tensors, layers, gptq = {}, {}, {}
+    for lname, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            q, s, z = _rtn(mod.weight.detach().numpy(), sym)
+            tensors.update({f"{lname}.qweight": q, f"{lname}.scales": s, f"{lname}.zeros": z})
+            layers[lname] = {"in_features": q.shape[1], "out_features": q.shape[0]}
+            for part, t in L.to_gptq(q, s, z, GROUP).items():
+                gptq[f"{lname}.{part}"] = t
+    (root / "quant").mkdir()
+    save_file(tensors, str(root / "quant" / "quantized.safetensors"))
+    (root / "quant" / "quant.json").write_text(json.dumps(
+        {"format": "edgekiln-int4/1", "bits": 4, "group_size": GROUP, "sym": sym, "method": "rtn", "layers": layers}))
+    (root / "gptq").mkdir()
+    for k, v in model.state_dict().items():
+        if not (k.endswith(".weight") and k[: -len(".weight")] in layers):
+            gptq[k] = v.detach().clone().contiguous()
+    save_torch(gptq, str(root / "gptq" / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((root / "hf" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "sym": sym,
+                                  "desc_act": False, "lm_head": True, "checkpoint_format": "gptq"}
+    (root / "gptq" / "config.json").write_text(json.dumps(cfg))
+    return {"root": root, "hf": root / "hf", "quant": root / "quant", "gptq": root / "gptq"}
+
+
+def _graph(ck, acc: int, tag: str = "", **options) -> Path:
+    out = ck["root"] / f"gqa_acc{acc}{tag}"
+    if not (out / "io.json").is_file():
+        facts = build_gqa_graph(ck["hf"], ck["quant"], out, max_len=MAX_LEN, accuracy_level=acc, **options)
+        (out / "facts.json").write_text(json.dumps(facts, default=str))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    cache = {}
+
+    def get(name, sym=True, tied=False):
+        if (name, sym, tied) not in cache:
+            cache[(name, sym, tied)] = _checkpoint(
+                tmp_path_factory.mktemp(f"{name}_{'sym' if sym else 'asym'}{'_tied' if tied else ''}"), name, sym,
+                tied=tied)
+        return cache[(name, sym, tied)]
+
+    return get
+
+
+def _seq(n=40, seed=1):
+    return np.random.default_rng(seed).integers(3, VOCAB, n).tolist()
+
+
+def _steps(runtime, ids):
+    runtime.reset()
+    return np.stack([runtime.step(t) for t in ids])
+
+
+def _reference(ck):
+    return TorchReference(GptqReference(ck["gptq"]).model)
+
+
+# --------------------------------------------------------------------------
+# logits against the GPTQ reference
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,sym,acc,min_snr", [
+    ("gemma3", True, 0, 90.0), ("qwen3", True, 0, 90.0), ("llama", True, 0, 90.0),
+    ("llama_bias", True, 0, 90.0),  # attention / MLP biases as the MatMulNBits bias input
+    ("gemma3", False, 0, 90.0),  # zero points shipped to MatMulNBits
+    ("gemma3", True, 4, 25.0), ("qwen3", True, 4, 25.0),  # int8 activations: ORT's own rounding
+])
+def test_logits_match_gptq_reference(ckpts, name, sym, acc, min_snr):
+    ck = ckpts(name, sym)
+    dec = GqaDecoder(_graph(ck, acc), threads=1)
+    ids = _seq()
+    ref = _steps(_reference(ck), ids)
+    got = _steps(dec, ids)
+    per_pos = [snr_db(a, b) for a, b in zip(ref, got)]
+    assert snr_db(ref, got) > min_snr + 5 and min(per_pos) > min_snr, (snr_db(ref, got), min(per_pos))
+    top_ref, top_got = ref.argmax(-1), got.argmax(-1)
+    if acc == 0:
+        assert (top_ref == top_got).all()
+    else:  # a flip is allowed only where the reference itself is a near tie
+        srt = np.sort(ref, -1)
+        margin = srt[:, -1] - srt[:, -2]
+        err = np.abs(ref - got).max(-1)
+        assert ((top_ref == top_got) | (margin < 2 * err)).all()
+        assert (top_ref == top_got).mean() >= 0.9
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3"])
+def test_prefill_equals_stepping(ckpts, name):
+    ck = ckpts(name)
+    dec = GqaDecoder(_graph(ck, 0), threads=1)
+    ids = _seq(37, seed=2)
+    stepped = _steps(dec, ids)
+    dec.reset()
+    last = dec.prefill(ids)
+    assert dec.position == len(ids)
+    assert snr_db(stepped[-1], last) > 100.0
+    # then decoding continues from the prefilled cache exactly as from the stepped one
+    after_prefill = np.stack([dec.step(t) for t in (5, 6, 7)])
+    dec.reset()
+    for t in ids:
+        dec.step(t)
+    after_steps = np.stack([dec.step(t) for t in (5, 6, 7)])
+    assert snr_db(after_steps, after_prefill) > 100.0
+    # chunked prefill (a chunk on top of a cache, longer than the window) = one prefill
+    dec.reset()
+    dec.prefill(ids[:5])
+    dec.prefill(ids[5:20])
+    chunked = dec.prefill(ids[20:])
+    assert snr_db(stepped[-1], chunked) > 100.0
+
+
+def test_prefill_at_accuracy_level_4_matches_reference(ckpts):
+    ck = ckpts("gemma3")
+    dec = GqaDecoder(_graph(ck, 4), threads=2)
+    ids = _seq(30, seed=3)
+    ref = _steps(_reference(ck), ids)[-1]
+    dec.reset()
+    assert snr_db(ref, dec.prefill(ids)) > 30.0
+
+
+def test_window_semantics_are_pinned(ckpts):
+    """local_window_size = W matches HF; W - 1 does not (so the checks above do see the window)."""
+    ck = ckpts("gemma3")
+    ids = _seq()
+    ref = _steps(_reference(ck), ids)
+    off = _steps(GqaDecoder(_graph(ck, 0, "_w-1", window_offset=-1), threads=1), ids)
+    assert snr_db(ref[:WINDOW - 1], off[:WINDOW - 1]) > 90.0  # until a W-1 window binds, nothing differs
+    assert snr_db(ref[WINDOW:], off[WINDOW:]) < 60.0
+
+
+@pytest.mark.parametrize("slack", [None, 0, 1])
+def test_window_cache_equals_full_buffer(ckpts, slack):
+    """Sliding layers in a window-sized buffer (GQA sliding_window_cache, compaction every slack + 1 steps)
+    give what a max_len buffer gives: stepping, and prefills longer than the buffer."""
+    ck = ckpts("gemma3")
+    ids = _seq(44, seed=6)
+    ref = _steps(_reference(ck), ids)
+    dec = GqaDecoder(_graph(ck, 0, f"_slack{slack}", window_cache_slack=slack), threads=1)
+    io = json.loads((dec.dir / "io.json").read_text())
+    rows = [layer["cache_len"] for layer in io["layers"]]
+    assert rows == ([MAX_LEN] * 4 if slack is None else [WINDOW + slack] * 3 + [MAX_LEN])
+    got = _steps(dec, ids)
+    assert snr_db(ref, got) > 90.0 and (ref.argmax(-1) == got.argmax(-1)).all()
+    dec.reset()
+    dec.prefill(ids[:30])  # longer than a window buffer
+    tail = np.stack([dec.step(t) for t in ids[30:]])
+    assert snr_db(ref[30:], tail) > 90.0
+
+
+@pytest.mark.parametrize("tag,options", [
+    ("_plain", dict(fuse_qkv=False, fuse_gate_up=False, qk_norm="split", skip_norm=False, last_layer_rows="all",
+                    norm_op="SimplifiedLayerNormalization")),
+    ("_branchwise", dict(qk_norm="branchwise")),
+    ("_qk", dict(fuse_qkv="qk", qk_norm="split")),
+])
+def test_graph_variants_are_identical(ckpts, tag, options):
+    """Concatenating q|k|v and gate|up along N is exact; the q/k norm layouts, the norm op and the
+    last-row-only tail agree with the default graph."""
+    ck = ckpts("qwen3")
+    ids = _seq(20, seed=4)
+    fused = _steps(GqaDecoder(_graph(ck, 0), threads=1), ids)
+    other = _steps(GqaDecoder(_graph(ck, 0, tag, **options), threads=1), ids)
+    assert snr_db(fused, other) > 110.0
+
+
+def test_embedding_from_head_codes_on_a_tied_checkpoint(ckpts):
+    """embedding='head_q4': GatherBlockQuantized over the head's own codes (Gemma's sqrt(hidden) scale
+    folded in) = the reference model whose embedding is the dequantized head; refused when untied."""
+    ck = ckpts("gemma3", tied=True)
+    ref_model = GptqReference(ck["gptq"]).model
+    with torch.no_grad():
+        ref_model.model.embed_tokens.weight.copy_(ref_model.lm_head.weight)
+    ids = _seq(30, seed=7)
+    ref = _steps(TorchReference(ref_model), ids)
+    got = _steps(GqaDecoder(_graph(ck, 0, "_embq4", embedding="head_q4"), threads=1), ids)
+    assert snr_db(ref, got) > 90.0
+    facts = json.loads((ck["root"] / "gqa_acc0_embq4" / "facts.json").read_text())
+    assert facts["weight_bytes"]["embedding"] == VOCAB * 64 // 2 + VOCAB * (64 // GROUP) * 4
+    with pytest.raises(GqaGraphError, match="tied"):
+        _graph(ckpts("gemma3"), 0, "_embq4_untied", embedding="head_q4")
+
+
+def test_huge_pages_changes_nothing_but_pages(ckpts):
+    ck = ckpts("qwen3")
+    ids = _seq(12, seed=8)
+    plain = _steps(GqaDecoder(_graph(ck, 4), threads=1), ids)
+    dec = GqaDecoder(_graph(ck, 4), threads=1, huge_pages=True)
+    assert dec.huge_page_bytes >= 0  # 0 where the kernel has no MADV_COLLAPSE or nothing is 2 MiB-sized
+    assert np.array_equal(plain, _steps(dec, ids))
+
+
+def test_greedy_matches_reference(ckpts):
+    ck = ckpts("gemma3")
+    prompt = [1, 17, 42, 99]
+    n = MAX_LEN - len(prompt)
+    assert GqaDecoder(_graph(ck, 0), threads=1).generate_greedy(prompt, n) == \
+        _reference(ck).generate_greedy(prompt, n)
+
+
+# --------------------------------------------------------------------------
+# runtime contract
+# --------------------------------------------------------------------------
+
+
+def test_reset_and_context_full(ckpts):
+    ck = ckpts("gemma3")
+    dec = GqaDecoder(_graph(ck, 0), threads=1)
+    ids = _seq(MAX_LEN, seed=5)
+    first = _steps(dec, ids[:10])
+    for t in ids[10:]:
+        dec.step(t)
+    assert dec.position == MAX_LEN
+    with pytest.raises(ContextFull, match=f"max_len {MAX_LEN}"):
+        dec.step(5)
+    dec.reset()
+    again = _steps(dec, ids[:10])
+    assert np.array_equal(first, again)  # stale cache rows past the position are never read
+    dec.reset()
+    dec.prefill(ids[:40])
+    with pytest.raises(ContextFull):
+        dec.prefill(ids[:9])
+    assert dec.position == 40  # a refused call changes nothing
+    assert dec.prefill(ids[:8]).shape == (VOCAB,)
+    with pytest.raises(ContextFull):
+        dec.step(5)
+    # the returned logits are the caller's: the next step does not overwrite them
+    dec.reset()
+    a = dec.step(3)
+    keep = a.copy()
+    dec.step(4)
+    assert np.array_equal(a, keep)
+    # K and V fp32 [1, 1, rows, 32]: 3 sliding layers with window buffers of W + 16 rows, one full of max_len
+    assert dec.kv_bytes() == 4 * 2 * 32 * (3 * (WINDOW + 16) + MAX_LEN)
+
+
+def test_graph_layout_and_io(ckpts):
+    ck = ckpts("gemma3")
+    out = _graph(ck, 4)
+    io = json.loads((out / "io.json").read_text())
+    facts = json.loads((out / "facts.json").read_text())
+    g = onnx.load(str(out / "model.onnx")).graph
+    ops = [n.op_type for n in g.node]
+    n_layers = 4
+    assert ops.count("GroupQueryAttention") == n_layers
+    assert ops.count("MatMulNBits") == 4 * n_layers + 1  # qkv, o, gate|up, down per layer + lm_head
+    assert "MatMul" not in ops and "Softmax" not in ops
+    assert all(n.domain == "com.microsoft" for n in g.node if n.op_type in ("GroupQueryAttention", "MatMulNBits"))
+    assert {a.name: a.i for n in g.node if n.op_type == "MatMulNBits" for a in n.attribute}["accuracy_level"] == 4
+    gqa = [{a.name: (a.i if a.type == a.INT else a.f) for a in n.attribute} for n in g.node
+           if n.op_type == "GroupQueryAttention"]
+    assert [x["local_window_size"] for x in gqa] == [WINDOW] * 3 + [-1]
+    assert all(x["do_rotary"] == 1 and x["num_heads"] == 2 and x["kv_num_heads"] == 1 for x in gqa)
+    assert all(abs(x["scale"] - 24 ** -0.5) < 1e-7 for x in gqa)  # query_pre_attn_scalar
+    # sliding and full layers read different rope caches (rope_theta 1e4 vs 1e6)
+    cos_in = [n.input[7] for n in g.node if n.op_type == "GroupQueryAttention"]
+    assert cos_in[:3] == ["cos_sliding_attention"] * 3 and cos_in[3] == "cos_full_attention"
+    assert [i.name for i in g.input][:3] == ["input_ids", "seqlens_k", "total_sequence_length"]
+    shapes = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in g.input}
+    assert shapes["input_ids"] == [1, "S"] and shapes["past_key_3"] == [1, 1, MAX_LEN, 32]
+    assert [v.name for v in g.output][0] == "logits"
+    assert io["family"] == "gemma3_text" and io["max_len"] == MAX_LEN and io["vocab_size"] == VOCAB
+    assert [layer["local_window_size"] for layer in io["layers"]] == [WINDOW] * 3 + [-1]
+    assert [layer["rope_theta"] for layer in io["layers"]] == [10000.0] * 3 + [1000000.0]
+    assert facts["ops"]["GroupQueryAttention"] == n_layers and facts["bytes"] > 0
+    # every quantized layer went in once, from the stage's own codes
+    _, layers = read_quant(ck["quant"])
+    used = [n for r in facts["matmulnbits"].values() for n in r["layers"]]
+    assert sorted(used) == sorted(layers)
+
+
+def test_refusals(ckpts, tmp_path):
+    ck = ckpts("qwen3")
+    from safetensors.numpy import load_file, save_file
+
+    q = tmp_path / "no_head"
+    q.mkdir()
+    meta = json.loads((ck["quant"] / "quant.json").read_text())
+    del meta["layers"]["lm_head"]
+    (q / "quant.json").write_text(json.dumps(meta))
+    t = {k: v for k, v in load_file(str(ck["quant"] / "quantized.safetensors")).items() if not k.startswith("lm_head")}
+    save_file(t, str(q / "quantized.safetensors"))
+    with pytest.raises(GqaGraphError, match="lm_head"):
+        build_gqa_graph(ck["hf"], q, tmp_path / "x", max_len=16)
+    with pytest.raises(GqaGraphError, match="unknown build options"):
+        build_gqa_graph(ck["hf"], ck["quant"], tmp_path / "y", max_len=16, fuse_everything=True)
+
+
+# --------------------------------------------------------------------------
+# the embedded build's own artifacts, when present
+# --------------------------------------------------------------------------
+
+EMBEDDED = ROOT / "artifacts" / "x86_avx512-embedded-speed"
+
+
+@pytest.mark.skipif(not (EMBEDDED / "quantize" / "quant.json").is_file(), reason="embedded build artifacts absent")
+def test_embedded_build_matches_dequantized_model(tmp_path):
+    from pipeline.decode_graph import load_hf_model
+
+    out = tmp_path / "gqa"
+    build_gqa_graph(EMBEDDED / "untie_head", EMBEDDED / "quantize", out, max_len=160, accuracy_level=0)
+    model = load_hf_model(EMBEDDED / "untie_head")
+    _, layers = read_quant(EMBEDDED / "quantize")
+    for n, (q, s, z, g) in layers.items():
+        model.get_submodule(n).weight.data = torch.from_numpy(L.dequant(q, s, z, g))
+    ids = np.random.default_rng(0).integers(4, 2048, 150).tolist()  # the window is 64
+    ref = _steps(TorchReference(model), ids)
+    dec = GqaDecoder(out, threads=2)
+    got = _steps(dec, ids)
+    assert snr_db(ref, got) > 100.0
+    assert (ref.argmax(-1) == got.argmax(-1)).all()
+    dec.reset()
+    assert snr_db(ref[-1], dec.prefill(ids)) > 100.0
