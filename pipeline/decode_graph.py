@@ -66,6 +66,24 @@ def _text_config(config):
     return getattr(config, "text_config", None) or config
 
 
+def layer_types(cfg, error: type[Exception] = None) -> tuple[list[str], int | None]:
+    """(each layer's type, sliding_window) of a text config, checked: every type
+    full or sliding, and a sliding layer only with a window. Shared by the two
+    graph builders (this module's export, pipeline/gqa_graph.py)."""
+    error = error or DecodeGraphError
+    n = cfg.num_hidden_layers
+    types = list(getattr(cfg, "layer_types", None) or [FULL] * n)
+    if len(types) < n:
+        raise error(f"config.layer_types has {len(types)} entries for {n} layers")
+    window = getattr(cfg, "sliding_window", None)
+    for i, t in enumerate(types[:n]):
+        if t not in (FULL, SLIDING):
+            raise error(f"layer {i}: unsupported layer type {t!r} (only {FULL}, {SLIDING})")
+        if t == SLIDING and not window:
+            raise error(f"layer {i} is {SLIDING} but config.sliding_window is {window!r}")
+    return types[:n], window
+
+
 def layer_plan(config, context_length: int, sliding_layout: str = "ring") -> list[dict[str, Any]]:
     """Per layer: {index, type, cache_len, slot_rule, ring, window} for this config.
 
@@ -75,20 +93,10 @@ def layer_plan(config, context_length: int, sliding_layout: str = "ring") -> lis
     """
     if sliding_layout not in ("ring", "full"):
         raise DecodeGraphError(f"sliding_layout must be 'ring' or 'full', got {sliding_layout!r}")
-    cfg = _text_config(config)
-    n = cfg.num_hidden_layers
-    types = list(getattr(cfg, "layer_types", None) or [FULL] * n)
-    if len(types) < n:
-        raise DecodeGraphError(f"config.layer_types has {len(types)} entries for {n} layers")
-    window = getattr(cfg, "sliding_window", None)
+    types, window = layer_types(_text_config(config))
     plan = []
-    for i in range(n):
-        t = types[i]
-        if t not in (FULL, SLIDING):
-            raise DecodeGraphError(f"layer {i}: unsupported layer type {t!r} (only {FULL}, {SLIDING})")
+    for i, t in enumerate(types):
         if t == SLIDING:
-            if not window:
-                raise DecodeGraphError(f"layer {i} is {SLIDING} but config.sliding_window is {window!r}")
             if window < 2:
                 raise DecodeGraphError(f"sliding_window {window} < 2 leaves no ring")
             if window - 1 < context_length:

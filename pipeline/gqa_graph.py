@@ -75,7 +75,6 @@ import numpy as np
 
 from pipeline import int4_layouts as L
 from pipeline.decode_graph import (
-    FULL,
     SLIDING,
     ContextFull,
     DecodeGraphError,
@@ -85,6 +84,7 @@ from pipeline.decode_graph import (
     _id_list,
     _rope_tables,
     _text_config,
+    layer_types,
     load_hf_model,
 )
 
@@ -150,18 +150,9 @@ def layer_plan(cfg, max_len: int, window_offset: int = 0, window_cache_slack: in
     front and compacts every slack + 1 steps), so its decode attends over at
     most W + slack keys instead of every position so far.
     """
-    n = cfg.num_hidden_layers
-    types = list(getattr(cfg, "layer_types", None) or [FULL] * n)
-    if len(types) < n:
-        raise GqaGraphError(f"config.layer_types has {len(types)} entries for {n} layers")
-    w = getattr(cfg, "sliding_window", None)
+    types, w = layer_types(cfg, GqaGraphError)
     plan = []
-    for i in range(n):
-        t = types[i]
-        if t not in (FULL, SLIDING):
-            raise GqaGraphError(f"layer {i}: unsupported layer type {t!r} (only {FULL}, {SLIDING})")
-        if t == SLIDING and not w:
-            raise GqaGraphError(f"layer {i} is {SLIDING} but config.sliding_window is {w!r}")
+    for i, t in enumerate(types):
         # A window that cannot bind inside max_len is left off (the op then does plain causal attention).
         binds = t == SLIDING and int(w) < max_len
         lws = _gqa_window(w, window_offset) if binds else -1

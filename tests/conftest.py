@@ -83,6 +83,18 @@ def ran_stages(output: str) -> list[str]:
     return [line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage '")]
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Torch on one thread for the module (deterministic reductions, and the
+    other tests' processes keep the second core)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="session")
 def built_repo(tmp_path_factory):
     """One repository copy with a tiny x86_avx512 build done, shared by the e2e tests."""

@@ -91,12 +91,7 @@ def _model(name, seed=0):
     return model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _run_step(step, ids):

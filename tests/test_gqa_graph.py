@@ -82,12 +82,7 @@ def _llama_bias():
 BUILDERS = {"gemma3": _gemma3, "qwen3": _qwen3, "llama": _llama, "llama_bias": _llama_bias}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _threads():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _rtn(w: np.ndarray, sym: bool):
