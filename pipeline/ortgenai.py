@@ -7,12 +7,14 @@ optional component (`pip install -e '.[peers]'`): when it is absent, or its
 builder cannot read the model's config, the arm is skipped and the reason is
 reported, never replaced by another figure.
 
-Its builder (0.18, with transformers 5) wires the head to the wrong tensor:
-the logits MatMul reads the last layer's post-attention norm, skipping that
-layer's MLP and the final norm (found here: its fp32 build disagreed with the
-HF model at the very first token; with the one edge rewired it agrees to
-128 dB). `build_int4` repairs exactly that edge and says so, so the baseline
-is the model its builder meant to build, doing the same work as ours.
+Its builder (0.18, with transformers 5) sometimes wires the head to the
+wrong tensor: on the small test Qwen3 models here (1-2 layers, hidden 128)
+the logits MatMul read the last layer's post-attention norm, skipping that
+layer's MLP and the final norm (its fp32 build disagreed with the HF model at
+the very first token; with the one edge rewired it agrees to 128 dB); the
+8-layer ~100M Qwen3 was wired right. `repair_head` rewires exactly that edge
+where it is wrong and says so, so the baseline is the model its builder meant
+to build, doing the same work as ours.
 
 Two ways to drive it, both its public API:
 - `prefill(ids)` / `step(token)`: append tokens and read the logits (what the
