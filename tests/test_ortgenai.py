@@ -27,7 +27,10 @@ def test_absent_package_is_a_skip_reason_not_an_error(monkeypatch):
     assert not ok and "onnxruntime-genai baseline skipped" in reason and ".[peers]" in reason
 
 
-needs_genai = pytest.mark.skipif(not ortgenai.available()[0], reason=ortgenai.available()[1])
+def needs_genai(fn):
+    """The `optional` marker; skipped with the reason when onnxruntime-genai is absent."""
+    ok, reason = ortgenai.available()
+    return pytest.mark.optional(pytest.mark.skipif(not ok, reason=reason)(fn))
 
 
 def _qwen3(path):
