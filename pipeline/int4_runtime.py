@@ -12,6 +12,9 @@
   cost per the field notes, at the price of that copy).
 - `quantize_onnx_matmuls`: rewrites the fp32 decode-step ONNX graph so each
   quantized linear is a com.microsoft MatMulNBits with our own codes/scales.
+  The pack stage's ORT artifact was this until the GroupQueryAttention graph
+  (pipeline/gqa_graph.py) replaced it; kept as the "before" arm of
+  benchmarks/gqa_speed.py, which measures the two side by side.
 - `GptqReference`: a GPTQ checkpoint folder dequantized to fp32 into the HF
   model: what vLLM computes, as a torch reference.
 """

@@ -65,7 +65,7 @@ def _vllm(ctx, device, kv, context_length: int) -> dict:
     return {"runtime": "vllm-cpu", "files": ["vllm.yaml", "env.sh"], "vllm_args": args, "env": env}
 
 
-def _tune(ctx, device, host, pack_dir) -> tuple[dict, dict]:
+def _tune(ctx, device, host, pack_dir, max_len: int) -> tuple[dict, dict]:
     """(settings, evidence): measured here when this host is the target, else the device's."""
     from pipeline import tune
 
@@ -79,7 +79,6 @@ def _tune(ctx, device, host, pack_dir) -> tuple[dict, dict]:
 
     settings = tune.candidates(int(host["physical_cores"]))
     # Fit the sweep inside the graph's positions (a small export.context_length).
-    max_len = int(json.loads((pack_dir / "io.json").read_text())["max_len"])
     n_prompt = max(1, min(SWEEP_PROMPT, max_len // 4))
     n_decode = max(1, min(SWEEP_DECODE, max_len - n_prompt - 1))
     prompt = list(range(4, 4 + n_prompt))
@@ -94,7 +93,7 @@ def _onnxruntime(ctx, device, host, pack_dir) -> dict:
     from pipeline.stats import fmt
 
     io = json.loads((pack_dir / "io.json").read_text())
-    chosen, evidence = _tune(ctx, device, host, pack_dir)
+    chosen, evidence = _tune(ctx, device, host, pack_dir, int(io["max_len"]))
     session = {
         "model": "../pack/model.onnx",
         "runner": "pipeline.gqa_graph.GqaDecoder (IO binding: the KV buffers bound as past and present)",
