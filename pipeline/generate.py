@@ -40,8 +40,8 @@ def open_build(build: str, threads: int | None = None):
         raise GenerateError(f"{build!r} is not a build name")
     base = ROOT / ARTIFACTS / build
     if not base.is_dir():
-        known = sorted(p.name for p in (ROOT / ARTIFACTS).glob("*/deploy_profile") if p.is_dir())
-        raise GenerateError(f"no build {build!r} under {ARTIFACTS}/ (built: {', '.join(p.split('/')[0] for p in known) or 'none'}); "
+        known = sorted(p.parent.name for p in (ROOT / ARTIFACTS).glob("*/deploy_profile") if p.is_dir())
+        raise GenerateError(f"no build {build!r} under {ARTIFACTS}/ (built: {', '.join(known) or 'none'}); "
                             f"build it with `python -m pipeline ...` first")
     folders = {}
     for stage in ("deploy_profile", "pack", "untie_head"):

@@ -59,6 +59,13 @@ def test_bad_requests_are_one_line(built_repo, args, words):
     assert proc.returncode != 0 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+def test_a_missing_build_lists_the_builds_there_are(built_repo):
+    repo, _ = built_repo
+    proc = gen(repo, "no-such-build", "x")
+    listed = proc.stderr.split("(built: ", 1)[1].split(")", 1)[0].split(", ")
+    assert BUILD in listed and "deploy_profile" not in listed, proc.stderr
+
+
 def test_a_tampered_artifact_is_refused_before_it_runs(built_repo):
     repo, _ = built_repo
     target = repo / "artifacts" / BUILD / "pack" / "io.json"
