@@ -167,7 +167,9 @@ def kv_bytes(dec) -> int:
     return int(total)
 
 
-def _prefill(dec, ids):
+def prefill(dec, ids):
+    """The prompt through `dec`: its batched prefill where it has one, else token by token;
+    the last token's logits (shared by the benchmark, the settings sweep and `generate`)."""
     if hasattr(dec, "prefill"):
         return dec.prefill(ids)
     logits = None
@@ -182,7 +184,7 @@ def _run(dec, ids, decode_tokens: int) -> tuple[float, float]:
 
     dec.reset()
     t0 = time.perf_counter()
-    logits = _prefill(dec, ids)
+    logits = prefill(dec, ids)
     t1 = time.perf_counter()
     if hasattr(dec, "decode_greedy"):  # a runtime's own loop (onnxruntime-genai): what its users run
         dec.decode_greedy(decode_tokens)

@@ -87,7 +87,7 @@ def generate(dec, tok, prompt: str, max_new_tokens: int, temperature: float = 0.
     with each new piece of text. Returns the ids and timings."""
     import numpy as np
 
-    from .bench_arm import _prefill
+    from .bench_arm import prefill
     from .decode_graph import ContextFull
 
     ids = tok(prompt, add_special_tokens=True)["input_ids"]
@@ -98,7 +98,7 @@ def generate(dec, tok, prompt: str, max_new_tokens: int, temperature: float = 0.
     dec.reset()
     t0 = time.perf_counter()
     try:
-        logits = _prefill(dec, ids)
+        logits = prefill(dec, ids)
     except ContextFull as e:
         raise GenerateError(f"the prompt ({len(ids)} tokens) does not fit the artifact's context: {e}") from None
     t1 = time.perf_counter()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
+from .bench_arm import prefill
 from .stats import spread
 
 
@@ -43,11 +44,7 @@ def sweep(make: Callable[[dict], object], settings: list[dict], prompt: Sequence
     for r in range(rounds):
         for i, dec in enumerate(decoders):
             dec.reset()
-            logits = dec.prefill(list(prompt)) if hasattr(dec, "prefill") else None
-            if logits is None:
-                for t in prompt:
-                    logits = dec.step(t)
-            tok = int(np.argmax(logits))
+            tok = int(np.argmax(prefill(dec, list(prompt))))
             t0 = time.perf_counter()
             for _ in range(decode_tokens):
                 tok = int(np.argmax(dec.step(tok)))
