@@ -81,6 +81,14 @@ def _run_dvc(args: list[str]) -> int:
     return dvc_main(args)
 
 
+def _repro(refs: list[str], say) -> int:
+    """`dvc repro --single-item` of these stages, through the shared cache
+    when EDGEKILN_CACHE_REMOTE names a DVC remote (pipeline/cache_remote.py)."""
+    from . import cache_remote
+
+    return cache_remote.repro(refs, _run_dvc, say)
+
+
 def _stale(stage_name: str) -> bool:
     """Is this DVC stage out of date? `dvc status` takes only read locks, so
     asking does not disturb builds reading the stage's output."""
@@ -106,17 +114,17 @@ def build(name: str, model: dict, say) -> int:
     refresh, use = locks.model_locks(mid)
     about = f"model {mid}"
     with locks.hold(refresh, say=say, what=about, waits_for="another build bringing it up to date"):
-        rc = _run_dvc(["--wait-for-lock", "repro", "--single-item", model_stage_ref("probe", model)])
+        rc = _repro([model_stage_ref("probe", model)], say)
         if rc == 0 and _stale(model_stage_ref("model", model)):
             with locks.hold(use, say=say, what=about,
                             waits_for="the builds reading its previous version to finish"):
-                rc = _run_dvc(["--wait-for-lock", "repro", "--single-item", model_stage_ref("model", model)])
+                rc = _repro([model_stage_ref("model", model)], say)
     if rc != 0:
         return rc
     with locks.hold(use, shared=True, say=say, what=about, waits_for="it to be rewritten"):
         locks.note_dvc_lock(ROOT, say)
         own = [stage_ref(name, s) for s in STAGES if declaration(s).scope in ("host", "build")]
-        return _run_dvc(["--wait-for-lock", "repro", "--single-item", *own])
+        return _repro(own, say)
 
 
 def summary(name: str) -> None:
