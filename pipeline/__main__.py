@@ -4,6 +4,7 @@
     python -m pipeline device=galaxy_s25       # a cross-build for another device class
     python -m pipeline model=hf model.path=/abs/ckpt device=x86_avx512
     python -m pipeline --cfg                   # print the composed config, build nothing
+    python -m pipeline -m device=xeon_amx,x86_avx512,galaxy_s25   # a sweep, built in parallel
     python -m pipeline generate BUILD "prompt" # stream text from a built artifact
     python -m pipeline --help
 
@@ -41,6 +42,14 @@ def _help() -> str:
     lines += [
         "",
         "Stages: " + " -> ".join(STAGES),
+        "",
+        "Fleet builds: `python -m pipeline -m device=xeon_amx,x86_avx512,galaxy_s25` builds a",
+        "sweep (Hydra multirun syntax) in parallel: hydra/launcher=local (joblib, the default),",
+        "ray_cluster or slurm (conf/hydra/launcher/); every build is registered before the fan-out and",
+        "a table of each build's result closes the run (exit 1 if any failed).",
+        "EDGEKILN_CACHE_REMOTE=<dvc remote> shares stage results between builders through that",
+        "remote's run-cache. `python -m pipeline.runners set BUILD ssh://...` runs the build's",
+        "parity and benchmark stages on the device itself.",
         "",
         "Through DVC: `dvc exp run -S device=X` composes the same config into params.yaml",
         "(the `exp` build; DVC 3 has no `dvc repro -S`). Plain `dvc repro` brings every",
@@ -160,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(_help())
         return 0
+    if "-m" in argv or "--multirun" in argv:
+        from .fleet import main as fleet_main
+
+        return fleet_main([a for a in argv if a not in ("-m", "--multirun")])
     show_cfg = "--cfg" in argv
     overrides = [a for a in argv if a != "--cfg"]
     bad = [a for a in overrides if a.startswith("-")]
