@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from .codedeps import stage_code
+from .codedeps import RUNNER, closure, stage_code
 from .config import load_build_file
 from .layout import (
     BUILDS,
@@ -75,7 +75,15 @@ def _stage_entry(stage, build: str, cfg: dict | None, model_ref: str | None = No
     else:
         cmd = f"python -m pipeline.run_stage {decl.name} --build {build}"
         params = [{params_file(build): sections}] if sections else []
-    deps = list(stage_code(decl.name)) + [toolchain_file(decl.name, None if model_ref else build, model_section)]
+    code = stage_code(decl.name)
+    remote = _runner_file(build, decl.name) if cfg and not model_ref else None
+    if remote:
+        # Run on a device (pipeline/runners.py): another command, that module's
+        # code and the runner file (which host) join the key.
+        cmd = f"python -m pipeline.runners run {decl.name} --build {build}"
+        params.append({remote: None})
+        code = closure(RUNNER, "pipeline/runners.py", decl.source)
+    deps = list(code) + [toolchain_file(decl.name, None if model_ref else build, model_section)]
     device_name = cfg["device"]["name"] if cfg else None
     if depends_on_host(decl.name, build, device_name):
         deps.append(host_file(build))
@@ -89,6 +97,14 @@ def _stage_entry(stage, build: str, cfg: dict | None, model_ref: str | None = No
     entry["deps"] = deps
     entry["outs"] = [output_dir(decl.name, build, model_section)]
     return entry
+
+
+def _runner_file(build: str, stage: str) -> str | None:
+    """The build's runner file when `stage` of `build` runs on a device, else None."""
+    from .runners import runner_file, runner_of
+
+    spec = runner_of(build)
+    return runner_file(build) if spec and stage in spec.get("stages", ()) else None
 
 
 def generate(builds: dict[str, dict] | None = None, with_exp: bool = True) -> dict:
