@@ -1,0 +1,341 @@
+"""Graph rewrites that turn the exported decode step into one QNN's HTP backend
+compiles and runs accurately, each a pure function ModelProto -> ModelProto
+that computes the same thing (tests/test_npu_rewrite.py proves each on a small
+graph that contains the pattern).
+
+Written by hand over the ONNX protobuf: the patterns are few and exact, and
+onnxscript's rewriter would add a pattern language for five rules. Why each:
+
+- `sanitize` (field notes, "Phone NPU"): what the dynamo exporter may emit and
+  QNN's converter rejects.
+  * Reshape with allowzero=1: QNN has no allowzero; with static shapes and no
+    zero-sized dimension it means the same as allowzero=0.
+  * IsNaN/Where guards (`Where(IsNaN(x), c, x)`): the exporter's protection of
+    a fully masked softmax row. The decode step's mask is a modest additive
+    constant (export.mask_value), never -inf, so no row is ever all-masked and
+    the guard is the identity; QNN has no IsNaN.
+  * rank-0 axes initializers on Unsqueeze/Squeeze: QNN wants a 1-D axes tensor.
+- `rope_tables`: rotary angles computed in the graph as position * inv_freq
+  reach context_length radians. In fp16 (the HTP's float) the angle at 255
+  has a ulp of 0.125 rad, and under 16-bit activation quantization it is one
+  more quantized tensor. Every float tensor that depends on `position` alone
+  (cos and sin) becomes a Gather from a precomputed [context, ...] table, whose
+  values lie in [-1, 1]: the angle is never materialized on the device.
+- `fuse_rms_norm`: the exporter decomposes RMSNorm into Pow, ReduceMean, Add,
+  Sqrt, Reciprocal, Mul. Under 16-bit activations each intermediate gets its
+  own calibrated range: x^2 and 1/sqrt(.) span orders of magnitude, a token
+  outside the calibration set clips them, and the norm's output is wrong
+  (found with pipeline/graph_diff.py: the first divergence of the w8a16 build
+  that ran at 0.5 dB). One SimplifiedLayerNormalization (QNN's RmsNorm) keeps
+  those intermediates inside the op.
+- `embedding_ranges`: the quantization range of the embedding lookup (and of
+  its scaling by a constant) from the whole table, not from the tokens the
+  calibration text happened to contain.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+
+class RewriteError(ValueError):
+    """A graph these rewrites cannot make QNN-ready (user-facing)."""
+
+
+def _consts(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    out = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    for n in model.graph.node:
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
+            out[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
+    return out
+
+
+def _producers(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
+    return {o: n for n in model.graph.node for o in n.output if o}
+
+
+def _consumers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
+    out: dict[str, list[onnx.NodeProto]] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            out.setdefault(i, []).append(n)
+    return out
+
+
+def _rename_uses(model: onnx.ModelProto, old: str, new: str) -> None:
+    for n in model.graph.node:
+        for k, i in enumerate(n.input):
+            if i == old:
+                n.input[k] = new
+    for o in model.graph.output:
+        if o.name == old:
+            raise RewriteError(f"cannot rewire graph output {old!r}")
+
+
+def _prune(model: onnx.ModelProto) -> None:
+    """Drop nodes and initializers nothing reaches from the graph outputs."""
+    needed = {o.name for o in model.graph.output}
+    keep = []
+    for n in reversed(model.graph.node):
+        if any(o in needed for o in n.output):
+            keep.append(n)
+            needed.update(i for i in n.input if i)
+    keep.reverse()
+    del model.graph.node[:]
+    model.graph.node.extend(keep)
+    inits = [i for i in model.graph.initializer if i.name in needed]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(inits)
+
+
+# --------------------------------------------------------------------------
+# sanitize
+# --------------------------------------------------------------------------
+
+
+def sanitize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, int]]:
+    """(the rewritten copy, how many of each fix were applied)."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    fixed: Counter = Counter()
+    consts = _consts(m)
+    producers = _producers(m)
+
+    for n in m.graph.node:
+        if n.op_type == "Reshape":
+            for a in n.attribute:
+                if a.name == "allowzero" and a.i == 1:
+                    shape = consts.get(n.input[1])
+                    if shape is None:
+                        raise RewriteError(f"Reshape {n.name!r} has allowzero=1 and a computed shape; "
+                                           "QNN needs static shapes")
+                    if (shape == 0).any():
+                        raise RewriteError(f"Reshape {n.name!r} has allowzero=1 with a zero in its shape "
+                                           f"{shape.tolist()}: not expressible without allowzero")
+                    a.i = 0
+                    fixed["reshape_allowzero"] += 1
+
+    # Where(IsNaN(x), c, x) -> x
+    for n in list(m.graph.node):
+        if n.op_type != "Where":
+            continue
+        cond = producers.get(n.input[0])
+        if cond is not None and cond.op_type == "IsNaN" and cond.input[0] == n.input[2]:
+            _rename_uses(m, n.output[0], n.input[2])
+            m.graph.node.remove(n)
+            fixed["isnan_where_guard"] += 1
+
+    # rank-0 axes -> rank-1
+    renamed: dict[str, str] = {}
+    for n in m.graph.node:
+        if n.op_type in ("Unsqueeze", "Squeeze") and len(n.input) > 1 and n.input[1] in consts:
+            axes = consts[n.input[1]]
+            if axes.ndim == 0:
+                name = renamed.get(n.input[1])
+                if name is None:
+                    name = f"{n.input[1]}__rank1"
+                    m.graph.initializer.append(numpy_helper.from_array(axes.reshape(1).astype(np.int64), name))
+                    renamed[n.input[1]] = name
+                n.input[1] = name
+                fixed["rank0_axes"] += 1
+    _prune(m)
+    left = Counter(n.op_type for n in m.graph.node if n.op_type in ("IsNaN",))
+    if left:
+        raise RewriteError(f"IsNaN nodes remain that are not a Where guard: {dict(left)}")
+    return m, dict(fixed)
+
+
+# --------------------------------------------------------------------------
+# rope tables
+# --------------------------------------------------------------------------
+
+
+def _depends_only_on(model: onnx.ModelProto, source: str) -> set[str]:
+    """Tensors computed from `source` and constants alone (source included)."""
+    consts = set(_consts(model))
+    graph_inputs = {i.name for i in model.graph.input}
+    only = {source}
+    for n in model.graph.node:  # topological order
+        ins = [i for i in n.input if i]
+        if ins and all(i in only or (i in consts and i not in graph_inputs) for i in ins) \
+                and any(i in only for i in ins):
+            only.update(o for o in n.output if o)
+    return only
+
+
+def rope_tables(model: onnx.ModelProto, position: str, context_length: int) -> tuple[onnx.ModelProto, int]:
+    """Replace each Cos/Sin whose input depends on `position` alone by a Gather
+    from a table of its values at positions 0..context_length-1.
+    Returns (the rewritten copy, tables added)."""
+    import onnxruntime as ort
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    only = _depends_only_on(m, position)
+    targets = [n for n in m.graph.node if n.op_type in ("Cos", "Sin") and n.input[0] in only]
+    if not targets:
+        return m, 0
+    # A sub-model from `position` to the targets, evaluated at every position.
+    sub = onnx.ModelProto()
+    sub.CopyFrom(m)
+    del sub.graph.output[:]
+    sub.graph.output.extend(helper.make_empty_tensor_value_info(n.output[0]) for n in targets)
+    _prune(sub)
+    keep_inputs = [i for i in sub.graph.input if i.name == position]
+    del sub.graph.input[:]
+    sub.graph.input.extend(keep_inputs)
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(sub.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    pos_dtype = {onnx.TensorProto.INT64: np.int64, onnx.TensorProto.INT32: np.int32}[
+        keep_inputs[0].type.tensor_type.elem_type]
+    names = [n.output[0] for n in targets]
+    rows = [sess.run(names, {position: np.array([p], dtype=pos_dtype)}) for p in range(context_length)]
+    for k, n in enumerate(targets):
+        table = np.stack([r[k] for r in rows]).astype(np.float32)  # [C, *shape]
+        shape = np.array(table.shape[1:], dtype=np.int64)
+        tname, gname = f"{n.output[0]}__table", f"{n.output[0]}__gathered"
+        m.graph.initializer.append(numpy_helper.from_array(table, tname))
+        m.graph.initializer.append(numpy_helper.from_array(shape, f"{n.output[0]}__shape"))
+        idx = m.graph.node
+        at = list(idx).index(n)
+        gather = helper.make_node("Gather", [tname, position], [gname], axis=0, name=f"{n.output[0]}__gather")
+        reshape = helper.make_node("Reshape", [gname, f"{n.output[0]}__shape"], [n.output[0]],
+                                   name=f"{n.output[0]}__reshape")
+        m.graph.node.remove(n)
+        m.graph.node.insert(at, reshape)
+        m.graph.node.insert(at, gather)
+    _prune(m)
+    return m, len(targets)
+
+
+# --------------------------------------------------------------------------
+# RMSNorm fusion
+# --------------------------------------------------------------------------
+
+
+def fuse_rms_norm(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+    """x -> Pow(2) -> ReduceMean(last axis) -> Add(eps) -> Sqrt -> Reciprocal
+    -> Mul(x, .) -> Mul(., gamma)  ==>  SimplifiedLayerNormalization(x, gamma).
+    Returns (the rewritten copy, norms fused)."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    consts = _consts(m)
+    producers = _producers(m)
+    consumers = _consumers(m)
+    fused = 0
+
+    def only_child(t: str, op: str):
+        c = consumers.get(t, [])
+        return c[0] if len(c) == 1 and c[0].op_type == op else None
+
+    def const_of(node, x):
+        other = [i for i in node.input if i != x]
+        return other[0] if len(other) == 1 and other[0] in consts else None
+
+    for pow_ in [n for n in m.graph.node if n.op_type == "Pow"]:
+        x = pow_.input[0]
+        if pow_.input[1] not in consts or float(consts[pow_.input[1]]) != 2.0:
+            continue
+        mean = only_child(pow_.output[0], "ReduceMean")
+        if mean is None:
+            continue
+        axes = consts.get(mean.input[1]) if len(mean.input) > 1 else None
+        attrs = {a.name: helper.get_attribute_value(a) for a in mean.attribute}
+        if axes is None or axes.size != 1 or attrs.get("keepdims", 1) != 1:
+            continue
+        add = only_child(mean.output[0], "Add")
+        eps_name = add and const_of(add, mean.output[0])
+        if eps_name is None or consts[eps_name].size != 1:
+            continue
+        sqrt = only_child(add.output[0], "Sqrt")
+        recip = sqrt and only_child(sqrt.output[0], "Reciprocal")
+        mul = recip and only_child(recip.output[0], "Mul")
+        if mul is None or x not in mul.input:
+            continue
+        scale = only_child(mul.output[0], "Mul")
+        gamma = scale and const_of(scale, mul.output[0])
+        if gamma is None:
+            continue
+        axis = int(axes.ravel()[0])
+        gshape = consts[gamma].shape
+        if axis != -1 or len(gshape) != 1:
+            continue
+        node = helper.make_node(
+            "SimplifiedLayerNormalization", [x, gamma], [scale.output[0]],
+            name=f"{scale.output[0]}__rmsnorm", axis=-1, epsilon=float(consts[eps_name].ravel()[0]),
+            stash_type=1,
+        )
+        for dead in (pow_, mean, add, sqrt, recip, mul, scale):
+            m.graph.node.remove(dead)
+        m.graph.node.append(node)  # put in place by _topo_sort below
+        fused += 1
+    _topo_sort(m)
+    _prune(m)
+    return m, fused
+
+
+def _topo_sort(m: onnx.ModelProto) -> None:
+    have = {i.name for i in m.graph.input} | {i.name for i in m.graph.initializer} | {""}
+    pending = list(m.graph.node)
+    done = []
+    while pending:
+        rest = []
+        for n in pending:
+            if all(i in have for i in n.input):
+                done.append(n)
+                have.update(n.output)
+            else:
+                rest.append(n)
+        if len(rest) == len(pending):
+            raise RewriteError(f"graph has a cycle or a missing input near {rest[0].name!r}")
+        pending = rest
+    del m.graph.node[:]
+    m.graph.node.extend(done)
+
+
+# --------------------------------------------------------------------------
+# quantization ranges the calibration text cannot be trusted with
+# --------------------------------------------------------------------------
+
+
+def embedding_ranges(model: onnx.ModelProto) -> dict[str, list[dict]]:
+    """Tensor quantization overrides (ONNX Runtime's `init_overrides` format):
+    each Gather from an initializer table gets the table's [min, max], and so
+    does its product with a scalar constant (Gemma's embed_scale)."""
+    consts = _consts(model)
+    inits = {i.name for i in model.graph.initializer}
+    consumers = _consumers(model)
+    out: dict[str, list[dict]] = {}
+    for n in model.graph.node:
+        if n.op_type != "Gather" or n.input[0] not in inits or n.input[0].endswith("__table"):
+            continue
+        t = consts[n.input[0]]
+        if t.dtype.kind != "f":
+            continue
+        lo, hi = float(t.min()), float(t.max())
+        out[n.output[0]] = [{"rmin": np.float32(lo), "rmax": np.float32(hi)}]
+        for c in consumers.get(n.output[0], []):
+            other = [i for i in c.input if i != n.output[0]]
+            if c.op_type == "Mul" and len(other) == 1 and other[0] in consts and consts[other[0]].size == 1:
+                s = float(consts[other[0]].ravel()[0])
+                a, b = sorted((lo * s, hi * s))
+                out[c.output[0]] = [{"rmin": np.float32(a), "rmax": np.float32(b)}]
+    return out
+
+
+def prepare(model: onnx.ModelProto, *, position: str, context_length: int) -> tuple[onnx.ModelProto, dict]:
+    """All rewrites, in order; (the QNN-ready float graph, what was done)."""
+    m, fixed = sanitize(model)
+    m, tables = rope_tables(m, position, context_length)
+    m, norms = fuse_rms_norm(m)
+    report = {"sanitize": fixed, "rope_tables": tables, "rms_norms_fused": norms,
+              "ops": dict(Counter(n.op_type for n in m.graph.node).most_common())}
+    # No onnx.checker here: SimplifiedLayerNormalization is an ONNX Runtime op
+    # (registered in the default domain) the checker does not know; the graph
+    # is proven by running it (tests, and the pack stage's own check).
+    return m, report

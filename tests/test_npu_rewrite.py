@@ -1,0 +1,179 @@
+"""Each QNN rewrite on a small graph that contains its pattern: the pattern is
+gone afterwards and the graph computes the same (pipeline/npu_rewrite.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+from pipeline import npu_rewrite  # noqa: E402
+
+RNG = np.random.default_rng(0)
+
+
+def _model(nodes, inputs, outputs, inits=(), opset=21):
+    g = helper.make_graph(nodes, "g", inputs, outputs, [numpy_helper.from_array(a, n) for n, a in inits])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _run(model, feeds):
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    s = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return s.run(None, feeds)
+
+
+def _ops(model):
+    return [n.op_type for n in model.graph.node]
+
+
+def _f32(name, shape):
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+
+def test_sanitize_removes_what_qnn_rejects_and_computes_the_same():
+    x = _f32("x", [2, 3, 4])
+    nodes = [
+        helper.make_node("Reshape", ["x", "shape"], ["r"], allowzero=1),
+        helper.make_node("IsNaN", ["r"], ["nan"]),
+        helper.make_node("Where", ["nan", "zero", "r"], ["guarded"]),
+        helper.make_node("Unsqueeze", ["guarded", "axis0"], ["u"]),
+        helper.make_node("Squeeze", ["u", "axis0_1d"], ["y"]),
+    ]
+    inits = [("shape", np.array([6, 4], np.int64)), ("zero", np.array(0.0, np.float32)),
+             ("axis0", np.array(0, np.int64)),  # rank-0 axes, as the dynamo exporter emits them
+             ("axis0_1d", np.array([0], np.int64))]  # (ORT's CPU Squeeze itself refuses rank 0)
+    model = _model(nodes, [x], [_f32("y", [6, 4])], inits)
+    clean, fixed = npu_rewrite.sanitize(model)
+    assert fixed == {"reshape_allowzero": 1, "isnan_where_guard": 1, "rank0_axes": 1}
+    assert "IsNaN" not in _ops(clean) and "Where" not in _ops(clean)
+    assert all(a.i == 0 for n in clean.graph.node if n.op_type == "Reshape" for a in n.attribute
+               if a.name == "allowzero")
+    inits_after = {i.name: numpy_helper.to_array(i) for i in clean.graph.initializer}
+    for n in clean.graph.node:
+        if n.op_type in ("Unsqueeze", "Squeeze"):
+            assert inits_after[n.input[1]].ndim == 1
+    feeds = {"x": RNG.standard_normal((2, 3, 4)).astype(np.float32)}
+    np.testing.assert_array_equal(_run(model, feeds)[0], _run(clean, feeds)[0])
+
+
+def test_sanitize_refuses_an_allowzero_reshape_it_cannot_express():
+    nodes = [helper.make_node("Reshape", ["x", "shape"], ["y"], allowzero=1)]
+    model = _model(nodes, [_f32("x", [0, 4])], [_f32("y", [4, 0])], [("shape", np.array([4, 0], np.int64))])
+    with pytest.raises(npu_rewrite.RewriteError, match="zero in its shape"):
+        npu_rewrite.sanitize(model)
+
+
+def _rope_model(inv_freq):
+    pos = helper.make_tensor_value_info("position", TensorProto.INT64, [1])
+    x = _f32("x", [1, 1, 2 * inv_freq.size])
+    nodes = [
+        helper.make_node("Cast", ["position"], ["pf"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["pf", "ax"], ["pu"]),
+        helper.make_node("Mul", ["pu", "inv_freq"], ["angle"]),
+        helper.make_node("Concat", ["angle", "angle"], ["emb"], axis=-1),
+        helper.make_node("Cos", ["emb"], ["cos"]),
+        helper.make_node("Sin", ["emb"], ["sin"]),
+        helper.make_node("Mul", ["x", "cos"], ["xc"]),
+        helper.make_node("Mul", ["x", "sin"], ["xs"]),
+        helper.make_node("Add", ["xc", "xs"], ["y"]),
+    ]
+    inits = [("ax", np.array([1], np.int64)), ("inv_freq", inv_freq.reshape(1, -1).astype(np.float32))]
+    return _model(nodes, [pos, x], [_f32("y", [1, 1, 2 * inv_freq.size])], inits)
+
+
+def test_rope_tables_replace_in_graph_angles_with_gathered_tables():
+    inv_freq = 1.0 / (10000 ** (np.arange(0, 16, 2) / 16))
+    model = _rope_model(inv_freq)
+    C = 300
+    new, n = npu_rewrite.rope_tables(model, "position", C)
+    assert n == 2
+    assert not {"Cos", "Sin", "Cast"} & set(_ops(new)), "no angle is computed on the device any more"
+    tables = [numpy_helper.to_array(i) for i in new.graph.initializer if i.name.endswith("__table")]
+    assert [t.shape[0] for t in tables] == [C, C] and all(np.abs(t).max() <= 1.0 for t in tables)
+    x = RNG.standard_normal((1, 1, 16)).astype(np.float32)
+    for p in (0, 1, 63, 64, 255, C - 1):
+        feeds = {"position": np.array([p], np.int64), "x": x}
+        np.testing.assert_allclose(_run(model, feeds)[0], _run(new, feeds)[0], rtol=0, atol=1e-6)
+
+
+def _rms_model(eps=1e-6, with_plus_one=False):
+    x = _f32("x", [1, 3, 8])
+    gamma = RNG.standard_normal(8).astype(np.float32)
+    nodes = [
+        helper.make_node("Pow", ["x", "two"], ["sq"]),
+        helper.make_node("ReduceMean", ["sq", "axes"], ["ms"], keepdims=1),
+        helper.make_node("Add", ["ms", "eps"], ["mse"]),
+        helper.make_node("Sqrt", ["mse"], ["rt"]),
+        helper.make_node("Reciprocal", ["rt"], ["inv"]),
+        helper.make_node("Mul", ["x", "inv"], ["xn"]),
+        helper.make_node("Mul", ["xn", "gamma"], ["y"]),
+    ]
+    inits = [("two", np.array(2.0, np.float32)), ("axes", np.array([-1], np.int64)),
+             ("eps", np.array(eps, np.float32)), ("gamma", gamma)]
+    return _model(nodes, [x], [_f32("y", [1, 3, 8])], inits)
+
+
+def test_rms_norm_fusion_keeps_the_output_and_drops_the_intermediates():
+    model = _rms_model()
+    new, n = npu_rewrite.fuse_rms_norm(model)
+    assert n == 1 and _ops(new) == ["SimplifiedLayerNormalization"]
+    for scale in (1e-3, 1.0, 30.0):  # the intermediates span orders of magnitude; the output does not
+        feeds = {"x": (RNG.standard_normal((1, 3, 8)) * scale).astype(np.float32)}
+        np.testing.assert_allclose(_run(model, feeds)[0], _run(new, feeds)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_rms_norm_fusion_leaves_a_norm_over_another_axis_alone():
+    model = _rms_model()
+    for i in model.graph.initializer:
+        if i.name == "axes":
+            i.CopyFrom(numpy_helper.from_array(np.array([1], np.int64), "axes"))
+    new, n = npu_rewrite.fuse_rms_norm(model)
+    assert n == 0 and "Pow" in _ops(new)
+
+
+def test_embedding_ranges_cover_the_whole_table_not_the_calibration_tokens():
+    table = RNG.standard_normal((50, 8)).astype(np.float32)
+    ids = helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 1])
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["emb"], axis=0),
+             helper.make_node("Mul", ["emb", "scale"], ["y"])]
+    model = _model(nodes, [ids], [_f32("y", [1, 1, 8])], [("table", table), ("scale", np.array(-2.0, np.float32))])
+    ov = npu_rewrite.embedding_ranges(model)
+    assert float(ov["emb"][0]["rmin"]) == table.min() and float(ov["emb"][0]["rmax"]) == table.max()
+    # scaled by a negative constant: the bounds swap
+    assert float(ov["y"][0]["rmin"]) == pytest.approx(-2 * table.max())
+    assert float(ov["y"][0]["rmax"]) == pytest.approx(-2 * table.min())
+
+
+def test_graph_diff_names_the_first_tensor_a_qdq_range_clips():
+    from pipeline import graph_diff
+
+    x = _f32("x", [1, 8])
+    w1 = RNG.standard_normal((8, 8)).astype(np.float32)
+    w2 = RNG.standard_normal((8, 4)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"]),
+             helper.make_node("Relu", ["h"], ["a"]),
+             helper.make_node("MatMul", ["a", "w2"], ["y"])]
+    ref = _model(nodes, [x], [_f32("y", [1, 4])], [("w1", w1), ("w2", w2)])
+    # The test graph: `x` quantized faithfully, `a` through a range far too
+    # narrow (what calibration on too few tokens does), as a QDQ pass writes it.
+    qdq = [helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["x_q"]),
+           helper.make_node("DequantizeLinear", ["x_q", "sx", "zx"], ["x_dq"]),
+           helper.make_node("MatMul", ["x_dq", "w1"], ["h"]),
+           helper.make_node("Relu", ["h"], ["a"]),
+           helper.make_node("QuantizeLinear", ["a", "sa", "za"], ["a_q"]),
+           helper.make_node("DequantizeLinear", ["a_q", "sa", "za"], ["a_dq"]),
+           helper.make_node("MatMul", ["a_dq", "w2"], ["y"])]
+    test = _model(qdq, [x], [_f32("y", [1, 4])],
+                  [("w1", w1), ("w2", w2), ("sx", np.array(8 / 65535, np.float32)), ("zx", np.array(32768, np.uint16)),
+                   ("sa", np.array(0.1 / 65535, np.float32)), ("za", np.array(0, np.uint16))])
+    feeds = {"x": RNG.standard_normal((1, 8)).astype(np.float32)}
+    rows = graph_diff.compare(ref, test, feeds)
+    assert [r["tensor"] for r in rows] == ["h", "a", "y"]
+    assert rows[0]["snr_db"] > 60 and not rows[0]["quantized"]
+    first = graph_diff.first_divergence(rows, 30.0)
+    assert first["tensor"] == "a" and first["quantized"] and first["test_range"][1] <= 0.1 + 1e-6
