@@ -30,6 +30,7 @@ LIMITS = {
     "benchmark.threads": (0, 1024),
     "parity.decode_tokens": (1, 131072),
     "parity.min_greedy_match": (0, 10_000),
+    "parity.qnn_prompts": (1, 10_000),
     "device.cores": (0, 4096),
     "device.threads": (0, 4096),
     "device.memory_gib": (0, 1 << 20),  # 0: auto, filled by the probe
@@ -43,6 +44,8 @@ LIMITS = {
     "quantize.block_size": (1, 65536),
     "pack.ort_accuracy_level": (0, 4),  # MatMulNBits accuracy_level
     "pack.prefill_threshold": (1, 131072),
+    "pack.qnn_calibration_sequences": (1, 10_000),
+    "pack.qnn_calibration_stride": (1, 131072),
 }
 
 # Closed vocabularies of the stages' settings (kept here, not imported, so that
@@ -56,6 +59,8 @@ CHOICES = {
     "benchmark.ortgenai": ("auto", "off"),
     "quantize.scale_dtype": ("fp32", "fp16"),  # pipeline/gptq.py SCALE_DTYPES
 }
+# Phone NPU precisions (pipeline/qnn.py PRECISIONS); no uncalibrated option.
+QNN_PRECISIONS = ("fp16", "w8a16", "w4a16")
 # Group sizes every 4-bit kernel takes: tinygemm's (pipeline/int4_layouts.py
 # TINYGEMM_GROUP_SIZES), all powers of two >= 16 as MatMulNBits requires.
 GROUP_SIZES = (32, 64, 128, 256)
@@ -247,6 +252,12 @@ def _check(c: dict, where) -> None:
         )
     if not 0 <= q["damp"] < 1:
         raise ConfigError(f"{where('quantize.damp')}: quantize.damp={q['damp']} must be in [0, 1)")
+    precisions = c["pack"]["qnn_precisions"]
+    bad_p = [x for x in precisions if x not in QNN_PRECISIONS]
+    if not precisions or bad_p or len(set(precisions)) != len(precisions):
+        what = f"{bad_p[0]!r} is not one of: {', '.join(QNN_PRECISIONS)}" if bad_p else \
+            ("is empty" if not precisions else f"{precisions} has duplicates")
+        raise ConfigError(f"{where('pack.qnn_precisions')}: pack.qnn_precisions {what}")
     cal = c["calibrate"]
     if cal["min_samples"] > cal["samples"]:
         raise ConfigError(

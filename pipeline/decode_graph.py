@@ -483,13 +483,18 @@ def session_options(threads: int, *, spinning: bool | None = None, opt_level: st
 class OnnxDecoder(_Greedy):
     """Runs an exported decode step with onnxruntime; numpy caches, slot writes per io.json."""
 
-    def __init__(self, artifact_dir, threads: int = 1, providers: Iterable = ("CPUExecutionProvider",)):
+    def __init__(self, artifact_dir, threads: int = 1, providers: Iterable = ("CPUExecutionProvider",), *,
+                 model_file: str = "model.onnx", session=None):
+        """`artifact_dir` holds io.json; the graph is `model_file` inside it, or
+        `session` when given (a graph of the same io.json compiled elsewhere,
+        e.g. a QNN context binary: pipeline/qnn.py)."""
         import onnxruntime as ort
 
         self.dir = Path(artifact_dir)
         self.io = json.loads((self.dir / "io.json").read_text())
-        self.session = ort.InferenceSession(str(self.dir / "model.onnx"), sess_options=session_options(threads),
-                                            providers=list(providers))
+        self.session = session or ort.InferenceSession(str(self.dir / model_file),
+                                                       sess_options=session_options(threads),
+                                                       providers=list(providers))
         self.context_length = int(self.io["context_length"])
         self.vocab_size = int(self.io["vocab_size"])
         shapes = {i["name"]: i["shape"] for i in self.io["inputs"]}
@@ -521,6 +526,13 @@ class OnnxDecoder(_Greedy):
             k.fill(0.0)
             v.fill(0.0)
         self.position = 0
+
+    def next_inputs(self, token_id: int) -> dict[str, np.ndarray]:
+        """A copy of the inputs the next step(token_id) will feed (a calibration sample)."""
+        feed = {k: v.copy() for k, v in self.feed.items()}
+        feed["input_ids"][0, 0] = token_id
+        feed["position"][0] = self.position
+        return feed
 
     def step(self, token_id: int) -> np.ndarray:
         p = self.position

@@ -44,7 +44,10 @@ def open_build(build: str, threads: int | None = None):
         raise GenerateError(f"no build {build!r} under {ARTIFACTS}/ (built: {', '.join(known) or 'none'}); "
                             f"build it with `python -m pipeline ...` first")
     folders = {}
-    for stage in ("deploy_profile", "pack", "untie_head"):
+    stages = ["deploy_profile", "pack", "untie_head"]
+    if (base / "compile_qnn" / "qnn.json").is_file():
+        stages.append("compile_qnn")
+    for stage in stages:
         try:
             folders[stage] = base / stage
             manifest.verify(folders[stage], expect_stage=stage)
@@ -52,6 +55,8 @@ def open_build(build: str, threads: int | None = None):
             raise GenerateError(str(e)) from None
     profile = json.loads((folders["deploy_profile"] / "profile.json").read_text())
     runtime = profile.get("runtime")
+    if runtime == "onnxruntime-qnn":
+        return _open_qnn(profile, folders)
     arm = _ARMS.get(runtime)
     if arm is None:
         files = ", ".join(profile.get("files") or []) or "none"
@@ -69,6 +74,27 @@ def open_build(build: str, threads: int | None = None):
     dec = make_decoder(arm, str(folders["pack"]), threads, session=session)
     return dec, tok, {"runtime": runtime, "arm": arm, "threads": threads, "profile_threads": wanted,
                       "weight_path": profile["weight_path"]["path"]}
+
+
+def _open_qnn(profile: dict, folders: dict):
+    """A phone build's deployed context binary on this host's HTP backend
+    (onnxruntime-qnn's x86 emulation: the phone's numerics, not its speed)."""
+    from transformers import AutoTokenizer
+
+    from . import qnn
+    from .decode_graph import OnnxDecoder
+
+    reason = qnn.missing()
+    if reason:
+        raise GenerateError(f"this phone build runs on the QNN HTP backend: {reason}")
+    comp = folders["compile_qnn"]
+    info = json.loads((comp / "qnn.json").read_text())
+    deployed = info["deployed"]
+    session = qnn.htp_session(comp / deployed / qnn.CONTEXT_MODEL, info["target"], deployed)
+    tok = AutoTokenizer.from_pretrained(str(folders["untie_head"]), local_files_only=True)
+    return OnnxDecoder(comp, session=session), tok, {
+        "runtime": f"{profile['runtime']}, HTP backend emulated on this host (speed is not the phone's)",
+        "arm": f"qnn_{deployed}", "threads": 1, "profile_threads": 1, "weight_path": profile["weight_path"]["path"]}
 
 
 def _pick(logits, temperature: float, rng) -> int:

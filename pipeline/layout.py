@@ -47,6 +47,7 @@ STAGES: tuple[str, ...] = (
     "quantize",
     "export",
     "pack",
+    "compile_qnn",
     "deploy_profile",
     "verify_parity",
     "benchmark",

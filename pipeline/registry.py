@@ -103,7 +103,7 @@ VERSIONS = f"{REGISTRY}/versions"
 FORMAT = "edgekiln-registry/1"
 CHANNELS = ("dev", "canary", "stable")
 # What a device gets: the artifact, its deploy profile, and the evidence.
-BUNDLE_STAGES = ("pack", "deploy_profile", "verify_parity", "benchmark")
+BUNDLE_STAGES = ("pack", "compile_qnn", "deploy_profile", "verify_parity", "benchmark")
 DEFAULT_NOISE_FLOOR = 0.08
 RELEASE_FILE = "RELEASE.json"
 _CHUNK = 1 << 20

@@ -94,14 +94,17 @@ class ParityConfig:
     # Tokens of greedy decode per prompt; must pass the sliding window so the
     # ring/window path is exercised.
     decode_tokens: int = 48
-    min_logits_snr_db: float = 60.0
+    min_logits_snr_db: float = 100.0
     min_top1_agreement: float = 1.0
-    min_top5_agreement: float = 0.95
+    min_top5_agreement: float = 1.0
     min_greedy_match: int = 12  # prompts whose greedy continuation is identical
     # The packed 4-bit artifact against the same fp32 eager model, per weight
     # path (keys as pipeline/weight_path.py names them). A path without an
     # entry cannot pass parity.
     artifact: dict[str, FidelityThresholds] = field(default_factory=dict)
+    # Phone builds: the context binaries run on the HTP backend's x86 emulation
+    # (tenths of a second per step), over the first qnn_prompts prompts.
+    qnn_prompts: int = 4
 
 
 @dataclass
@@ -180,6 +183,17 @@ class PackConfig:
     # Rows at which a tinygemm layer leaves the int4 kernel for dequant + GEMM
     # (the kernel's cost is linear in rows).
     prefill_threshold: int = 16
+    # Phone NPU (weight path qnn_graph): the precisions built for the HTP, the
+    # first one deployed; each is compiled to a context binary and verified.
+    # fp16: the float graph with the HTP's fp16 math. w8a16: calibrated QDQ,
+    # 8-bit per-channel weights, 16-bit activations. w4a16: 4-bit weights.
+    # Calibration is always from real activations (no uncalibrated option).
+    qnn_precisions: list[str] = field(default_factory=lambda: ["w8a16", "fp16"])
+    # QDQ calibration: decode steps of the fp32 graph over calibration windows
+    # (calibrate stage) joined into sequences as long as the export's context;
+    # every `stride`-th step's inputs are one calibration sample.
+    qnn_calibration_sequences: int = 4
+    qnn_calibration_stride: int = 4
 
 
 @dataclass

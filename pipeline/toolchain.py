@@ -13,6 +13,7 @@ cheap (it runs on every repro) and must not crash on a broken install.
 from __future__ import annotations
 
 import platform
+import re
 from importlib import metadata
 
 # Always part of every stage's fingerprint.
@@ -32,19 +33,20 @@ def version_of(dist: str) -> str:
 
 
 def qnn_sdk_version() -> str:
-    """The QNN SDK bundled by onnxruntime-qnn: a context binary is tied to it."""
+    """The QNN SDK bundled by onnxruntime-qnn: a context binary is tied to it.
+    The wheel records it as `qnn_version` in its build_and_package_info.py."""
     try:
         dist = metadata.distribution("onnxruntime-qnn")
     except metadata.PackageNotFoundError:
         return "absent"
     for f in dist.files or ():
-        name = str(f)
-        # The wheel ships the SDK's build id in its libraries' folder or a version file.
-        if name.endswith(("QNN_SDK_VERSION", "qnn_version.txt")):
+        if str(f).endswith("build_and_package_info.py"):
             try:
-                return f.read_text().strip()
+                m = re.search(r"qnn_version\s*=\s*['\"]([^'\"]+)", f.read_text())
             except OSError:
-                pass
+                m = None
+            if m:
+                return m.group(1)
     return f"bundled-with-onnxruntime-qnn-{dist.version}"
 
 

@@ -44,11 +44,11 @@ def select(device, priority: str) -> dict[str, Any]:
 
     if accel == "qnn_htp":
         return {
-            "path": "qnn_graph", "kernel": "QNN HTP context binary (calibrated w8a16)", "runtime": "qnn",
-            "rationale": ("phone NPU: no vLLM; the deliverable is an exported graph. On the S25 (HTP v79) w4a16 "
+            "path": "qnn_graph", "kernel": "QNN HTP context binary (calibrated w8a16; fp16 beside it)", "runtime": "qnn",
+            "rationale": ("phone NPU: no vLLM; the deliverable is a compiled graph. On the S25 (HTP v79) w4a16 "
                           "saves memory, not time (sliding layer 0.917 vs 0.912 ms w8a16); calibrated w8a16 reached "
-                          "36.9 dB, uncalibrated w4a16 -1.6 dB. Not verified here: the QDQ A16W8 build compiled but "
-                          "ran at 0.5 dB on the HTP emulator (unsolved)."),
+                          "36.9 dB, uncalibrated w4a16 -1.6 dB. Numerics checked here on onnxruntime-qnn's HTP "
+                          "backend (x86 emulation); not measured on a phone."),
             "verified": False,
         }
     if accel == "cuda":

@@ -17,6 +17,12 @@ figure is labelled as cross-measured, never as the target's.
 
 Outputs: report.json (every pass), metrics.json and plots/*.json (wired into
 dvc.yaml's top-level `metrics` and `plots` by pipeline/dvcgen.py), report.html.
+
+A phone build (weight path qnn_graph) runs no CPU arm (a CPU figure of this
+host is no phone's): each context binary is timed on the HTP backend's x86
+emulation, reported as emulation (its timings are not the device's), beside
+the per-layer decode figures measured on a real S25 (field notes), labelled as
+such, as the expected device latency until a device run replaces them.
 """
 
 from __future__ import annotations
@@ -29,8 +35,9 @@ import tempfile
 from pathlib import Path
 
 READS = ("benchmark", "export", "device", "host")
-INPUTS = ("untie_head", "export", "pack")
-TOOLCHAIN = ("torch", "transformers", "onnxruntime", "numpy", "llama-cpp-python", "onnxruntime-genai")
+INPUTS = ("untie_head", "export", "pack", "compile_qnn")
+TOOLCHAIN = ("torch", "transformers", "onnxruntime", "numpy", "llama-cpp-python", "onnxruntime-genai",
+             "onnxruntime-qnn", "qnn-sdk")
 
 FIGURES = ("decode_tok_s", "prefill_tok_s", "ttft_ms", "peak_rss_mib", "resident_mib", "load_s", "cold_start_s",
            "warm_start_s", "kv_mib")
@@ -156,8 +163,10 @@ def run(ctx) -> dict:
             f"cross-measured: built for {device.name}, measured on a {host.device_class} host "
             f"({host.cpu_model}); these are not {device.name} figures"
         )
-    arms = {"onnx_fp32": ctx.inputs["export"], "torch_eager_fp32": ctx.inputs["untie_head"]}
     sel = json.loads((ctx.inputs["pack"] / "weight_path.json").read_text())
+    if sel["path"] == "qnn_graph":
+        return _npu(ctx, b, device, host, sel)
+    arms = {"onnx_fp32": ctx.inputs["export"], "torch_eager_fp32": ctx.inputs["untie_head"]}
     packed_arm = PACKED_ARMS.get(sel["path"])
     if packed_arm:
         arms = {packed_arm: ctx.inputs["pack"], **arms}
@@ -299,6 +308,122 @@ def run(ctx) -> dict:
     for n in notes:
         ctx.log(n)
     return {"metrics": metrics, "summary": summary_table(report), "on_target": on_target}
+
+
+# ms per decode-step layer on a Galaxy S25 (SM8750, HTP v79), the 1.7B hybrid's
+# layers (hidden 2048), QNN context binaries: the field notes' "Phone NPU" table.
+S25_LAYER_MS = {
+    "source": "measured on a real Galaxy S25 (field notes, 'Phone NPU'): the 1.7B hybrid's layers",
+    "sliding_attention": {"fp16": 1.689, "w8a16": 0.912, "w4a16": 0.917},
+    "full_attention": {1024: {"fp16": 1.559, "w8a16": 1.129, "w4a16": 1.127},
+                       4096: {"fp16": 2.964, "w8a16": 1.681, "w4a16": 1.662}},
+}
+NPU_STEPS, NPU_WARMUP = 8, 2  # emulated steps are tenths of a second, and mean nothing as timings
+
+
+def expected_device_ms(soc_model: str, layers: list[dict], precision: str, context_length: int) -> dict | None:
+    """The notes' per-layer S25 figures summed over this model's layer mix, at
+    the measured full-attention context at or above this build's; None where
+    nothing was measured (another chip, or a context past 4k)."""
+    if soc_model != "SM8750":
+        return None
+    at = next((c for c in sorted(S25_LAYER_MS["full_attention"]) if c >= context_length), None)
+    if at is None:
+        return None
+    n_sliding = sum(1 for x in layers if x["type"] == "sliding_attention")
+    n_full = len(layers) - n_sliding
+    ms = n_sliding * S25_LAYER_MS["sliding_attention"][precision] + n_full * S25_LAYER_MS["full_attention"][at][precision]
+    return {"step_ms": round(ms, 3), "sliding_layers": n_sliding, "full_layers": n_full,
+            "full_attention_context_measured": at, "source": S25_LAYER_MS["source"],
+            "caveat": "per-layer figures of the 1.7B's layers, summed over this model's layer types: an "
+                      "expectation carried until a device run replaces it, not a measurement of this model"}
+
+
+def _npu(ctx, b, device, host, sel) -> dict:
+    import time
+
+    from pipeline import qnn
+    from pipeline.context import StageError
+    from pipeline.decode_graph import OnnxDecoder
+    from pipeline.stats import fmt, spread
+
+    comp = Path(ctx.inputs["compile_qnn"])
+    info = json.loads((comp / "qnn.json").read_text())
+    io = json.loads((comp / "io.json").read_text())
+    reason = qnn.missing()
+    if reason:
+        raise StageError(f"benchmark: cannot run the context binaries on the HTP backend: {reason}")
+    passes = int(b.passes)
+    emulation, expected = {}, {}
+    prompt = list(range(4, 4 + NPU_WARMUP))
+    with ctx.progress(passes * len(info["precisions"]), "HTP emulation timing (not device timings)") as bar:
+        for p in info["precisions"]:
+            session = qnn.htp_session(comp / p / qnn.CONTEXT_MODEL, info["target"], p)
+            dec = OnnxDecoder(comp, session=session)
+            per_pass = []
+            for _ in range(passes):
+                dec.reset()
+                for t in prompt:
+                    dec.step(t)
+                t0 = time.perf_counter()
+                for k in range(NPU_STEPS):
+                    dec.step(10 + k)
+                per_pass.append(1000 * (time.perf_counter() - t0) / NPU_STEPS)
+                bar.advance()
+            emulation[p] = spread(per_pass)
+            expected[p] = expected_device_ms(info["target"]["soc_model"], io["layers"], p, int(io["context_length"]))
+    deployed = info["deployed"]
+    notes = [f"HTP backend emulation on this {host.device_class} host ({host.cpu_model}): its timings are not "
+             f"{device.name} timings and must not be read as such",
+             "no CPU arm runs for a phone build: a CPU figure of this host is no phone's"]
+    if expected[deployed] is None:
+        notes.append(f"no device figures measured for {info['target']['soc_model']}: no expected latency")
+    report = {
+        "settings": {"passes": passes, "steps_per_pass": NPU_STEPS, "warmup_steps": NPU_WARMUP,
+                     "context_length": int(io["context_length"])},
+        "on_target": False,
+        "host": _plain(host),
+        "device": device.name,
+        "notes": notes,
+        "weight_path": sel,
+        "artifact_arm": f"qnn_{deployed}",
+        "htp_emulation_ms_per_step": emulation,
+        "expected_device": expected,
+        "device_measured": False,
+        "target": info["target"],
+        "qnn_sdk": info["qnn_sdk"],
+    }
+    (ctx.out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    metrics = {f"htp_emulation_ms_per_step_{p}": v["median"] for p, v in emulation.items()}
+    metrics.update({f"expected_device_step_ms_{p}": (v or {}).get("step_ms") for p, v in expected.items()})
+    metrics["device_measured"] = False
+    (ctx.out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    # The plots' columns are fixed (dvcgen); a phone build has no CPU decode figures to fill them.
+    (ctx.out / "plots").mkdir()
+    (ctx.out / PLOT_CONTEXT).write_text(json.dumps([{"context": int(io["context_length"]), "artifact": None,
+                                                      **{c: None for c in BASELINES}}], indent=2) + "\n")
+    (ctx.out / PLOT_MEMORY).write_text(json.dumps([{"arm": f"qnn_{p}", "resident_mib": None, "peak_rss_mib": None}
+                                                   for p in emulation], indent=2) + "\n")
+    summary = {"artifact": f"qnn_{deployed} ({sel['path']}) for {info['target']['soc_model']} "
+                           f"(HTP {info['target']['htp_arch']}), QNN SDK {info['qnn_sdk']}"}
+    for p in emulation:
+        summary[f"{p} ms/step, HTP emulation on this host (not a device timing)"] = fmt(emulation[p], 1)
+        e = expected[p]
+        summary[f"{p} expected ms/step on the device"] = (
+            f"{e['step_ms']} ({e['sliding_layers']} sliding + {e['full_layers']} full layers x the S25's "
+            f"per-layer figures at {e['full_attention_context_measured']} context; from a real S25, not this model)"
+            if e else "none measured for this chip")
+    for line in notes:
+        ctx.log(line)
+    for k, v in summary.items():
+        ctx.log(f"{k}: {v}")
+    return {"metrics": metrics, "summary": summary, "on_target": False}
+
+
+def _plain(node) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(node, resolve=True) if not isinstance(node, dict) else node
 
 
 def _describe(arm: str) -> str:

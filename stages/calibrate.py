@@ -17,7 +17,9 @@ Llama / Qwen3 / Gemma3, the head is applied to exactly that tensor), so the
 [tokens, vocab] logits are never materialized (262k columns for Gemma 3).
 Linears fed the same tensor (q/k/v; gate/up) share one H, stored once.
 
-Writes `hessians.safetensors` (float32) and `calibration.json`:
+Writes `hessians.safetensors` (float32), `token_ids.npy` (the windows, int32
+[samples, seq_len]: the phone build calibrates its QDQ graph on them) and
+`calibration.json`:
 {dataset, data_sha256, samples, tokens, seq_len, layers: {name: {hessian,
 rows, in_features, out_features}}, ...}. data_sha256 is the sha256 of the
 exact token ids used (int32 little-endian, window after window): later stages
@@ -42,6 +44,7 @@ DATASETS = ("stdlib_docstrings_heldout",)
 HEAD = "lm_head"
 HESSIANS = "hessians.safetensors"
 CALIBRATION_JSON = "calibration.json"
+TOKENS = "token_ids.npy"
 BATCH = 8
 _LAYER_LINEAR = re.compile(r"(^|\.)layers\.\d+\.")
 
@@ -222,6 +225,11 @@ def run(ctx) -> dict:
             "out_features": int(module.out_features),
         }
     save_file(tensors, str(ctx.out / HESSIANS), metadata={"format": "pt"})
+    # The windows themselves: the phone build's QDQ calibration runs them
+    # through the exported graph (stages/pack.py). Their bytes are data_sha256's.
+    import numpy as np
+
+    np.save(ctx.out / TOKENS, ids32)
     info = {
         "dataset": s["dataset"],
         "data_sha256": data_sha,

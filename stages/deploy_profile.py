@@ -14,6 +14,11 @@ Per weight path (pack's weight_path.json):
   stage's (`pack.ort_accuracy_level`), the one verify_parity measured: a
   faster level would be an unverified artifact.
 - w4a16_tinygemm: `torch.json`: threads, the prefill mode and the loader.
+- qnn_graph (phone NPU): `qnn.json`: the deployed context binary and the
+  other compiled precisions, the QNN EP's provider and session options (CPU
+  fallback disabled), every input and output with shape and dtype, the KV
+  layout per layer type with the ring-slot rule, the runtime it is for and
+  the QNN SDK version the binaries need.
 - every path: `profile.json` with the above, the KV budget (flat and
   per-layer-type) and the weight path's rationale.
 """
@@ -25,7 +30,7 @@ import json
 import yaml
 
 READS = ("device", "export", "host")
-INPUTS = ("untie_head", "pack")
+INPUTS = ("untie_head", "pack", "compile_qnn")
 TOOLCHAIN = ("pyyaml", "onnxruntime")
 SWEEP_PROMPT, SWEEP_DECODE, SWEEP_ROUNDS = 32, 48, 5
 
@@ -135,6 +140,49 @@ def _torch(ctx, device, pack_dir) -> dict:
     return {"runtime": "torch", "files": ["torch.json"], "torch": cfg}
 
 
+def _qnn(ctx, comp_dir) -> dict:
+    info = json.loads((comp_dir / "qnn.json").read_text())
+    io = json.loads((comp_dir / "io.json").read_text())
+    t = info["target"]
+
+    def variant(p):
+        c = info["compiled"][p]
+        return {"model": f"../compile_qnn/{c['dir']}/{c['context_model']}",
+                "binaries": [f"../compile_qnn/{c['dir']}/{b}" for b in c["binaries"]], "bytes": c["bytes"]}
+
+    sliding = [x for x in io["layers"] if x["slot_rule"] != "position"]
+    profile = {
+        "runtime": "onnxruntime-qnn (ONNX Runtime with the QNN execution provider, HTP backend)",
+        "qnn_sdk": info["qnn_sdk"],
+        "target": t,
+        "deployed": info["deployed"],
+        "context_binary": variant(info["deployed"]),
+        "variants": {p: variant(p) for p in info["precisions"]},
+        "provider": {"name": "QNNExecutionProvider", "register": "register_execution_provider_library, then "
+                     "add_provider_for_devices (the providers=[...] form silently runs on the CPU)",
+                     "options": {"backend_path": "libQnnHtp.so", "htp_arch": str(t["htp_arch"]).lstrip("vV"),
+                                 "soc_model": str(t["soc_id"])},
+                     "fp16_option": {"enable_htp_fp16_precision": "1"}},
+        "session_config": {"session.disable_cpu_ep_fallback": "1"},
+        "inputs": io["inputs"],
+        "outputs": io["outputs"],
+        "kv_layout": io["layers"],
+        "slot_rules": {
+            "full_attention": "write new_key_i / new_value_i into slot `position` of past_key_i / past_value_i",
+            "sliding_attention": ("a ring of window-1 entries: write the new entry into slot position mod (window-1)"
+                                  " (position >= 0, so the modulo is non-negative); never reorder: each key carries"
+                                  " its own rotary phase and the graph masks unwritten slots")
+            if sliding else None,
+        },
+        "context_length": io["context_length"],
+        "tokenizer": "../compile_qnn/tokenizer.json",
+    }
+    (ctx.out / "qnn.json").write_text(json.dumps(profile, indent=2) + "\n")
+    ctx.log(f"QNN profile: {info['deployed']} context binary for {t['soc_model']} (HTP {t['htp_arch']}), "
+            f"QNN SDK {info['qnn_sdk']}, {len(io['layers'])} KV layers ({len(sliding)} ring)")
+    return {"runtime": "onnxruntime-qnn", "files": ["qnn.json"], "qnn": profile}
+
+
 def run(ctx) -> dict:
     from pipeline.kv_budget import kv_budget
 
@@ -153,9 +201,11 @@ def run(ctx) -> dict:
         detail = _onnxruntime(ctx, device, OmegaConf.to_container(ctx.cfg.host), pack_dir)
     elif path == "w4a16_tinygemm":
         detail = _torch(ctx, device, pack_dir)
+    elif path == "qnn_graph":
+        detail = _qnn(ctx, ctx.inputs["compile_qnn"])
     else:
         detail = {"runtime": sel.get("runtime"), "files": [],
-                  "note": f"{path}: no CPU runtime profile (the phone and GPU profiles are their own stages' work)"}
+                  "note": f"{path}: no runtime profile for this path yet (the GPU is unverified)"}
     profile = {
         "device": device.name,
         "weight_path": sel,

@@ -21,7 +21,15 @@ The weight path is chosen by `pipeline.weight_path.select(device, priority)`
   quantize stage's own codes, one graph for prefill and decode; serves the
   export's context length. Config and tokenizer copied from the export
   artifact; runs in `gqa_graph.GqaDecoder`.
-- qnn_graph / model_dtype: nothing but weight_path.json; {"applies": false}.
+- qnn_graph (phone NPU): `float/model.onnx`, the export made QNN-ready
+  (pipeline/npu_rewrite.py: sanitized, rotary tables, fused RMSNorm; checked
+  against the export on a decode past the window), and per QDQ precision in
+  `pack.qnn_precisions` `<precision>/model.onnx`, calibrated on the calibrate
+  stage's windows run through the float graph (16-bit activations; fp16 runs
+  the float graph itself in the HTP's fp16 math). `npu.json` lists them with
+  the rewrites and the calibration; `io.json` and the tokenizer travel along.
+  stages/compile_qnn.py turns each into a context binary.
+- model_dtype: nothing but weight_path.json; {"applies": false}.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from pipeline.checkpoint_files import copy_side_files
 from pipeline.context import StageContext, StageError
 
 READS = ("pack", "device", "priority")
-INPUTS = ("untie_head", "quantize", "export")
+INPUTS = ("untie_head", "calibrate", "quantize", "export")
 TOOLCHAIN = ("torch", "onnx", "onnxruntime", "safetensors", "numpy")
 
 GPTQ_DIR = "gptq"
@@ -162,6 +170,104 @@ def _write_ort(ctx, untied: Path, export_dir: Path, quant_dir: Path, accuracy_le
             "facts": {k: v for k, v in facts.items() if k not in ("records", "ops")}}
 
 
+# The QNN-ready float graph must compute what the export computes: checked
+# over this many decode steps (past a sliding window) before anything is built on it.
+QNN_CHECK_STEPS = 96
+QNN_CHECK_MIN_SNR_DB = 100.0
+
+
+def _calibration_sequences(cal_dir: Path, context_length: int, n: int) -> list[list[int]]:
+    import numpy as np
+
+    tokens = cal_dir / "token_ids.npy"
+    if not tokens.is_file():
+        raise StageError(f"pack: {tokens} is missing: the calibrate stage predates QDQ calibration; rerun it")
+    flat = np.load(tokens).astype(np.int64).ravel().tolist()
+    seqs = [flat[i:i + context_length] for i in range(0, len(flat), context_length)][:n]
+    return [s for s in seqs if len(s) >= 2]
+
+
+def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
+    """The export made QNN-ready, and its calibrated QDQ variants (module docstring)."""
+    import shutil
+
+    import numpy as np
+    import onnx
+
+    from pipeline import npu_rewrite, qnn
+    from pipeline.decode_graph import OnnxDecoder, snr_db
+
+    cfg = ctx.cfg.pack
+    precisions = [str(p) for p in cfg.qnn_precisions]
+    io = json.loads((export_dir / "io.json").read_text())
+    C = int(io["context_length"])
+    out = Path(ctx.out)
+    float_dir = out / "float"
+    float_dir.mkdir()
+    try:
+        prepared, rewrites = npu_rewrite.prepare(onnx.load(str(export_dir / "model.onnx")),
+                                                 position="position", context_length=C)
+    except npu_rewrite.RewriteError as err:
+        raise StageError(f"pack: the exported graph cannot be made QNN-ready: {err}") from None
+    onnx.save(prepared, str(float_dir / "model.onnx"))
+    shutil.copy2(export_dir / "io.json", float_dir / "io.json")
+    ctx.log(f"QNN-ready float graph: {rewrites['sanitize']}, {rewrites['rope_tables']} rotary tables, "
+            f"{rewrites['rms_norms_fused']} RMSNorms fused")
+
+    seqs = _calibration_sequences(cal_dir, C, int(cfg.qnn_calibration_sequences))
+    if not seqs:
+        raise StageError("pack: the calibration windows hold fewer than 2 tokens: nothing to calibrate on")
+    # The rewrites must not change what the graph computes: both decode the
+    # first calibration sequence, compared step by step.
+    ref = OnnxDecoder(export_dir, threads=2)
+    new = OnnxDecoder(float_dir, threads=2)
+    check = seqs[0][:QNN_CHECK_STEPS]
+    worst = min(snr_db(ref.step(t), new.step(t)) for t in check)
+    if worst < QNN_CHECK_MIN_SNR_DB:
+        raise StageError(f"pack: the QNN-ready graph departs from the export ({worst:.1f} dB at worst over "
+                         f"{len(check)} steps, needs {QNN_CHECK_MIN_SNR_DB:g}): a rewrite is wrong")
+    ctx.log(f"QNN-ready graph matches the export: worst step {worst:.1f} dB over {len(check)} steps")
+
+    graphs = {}
+    calibration = None
+    stride = int(cfg.qnn_calibration_stride)
+    qdq = [p for p in precisions if p != "fp16"]
+    if qdq:
+        samples = []
+        steps = sum(len(s) for s in seqs)
+        with ctx.progress(steps, "QDQ calibration: decode steps of the float graph") as bar:
+            for seq in seqs:
+                new.reset()
+                for pos, tok in enumerate(seq):
+                    if pos % stride == 0:
+                        samples.append(new.next_inputs(tok))
+                    new.step(tok)
+                    bar.advance()
+        overrides = npu_rewrite.embedding_ranges(prepared)
+        calibration = {"sequences": len(seqs), "tokens": steps, "stride": stride, "samples": len(samples),
+                       "max_position": max(len(s) for s in seqs) - 1,
+                       "data": "calibrate/token_ids.npy (held-out windows), joined into context-length sequences"}
+    for p in precisions:
+        if p == "fp16":
+            graphs[p] = {"graph": "float/model.onnx", "math": "fp16 on the HTP (enable_htp_fp16_precision)"}
+            continue
+        (out / p).mkdir()
+        ctx.log(f"QDQ {p}: {len(samples)} calibration samples")
+        try:
+            facts = qnn.qdq_quantize(float_dir / "model.onnx", out / p / "model.onnx", samples, p, overrides)
+        except qnn.QnnError as err:
+            raise StageError(f"pack: {err}") from None
+        graphs[p] = {"graph": f"{p}/model.onnx", **facts}
+    copy_side_files(export_dir, out)
+    shutil.copy2(export_dir / "io.json", out / "io.json")
+    info = {"format": "edgekiln-qnn-pack/1", "precisions": precisions, "deployed": precisions[0],
+            "graphs": graphs, "rewrites": rewrites, "rewrite_check": {"steps": len(check), "worst_snr_db": worst},
+            "calibration": calibration, "context_length": C}
+    (out / "npu.json").write_text(json.dumps(info, indent=2, default=float) + "\n")
+    size = sum(f.stat().st_size for f in out.rglob("*.onnx"))
+    return {**info, "bytes": size}
+
+
 def run(ctx: StageContext) -> dict:
     from omegaconf import OmegaConf
 
@@ -187,7 +293,11 @@ def run(ctx: StageContext) -> dict:
     out = Path(ctx.out)
     (out / "weight_path.json").write_text(json.dumps(sel, indent=2) + "\n")
     ctx.log(f"weight path {sel['path']} ({'verified' if sel['verified'] else 'unverified'}): {sel['kernel']}")
-    if sel["path"] in ("qnn_graph", "model_dtype"):
+    if sel["path"] == "qnn_graph":
+        detail = _write_qnn(ctx, Path(ctx.inputs["export"]), Path(ctx.inputs["calibrate"]))
+        return {"weight_path": sel, "pack": detail,
+                "metrics": {"path": sel["path"], "precisions": len(detail["graphs"]), "bytes": detail["bytes"]}}
+    if sel["path"] == "model_dtype":
         reason = f"{sel['path']}: no 4-bit CPU weight layout for device {device.get('name')!r}"
         return {"applies": False, "reason": reason, "weight_path": sel,
                 "metrics": {"path": sel["path"], "layers": 0, "bytes": 0}}

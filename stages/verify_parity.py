@@ -33,8 +33,8 @@ from pathlib import Path
 from pipeline.context import StageContext, StageError
 
 READS = ("parity", "export")
-INPUTS = ("untie_head", "export", "pack")
-TOOLCHAIN = ("torch", "transformers", "onnxruntime", "numpy")
+INPUTS = ("untie_head", "export", "pack", "compile_qnn")
+TOOLCHAIN = ("torch", "transformers", "onnxruntime", "numpy", "onnxruntime-qnn", "qnn-sdk")
 THREADS = 2  # onnxruntime intra-op threads
 # The eager reference runs one torch thread: its ops are microseconds, and on a
 # shared 2-core host two OpenMP threads spent ~8 ms per tiny op in barriers
@@ -94,9 +94,16 @@ def _teacher(ref, encoded, decode_tokens, ctx):
     return out
 
 
-def _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, what: str):
+def _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, what: str, free_decode: bool = True):
     """Feed `dec` the reference's greedy sequence, compare logits at every step,
-    then let `dec` decode freely and count identical greedy continuations."""
+    then let `dec` decode freely and count identical greedy continuations.
+
+    free_decode=False reads the greedy outcome off the fed run instead: a
+    deterministic decoder's free continuation equals the reference's exactly
+    when, at every decode step, its argmax is the reference's next token (by
+    induction its inputs are then the fed ones), so the first step where they
+    differ is the free decode's first divergence. Used where steps are dear
+    (the HTP emulation), it halves the steps and changes no figure."""
     import numpy as np
 
     from pipeline.decode_graph import snr_db
@@ -112,8 +119,13 @@ def _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, what: str):
             t5r = np.argpartition(-r, 5, axis=-1)[:, :5]
             t5o = np.argpartition(-o, 5, axis=-1)[:, :5]
             overlap = np.array([len(set(a) & set(b)) for a, b in zip(t5r, t5o)])
-            free = dec.generate_greedy(ids, decode_tokens)
-            first_div = next((k for k, (a, b) in enumerate(zip(cont, free)) if a != b), None)
+            if free_decode:
+                free = dec.generate_greedy(ids, decode_tokens)
+                first_div = next((k for k, (a, b) in enumerate(zip(cont, free)) if a != b), None)
+            else:
+                picks = o[len(ids) - 1: len(ids) - 1 + decode_tokens].argmax(-1)
+                first_div = next((k for k, (a, b) in enumerate(zip(cont, picks)) if a != int(b)), None)
+                free = cont if first_div is None else None
             per_prompt.append({
                 "prompt": text,
                 "prompt_tokens": len(ids),
@@ -249,10 +261,14 @@ def run(ctx: StageContext) -> dict:
     if artifact.get("metrics"):
         am = artifact["metrics"]
         out.update({f"artifact_{k}": am[k] for k in ("logits_snr_db", "top1_agreement", "greedy_match", "kl_nats")})
+    for precision, r in (artifact.get("precisions") or {}).items():
+        out.update({f"qnn_{precision}_{k}": r["metrics"][k] for k in ("logits_snr_db", "top1_agreement",
+                                                                       "greedy_match")})
     return {"metrics": out, "weight_path": artifact["path"], "artifact_note": artifact.get("note", "")}
 
 
 # The packed artifact, run as its runtime runs it, against the fp32 eager model.
+QNN_RUNTIME = "QNN HTP context binary on onnxruntime-qnn's HTP backend (x86 emulation: the HTP's numerics)"
 ARTIFACT_RUNTIMES = {
     "w4_ort_matmulnbits": "ONNX Runtime, GroupQueryAttention + MatMulNBits (the packed graph)",
     "w4a16_tinygemm": "PyTorch, tinygemm int4 kernel with bf16 activations",
@@ -281,6 +297,8 @@ def _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir) ->
     pack_dir = Path(ctx.inputs["pack"])
     sel = json.loads((pack_dir / "weight_path.json").read_text())
     path = sel["path"]
+    if path == "qnn_graph":
+        return _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens)
     if path not in ARTIFACT_RUNTIMES:
         ctx.log(f"weight path {path}: no packed 4-bit artifact to compare (the fp32 graph is the artifact here)")
         return {"path": path, "applies": False}
@@ -289,6 +307,20 @@ def _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir) ->
         raise StageError(f"parity.artifact has no thresholds for weight path {path}: add parity.artifact.{path}")
     dec, note = _artifact_decoder(path, pack_dir)
     metrics, per_prompt = _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, path)
+    checked = _gate(ctx, path, limits, metrics, len(prompts), note)
+    return {
+        "path": path,
+        "applies": True,
+        "runtime": ARTIFACT_RUNTIMES[path],
+        "note": note,
+        "metrics": {k: _finite(v) if isinstance(v, float) else v for k, v in metrics.items()},
+        "thresholds": checked,
+        "per_prompt": per_prompt,
+    }
+
+
+def _gate(ctx, name: str, limits, metrics: dict, n_prompts: int, note: str = "") -> dict:
+    """Log the figures; fail below `limits` (parity.artifact.<name>); the thresholds checked."""
     checks = [
         ("logits_snr_db", metrics["logits_snr_db"] >= limits.min_logits_snr_db, f">= {limits.min_logits_snr_db:g}"),
         ("top1_agreement", metrics["top1_agreement"] >= limits.min_top1_agreement, f">= {limits.min_top1_agreement:g}"),
@@ -296,20 +328,55 @@ def _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir) ->
         ("kl_nats", metrics["kl_nats"] <= limits.max_kl_nats, f"<= {limits.max_kl_nats:g}"),
     ]
     ctx.log(
-        f"{path} vs fp32: SNR {metrics['logits_snr_db']:.1f} dB, top1 {metrics['top1_agreement']:.3f}, "
-        f"top5 {metrics['top5_agreement']:.3f}, KL {metrics['kl_nats']:.4f}, greedy {metrics['greedy_match']}/{len(prompts)}"
+        f"{name} vs fp32: SNR {metrics['logits_snr_db']:.1f} dB, top1 {metrics['top1_agreement']:.3f}, "
+        f"top5 {metrics['top5_agreement']:.3f}, KL {metrics['kl_nats']:.4f}, greedy {metrics['greedy_match']}/{n_prompts}"
     )
     if note:
         ctx.log(note)
     failed = [f"{k} {metrics[k]:.4g} (needs {want})" for k, ok, want in checks if not ok]
     if failed:
-        raise StageError(f"{path} artifact fidelity below parity.artifact.{path}: " + "; ".join(failed))
+        raise StageError(f"{name} artifact fidelity below parity.artifact.{name}: " + "; ".join(failed))
+    return {k: want for k, _, want in checks}
+
+
+def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens) -> dict:
+    """Each compiled context binary, run on the HTP backend, against the eager
+    fp32 model over the first parity.qnn_prompts prompts (the emulation costs
+    tenths of a second per step); gated by parity.artifact.qnn_<precision>."""
+    from pipeline import qnn
+    from pipeline.decode_graph import OnnxDecoder
+
+    comp = Path(ctx.inputs["compile_qnn"])
+    info = json.loads((comp / "qnn.json").read_text())
+    reason = qnn.missing()
+    if reason:
+        raise StageError(f"verify_parity: cannot run the context binaries on the HTP backend: {reason}")
+    n = min(int(ctx.cfg.parity.qnn_prompts), len(prompts))
+    sub = (teacher[:n], prompts[:n], encoded[:n])
+    results = {}
+    for precision in info["precisions"]:
+        name = f"qnn_{precision}"
+        limits = ctx.cfg.parity.artifact.get(name)
+        if limits is None:
+            raise StageError(f"parity.artifact has no thresholds for {name}: add parity.artifact.{name}")
+        try:
+            session = qnn.htp_session(comp / precision / qnn.CONTEXT_MODEL, info["target"], precision)
+        except Exception as err:  # noqa: BLE001 - ORT's own exception types
+            raise StageError(f"verify_parity: the {precision} context binary does not load on the HTP "
+                             f"backend: {str(err).strip().splitlines()[-1][:300]}") from None
+        dec = OnnxDecoder(comp, session=session)
+        metrics, per_prompt = _compare(sub[0], dec, sub[1], sub[2], decode_tokens, ctx,
+                                       f"{precision} context binary on the HTP backend", free_decode=False)
+        checked = _gate(ctx, name, limits, metrics, n)
+        results[precision] = {
+            "metrics": {k: _finite(v) if isinstance(v, float) else v for k, v in metrics.items()},
+            "thresholds": checked, "per_prompt": per_prompt, "deployed": precision == info["deployed"],
+        }
+    deployed = results[info["deployed"]]
     return {
-        "path": path,
-        "applies": True,
-        "runtime": ARTIFACT_RUNTIMES[path],
-        "note": note,
-        "metrics": {k: _finite(v) if isinstance(v, float) else v for k, v in metrics.items()},
-        "thresholds": {k: want for k, _, want in checks},
-        "per_prompt": per_prompt,
+        "path": "qnn_graph", "applies": True, "runtime": QNN_RUNTIME,
+        "note": (f"{info['target']['device']} ({info['target']['soc_model']}, HTP {info['target']['htp_arch']}), "
+                 f"QNN SDK {info['qnn_sdk']}; the first {n} parity prompts; greedy outcome read off the fed run"),
+        "metrics": deployed["metrics"], "thresholds": deployed["thresholds"], "per_prompt": deployed["per_prompt"],
+        "precisions": results, "deployed": info["deployed"], "target": info["target"], "qnn_sdk": info["qnn_sdk"],
     }

@@ -19,10 +19,12 @@ HOST = {"device_class": "x86_avx512", "cpu_model": "test cpu", "arch": "x86_64",
         "physical_cores": 2}
 
 
-def run(tmp_path, path, extra_files=None, device=None, host=None):
-    untie, pack, out = tmp_path / "untie", tmp_path / "pack", tmp_path / "out"
-    for d in (untie, pack, out):
+def run(tmp_path, path, extra_files=None, device=None, host=None, compiled=None):
+    untie, pack, out, comp = tmp_path / "untie", tmp_path / "pack", tmp_path / "out", tmp_path / "compile_qnn"
+    for d in (untie, pack, out, comp):
         d.mkdir()
+    for name, text in (compiled or {}).items():
+        (comp / name).write_text(text)
     (untie / "config.json").write_text(json.dumps(CONFIG))
     (pack / "weight_path.json").write_text(json.dumps({"path": path, "runtime": "x", "verified": True}))
     for name, text in (extra_files or {}).items():
@@ -31,7 +33,7 @@ def run(tmp_path, path, extra_files=None, device=None, host=None):
     ctx = StageContext(stage="deploy_profile", build="b",
                        cfg=OmegaConf.create({"device": dev, "export": {"context_length": 256},
                                              "host": host or HOST}),
-                       inputs={"untie_head": untie, "pack": pack}, out=out)
+                       inputs={"untie_head": untie, "pack": pack, "compile_qnn": comp}, out=out)
     result = deploy_profile.run(ctx)
     return out, result
 
@@ -97,7 +99,32 @@ def test_on_the_target_the_settings_are_measured_and_recorded(tmp_path, monkeypa
     assert session["session_config"] == {"session.intra_op.allow_spinning": "0"}  # spinning bought nothing
 
 
-def test_paths_without_a_cpu_runtime_write_only_the_profile(tmp_path):
-    out, result = run(tmp_path, "qnn_graph", device={"name": "galaxy_s25", "threads": 4})
+def test_paths_without_a_runtime_profile_write_only_the_profile(tmp_path):
+    out, result = run(tmp_path, "model_dtype", device={"name": "jetson_orin", "threads": 4})
     assert sorted(p.name for p in out.iterdir()) == ["profile.json"]
     assert result["files"] == []
+
+
+PHONE_IO = {"context_length": 256, "inputs": [{"name": "input_ids", "shape": [1, 1], "dtype": "int64"},
+                                              {"name": "past_key_0", "shape": [1, 2, 63, 64], "dtype": "float32"}],
+            "outputs": [{"name": "logits", "shape": [1, 1, 2048], "dtype": "float32"}],
+            "layers": [{"index": 0, "type": "sliding_attention", "cache_len": 63, "slot_rule": "position mod 63"},
+                       {"index": 1, "type": "full_attention", "cache_len": 256, "slot_rule": "position"}]}
+PHONE_QNN = {"deployed": "w8a16", "precisions": ["w8a16", "fp16"], "qnn_sdk": "2.51.0",
+             "target": {"soc_model": "SM8750", "htp_arch": "v79", "soc_id": 69, "device": "galaxy_s25"},
+             "compiled": {p: {"dir": p, "context_model": "model_ctx.onnx", "binaries": ["model_ctx_qnn.bin"],
+                              "bytes": 10} for p in ("w8a16", "fp16")}}
+
+
+def test_a_phone_profile_names_the_binary_its_io_kv_layout_and_sdk(tmp_path):
+    out, result = run(tmp_path, "qnn_graph", device={"name": "galaxy_s25", "threads": 4},
+                      compiled={"io.json": json.dumps(PHONE_IO), "qnn.json": json.dumps(PHONE_QNN)})
+    assert result["files"] == ["qnn.json"] and result["runtime"] == "onnxruntime-qnn"
+    p = json.loads((out / "qnn.json").read_text())
+    assert p["context_binary"] == {"model": "../compile_qnn/w8a16/model_ctx.onnx",
+                                   "binaries": ["../compile_qnn/w8a16/model_ctx_qnn.bin"], "bytes": 10}
+    assert set(p["variants"]) == {"w8a16", "fp16"} and p["qnn_sdk"] == "2.51.0"
+    assert p["provider"]["options"] == {"backend_path": "libQnnHtp.so", "htp_arch": "79", "soc_model": "69"}
+    assert p["session_config"] == {"session.disable_cpu_ep_fallback": "1"}
+    assert p["inputs"] == PHONE_IO["inputs"] and p["kv_layout"] == PHONE_IO["layers"]
+    assert "mod (window-1)" in p["slot_rules"]["sliding_attention"]

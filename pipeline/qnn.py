@@ -1,0 +1,171 @@
+"""onnxruntime-qnn: QDQ quantization for the HTP, offline context binaries, and
+running them on the HTP backend of this host.
+
+What the field notes established, and this module encodes:
+- `onnxruntime-qnn` (2.x) is a plugin execution provider: it is registered
+  with `register_execution_provider_library` and added per session with
+  `add_provider_for_devices` (backend_path, htp_arch, soc_model). The older
+  `providers=[...]` form silently runs on the CPU.
+- With `ep.context_enable=1` the session writes an HTP context binary offline;
+  the x86 wheel's HTP backend also executes context binaries (an emulation:
+  its timings mean nothing, its numerics are the HTP's).
+- A graph part QNN cannot take would fall back to the CPU EP silently:
+  `session.disable_cpu_ep_fallback=1` makes that a failure, and the compiled
+  model is checked to hold nothing but EPContext nodes.
+- A context binary is tied to the QNN SDK it was built with: `sdk_version()`
+  (read from the wheel's metadata file, never by importing it) is part of the
+  compile stage's toolchain key.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+EP_NAME = "QNNExecutionProvider"
+PRECISIONS = ("fp16", "w8a16", "w4a16")
+INSTALL = "pip install -e '.[qnn]' (onnxruntime-qnn 2.7.0, which bundles the QNN SDK's HTP libraries)"
+CONTEXT_MODEL = "model_ctx.onnx"
+
+
+class QnnError(RuntimeError):
+    """The QNN toolchain is absent, or refused a graph (user-facing)."""
+
+
+def missing() -> str | None:
+    """Why the QNN toolchain cannot run here, or None when it can."""
+    try:
+        metadata.version("onnxruntime-qnn")
+    except metadata.PackageNotFoundError:
+        return f"onnxruntime-qnn is not installed: {INSTALL}"
+    return None
+
+
+def sdk_version() -> str:
+    """The QNN SDK the installed onnxruntime-qnn bundles ('absent' without it)."""
+    from .toolchain import qnn_sdk_version
+
+    return qnn_sdk_version()
+
+
+def _module():
+    reason = missing()
+    if reason:
+        raise QnnError(reason)
+    import onnxruntime as ort
+    import onnxruntime_qnn
+
+    if EP_NAME not in {d.ep_name for d in ort.get_ep_devices()}:
+        ort.register_execution_provider_library(EP_NAME, onnxruntime_qnn.get_library_path())
+    return ort, onnxruntime_qnn
+
+
+def provider_options(target: dict, precision: str) -> dict[str, str]:
+    """The QNN EP's options for an HTP target {soc_model, htp_arch, soc_id}."""
+    _, q = _module()
+    arch = str(target["htp_arch"]).lstrip("vV")
+    opts = {"backend_path": q.get_qnn_htp_path(), "htp_arch": arch, "soc_model": str(int(target["soc_id"]))}
+    if precision == "fp16":
+        opts["enable_htp_fp16_precision"] = "1"
+    return opts
+
+
+def session_options(target: dict, precision: str, *, context_file: Path | None = None):
+    """QNN-only session options: CPU fallback disabled; with `context_file`,
+    the session writes the context binary there (a separate .bin beside it)."""
+    ort, _ = _module()
+    devices = [d for d in ort.get_ep_devices() if d.ep_name == EP_NAME]
+    if not devices:
+        raise QnnError("onnxruntime-qnn is installed but exposes no QNN device to ONNX Runtime")
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.add_provider_for_devices(devices, provider_options(target, precision))
+    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    if context_file is not None:
+        so.add_session_config_entry("ep.context_enable", "1")
+        so.add_session_config_entry("ep.context_file_path", str(context_file))
+        so.add_session_config_entry("ep.context_embed_mode", "0")
+    return so
+
+
+def compile_context(model: Path, out_dir: Path, target: dict, precision: str) -> dict[str, Any]:
+    """Compile `model` offline into out_dir/model_ctx.onnx + its context binary."""
+    ort, _ = _module()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx_model = out_dir / CONTEXT_MODEL
+    t0 = time.perf_counter()
+    try:
+        ort.InferenceSession(str(model), sess_options=session_options(target, precision, context_file=ctx_model))
+    except Exception as err:  # noqa: BLE001 - ORT raises its own pybind types
+        raise QnnError(f"QNN HTP ({target['soc_model']}, {target['htp_arch']}) refused the {precision} graph: "
+                       f"{str(err).strip().splitlines()[-1][:400]}") from None
+    seconds = time.perf_counter() - t0
+    import onnx
+
+    m = onnx.load(str(ctx_model), load_external_data=False)
+    ops = sorted({n.op_type for n in m.graph.node})
+    if ops != ["EPContext"]:
+        raise QnnError(f"the compiled {precision} model holds {ops}, not only EPContext nodes: part of the "
+                       "graph would run outside the HTP")
+    bins = sorted(p.name for p in out_dir.iterdir() if p.suffix == ".bin")
+    if not bins:
+        raise QnnError(f"compiling the {precision} graph wrote no context binary into {out_dir}")
+    return {"context_model": CONTEXT_MODEL, "binaries": bins, "compile_s": round(seconds, 3),
+            "bytes": sum((out_dir / b).stat().st_size for b in bins)}
+
+
+def htp_session(ctx_model: Path, target: dict, precision: str):
+    """A session that runs a compiled context binary on the HTP backend."""
+    ort, _ = _module()
+    return ort.InferenceSession(str(ctx_model), sess_options=session_options(target, precision))
+
+
+# --------------------------------------------------------------------------
+# QDQ quantization
+# --------------------------------------------------------------------------
+
+
+def qdq_quantize(model: Path, out: Path, samples: Iterable[dict[str, np.ndarray]], precision: str,
+                 overrides: dict[str, list[dict]]) -> dict[str, Any]:
+    """Calibrated QDQ for the HTP with ONNX Runtime's QNN quantization config:
+    16-bit activations (asymmetric uint16), per-channel symmetric 8- or 4-bit
+    weights, min/max ranges from `samples` (real decode-step inputs)."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantType, quantize
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+
+    if precision not in ("w8a16", "w4a16"):
+        raise ValueError(f"no QDQ recipe for precision {precision!r}")
+    feeds = list(samples)
+    if not feeds:
+        raise QnnError("QDQ calibration got no samples")
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self._it = iter(feeds)
+
+        def get_next(self):
+            return next(self._it, None)
+
+    weight = QuantType.QUInt8 if precision == "w8a16" else QuantType.QInt4
+    cfg = get_qnn_qdq_config(str(model), Reader(), activation_type=QuantType.QUInt16, weight_type=weight,
+                             per_channel=True, init_overrides=overrides)
+    t0 = time.perf_counter()
+    # ONNX Runtime's quantizer logs a root-level "consider pre-processing"
+    # warning meant for image models; its shape pre-processing changes
+    # nothing in this static-shaped graph (qnn_preprocess_model reports no change).
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        quantize(str(model), str(out), cfg)
+    finally:
+        root.setLevel(level)
+    return {"activation_type": "uint16", "weight_type": weight.name.lower(), "per_channel": True,
+            "calibration_method": "MinMax", "samples": len(feeds),
+            "range_overrides": sorted(overrides), "quantize_s": round(time.perf_counter() - t0, 3)}
+

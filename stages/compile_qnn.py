@@ -1,0 +1,80 @@
+"""compile_qnn: the pack stage's QNN-ready graphs -> HTP context binaries, offline.
+
+For a phone (weight path qnn_graph), each precision the pack stage built is
+compiled by onnxruntime-qnn's HTP backend for the device's chip (`device.qnn`:
+soc_model / soc_id and htp_arch, e.g. SM8750 / v79 for the S25) into
+`<precision>/model_ctx.onnx` + its `.bin` context binary. The QNN EP is
+registered as a plugin with CPU fallback disabled, and the compiled model must
+hold nothing but EPContext nodes: a graph that would silently run on the CPU
+is a failure (pipeline/qnn.py). The QNN SDK version the wheel bundles is in
+this stage's toolchain key (`qnn-sdk`), since a context binary is tied to it.
+
+`io.json` (inputs, outputs, per-layer KV layout and slot rules) and the
+tokenizer travel along, so the folder is what a phone runtime needs.
+
+Other devices: {"applies": false}. Without onnxruntime-qnn the stage fails
+with what to install.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from pipeline.context import StageContext, StageError
+
+READS = ("device",)
+INPUTS = ("pack",)
+TOOLCHAIN = ("onnx", "onnxruntime", "onnxruntime-qnn", "qnn-sdk")
+
+
+def run(ctx: StageContext) -> dict:
+    from omegaconf import OmegaConf
+
+    from pipeline import qnn
+    from pipeline.checkpoint_files import copy_side_files
+
+    device = OmegaConf.to_container(ctx.cfg.device, resolve=True)
+    pack = Path(ctx.inputs["pack"])
+    npu_file = pack / "npu.json"
+    if device.get("accelerator") != "qnn_htp":
+        return {"applies": False, "reason": f"device {device.get('name')!r} has no QNN HTP",
+                "metrics": {"binaries": 0, "bytes": 0}}
+    if not npu_file.is_file():
+        raise StageError(f"compile_qnn: {npu_file} is missing: the pack stage built no QNN graph; rerun pack")
+    target = device.get("qnn")
+    if not target:
+        raise StageError(f"compile_qnn: device {device.get('name')!r} has accelerator qnn_htp but no qnn block")
+    reason = qnn.missing()
+    if reason:
+        raise StageError(f"compile_qnn: cannot compile for {target['soc_model']} ({target['htp_arch']}): {reason}")
+    npu = json.loads(npu_file.read_text())
+    out = Path(ctx.out)
+    compiled = {}
+    with ctx.progress(len(npu["precisions"]), "QNN HTP context binaries") as bar:
+        for precision in npu["precisions"]:
+            graph = pack / npu["graphs"][precision]["graph"]
+            try:
+                facts = qnn.compile_context(graph, out / precision, target, precision)
+            except qnn.QnnError as err:
+                raise StageError(f"compile_qnn: {err}") from None
+            compiled[precision] = {"dir": precision, **facts}
+            ctx.log(f"{precision}: {facts['bytes'] / 1e6:.1f} MB context binary for {target['soc_model']} "
+                    f"(HTP {target['htp_arch']}) in {facts['compile_s']:.1f} s")
+            bar.advance()
+    shutil.copy2(pack / "io.json", out / "io.json")
+    copy_side_files(pack, out)
+    info = {
+        "format": "edgekiln-qnn-context/1",
+        "deployed": npu["deployed"],
+        "precisions": npu["precisions"],
+        "compiled": compiled,
+        "target": {"soc_model": target["soc_model"], "htp_arch": target["htp_arch"], "soc_id": target["soc_id"],
+                   "device": device["name"]},
+        "qnn_sdk": qnn.sdk_version(),
+        "backend": "onnxruntime-qnn HTP backend (libQnnHtp), plugin EP, CPU fallback disabled",
+    }
+    (out / "qnn.json").write_text(json.dumps(info, indent=2) + "\n")
+    return {**info, "metrics": {"binaries": len(compiled),
+                                "bytes": sum(c["bytes"] for c in compiled.values())}}

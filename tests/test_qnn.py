@@ -1,0 +1,148 @@
+"""Phone NPU builds: QNN HTP context binaries compiled offline and run on the
+HTP backend of this host (onnxruntime-qnn's x86 emulation: the HTP's numerics).
+
+The compile and HTP tests need onnxruntime-qnn (in the `test` extra); they are
+skipped, saying so, where it is absent. The end-to-end phone build runs through
+DVC on the tiny model, as a user would.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from pipeline import qnn
+from pipeline.context import StageContext, StageError
+from tests.conftest import FAST_RUN, TINY_MODEL, ran_stages, repo_copy, run_cli
+
+needs_qnn = pytest.mark.skipif(qnn.missing() is not None, reason=f"QNN toolchain absent: {qnn.missing()}")
+S25 = {"soc_model": "SM8750", "htp_arch": "v79", "soc_id": 69}
+
+
+def _graph(tmp_path, op: str):
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])
+    nodes = {"ok": [helper.make_node("Relu", ["x"], ["y"])],
+             # A CPU-only op in the middle: QNN cannot take it.
+             "cpu_only": [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Erf", ["r"], ["e"]),
+                          helper.make_node("Mod", ["e", "e"], ["y"], fmod=1)]}[op]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y]), opset_imports=[helper.make_opsetid("", 21)])
+    path = tmp_path / f"{op}.onnx"
+    onnx.save(model, str(path))
+    return path
+
+
+@needs_qnn
+def test_a_graph_compiles_to_a_context_binary_that_runs_on_the_htp(tmp_path):
+    facts = qnn.compile_context(_graph(tmp_path, "ok"), tmp_path / "ctx", S25, "fp16")
+    assert facts["binaries"] and facts["bytes"] > 0
+    session = qnn.htp_session(tmp_path / "ctx" / qnn.CONTEXT_MODEL, S25, "fp16")
+    x = np.linspace(-2, 2, 8, dtype=np.float32).reshape(1, 8)
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], np.maximum(x, 0), atol=1e-3)
+
+
+@needs_qnn
+def test_a_graph_that_would_fall_back_to_the_cpu_is_a_failure(tmp_path):
+    with pytest.raises(qnn.QnnError, match="refused|EPContext"):
+        qnn.compile_context(_graph(tmp_path, "cpu_only"), tmp_path / "ctx", S25, "fp16")
+
+
+def test_the_qnn_sdk_version_is_part_of_the_compile_key():
+    from pipeline.layout import declaration
+    from pipeline.toolchain import fingerprint
+
+    decl = declaration("compile_qnn")
+    assert "qnn-sdk" in decl.toolchain and "onnxruntime-qnn" in decl.toolchain
+    fp = fingerprint(decl.toolchain)
+    assert fp["qnn-sdk"] == qnn.sdk_version()
+    if qnn.missing() is None:
+        assert fp["qnn-sdk"][0].isdigit(), fp  # the SDK's own version (2.51.0 with onnxruntime-qnn 2.7.0)
+
+
+def test_compile_without_the_toolchain_fails_with_what_to_install(tmp_path, monkeypatch):
+    from stages import compile_qnn
+
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    (pack / "npu.json").write_text(json.dumps({"precisions": ["w8a16"], "deployed": "w8a16", "graphs": {}}))
+    monkeypatch.setattr(qnn, "missing", lambda: f"onnxruntime-qnn is not installed: {qnn.INSTALL}")
+    ctx = StageContext(stage="compile_qnn", build="b", inputs={"pack": pack}, out=tmp_path / "out",
+                       cfg=OmegaConf.create({"device": {"name": "galaxy_s25", "accelerator": "qnn_htp", "qnn": S25}}))
+    (tmp_path / "out").mkdir()
+    with pytest.raises(StageError, match=r"pip install -e '\.\[qnn\]'"):
+        compile_qnn.run(ctx)
+
+
+def test_compile_does_not_apply_to_a_cpu_device(tmp_path):
+    from stages import compile_qnn
+
+    ctx = StageContext(stage="compile_qnn", build="b", inputs={"pack": tmp_path}, out=tmp_path,
+                       cfg=OmegaConf.create({"device": {"name": "x86_avx512", "accelerator": "none", "qnn": None}}))
+    assert compile_qnn.run(ctx)["applies"] is False
+
+
+def test_expected_device_latency_is_the_s25_table_labelled_as_such():
+    from stages.benchmark import expected_device_ms
+
+    layers = [{"type": "sliding_attention"}] * 21 + [{"type": "full_attention"}] * 7
+    e = expected_device_ms("SM8750", layers, "w4a16", 1024)
+    # the notes' own sum: a step of 21 sliding + 7 full layers, w4a16, at 1k
+    assert e["step_ms"] == pytest.approx(21 * 0.917 + 7 * 1.127)
+    assert "real Galaxy S25" in e["source"] and "not a measurement" in e["caveat"]
+    assert expected_device_ms("SM8650", layers, "w4a16", 1024) is None  # nothing measured on the S24's chip
+    assert expected_device_ms("SM8750", layers, "w4a16", 8192) is None  # nor past 4k
+
+
+@pytest.mark.slow
+@pytest.mark.optional
+@needs_qnn
+def test_phone_build_end_to_end_compiles_once_and_verifies_on_the_htp(tmp_path):
+    repo = repo_copy(tmp_path / "repo")
+    args = ["device=galaxy_s25", *TINY_MODEL, *FAST_RUN, "parity.qnn_prompts=2"]
+    first = run_cli(repo, *args)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    build = repo / "artifacts" / "galaxy_s25-embedded-speed"
+    info = json.loads((build / "compile_qnn" / "qnn.json").read_text())
+    assert info["target"] == {"soc_model": "SM8750", "htp_arch": "v79", "soc_id": 69, "device": "galaxy_s25"}
+    assert info["precisions"] == ["w8a16", "fp16"] and info["qnn_sdk"] == qnn.sdk_version()
+    for p in info["precisions"]:
+        assert (build / "compile_qnn" / p / qnn.CONTEXT_MODEL).is_file()
+        assert any((build / "compile_qnn" / p).glob("*.bin"))
+    npu = json.loads((build / "pack" / "npu.json").read_text())
+    assert npu["rewrites"]["rms_norms_fused"] > 0 and npu["rewrites"]["rope_tables"] > 0
+    assert npu["rewrite_check"]["worst_snr_db"] >= 100
+    assert npu["graphs"]["w8a16"]["samples"] > 0 and npu["graphs"]["w8a16"]["activation_type"] == "uint16"
+
+    parity = json.loads((build / "verify_parity" / "report.json").read_text())
+    assert parity["metrics"]["logits_snr_db"] >= 100  # the fp32 export against eager
+    art = parity["artifact"]
+    assert art["path"] == "qnn_graph" and art["deployed"] == "w8a16"
+    fp16 = art["precisions"]["fp16"]["metrics"]
+    w8 = art["precisions"]["w8a16"]["metrics"]
+    assert fp16["logits_snr_db"] >= 40 and w8["logits_snr_db"] >= 30, (fp16, w8)
+    assert fp16["top1_agreement"] >= 0.98 and w8["top1_agreement"] >= 0.95
+
+    profile = json.loads((build / "deploy_profile" / "qnn.json").read_text())
+    assert profile["context_binary"]["model"] == "../compile_qnn/w8a16/model_ctx.onnx"
+    assert profile["session_config"] == {"session.disable_cpu_ep_fallback": "1"}
+    assert profile["provider"]["options"]["htp_arch"] == "79" and profile["qnn_sdk"] == qnn.sdk_version()
+    assert {x["slot_rule"] for x in profile["kv_layout"]} >= {"position", "position mod 15"}
+    names = {i["name"]: i for i in profile["inputs"]}
+    assert names["past_key_0"]["dtype"] == "float32" and names["past_key_0"]["shape"][2] == 15
+
+    bench = json.loads((build / "benchmark" / "report.json").read_text())
+    assert bench["device_measured"] is False and bench["on_target"] is False
+    assert any("not galaxy_s25 timings" in n for n in bench["notes"])
+    assert bench["htp_emulation_ms_per_step"]["w8a16"]["median"] > 0
+    assert "HTP emulation" in first.stdout + first.stderr
+
+    again = run_cli(repo, *args)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert not [s for s in ran_stages(again.stdout + again.stderr) if not s.endswith("--probe")
+                and not s.startswith("probe--")], "a rebuild with nothing changed compiles nothing"
