@@ -146,3 +146,33 @@ def test_phone_build_end_to_end_compiles_once_and_verifies_on_the_htp(tmp_path):
     assert again.returncode == 0, again.stderr[-2000:]
     assert not [s for s in ran_stages(again.stdout + again.stderr) if not s.endswith("--probe")
                 and not s.startswith("probe--")], "a rebuild with nothing changed compiles nothing"
+
+
+@pytest.mark.parametrize("precision,bits", [("w8a16", 8), ("w4a16", 4)])
+def test_qdq_quantize_calibrates_16_bit_activations_and_n_bit_weights(tmp_path, precision, bits):
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((32, 16)).astype(np.float32)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16])
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])],
+                          "g", [x], [y], [numpy_helper.from_array(w, "w")])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), str(tmp_path / "f.onnx"))
+    samples = [{"x": rng.standard_normal((1, 32)).astype(np.float32)} for _ in range(16)]
+    facts = qnn.qdq_quantize(tmp_path / "f.onnx", tmp_path / "q.onnx", samples, precision, {})
+    assert facts["samples"] == 16 and facts["activation_type"] == "uint16" and facts["per_channel"]
+    q = onnx.load(str(tmp_path / "q.onnx"))
+    kinds = {numpy_helper.to_array(i).dtype.name for i in q.graph.initializer}
+    assert ("uint16" in kinds) and ({"uint8"} if bits == 8 else {"int4"}) & kinds, kinds
+    import onnxruntime as ort
+
+    s = ort.InferenceSession(str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"])
+    xin = samples[0]["x"]
+    want = np.maximum(xin @ w, 0)
+    got = s.run(None, {"x": xin})[0]
+    snr = 10 * np.log10((want ** 2).sum() / ((want - got) ** 2).sum())
+    assert snr > (30 if bits == 8 else 12), snr
+    if qnn.missing() is None:  # and the HTP takes it
+        qnn.compile_context(tmp_path / "q.onnx", tmp_path / "ctx", S25, precision)
