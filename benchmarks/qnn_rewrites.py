@@ -90,17 +90,9 @@ def main(argv=None) -> int:
 
     # Calibration samples: the graph inputs of decode steps over the build's
     # calibration windows, exactly as the pack stage draws them.
-    tokens = np.load(base / "calibrate" / "token_ids.npy").astype(np.int64).ravel().tolist()
-    seqs = [tokens[i:i + C] for i in range(0, len(tokens), C)][: int(cfg.pack.qnn_calibration_sequences)]
-    stride = int(cfg.pack.qnn_calibration_stride)
-    dec = OnnxDecoder(export_dir, threads=2)
-    samples = []
-    for seq in seqs:
-        dec.reset()
-        for pos, t in enumerate(seq):
-            if pos % stride == 0:
-                samples.append(dec.next_inputs(t))
-            dec.step(t)
+    seqs = qnn.calibration_sequences(np.load(base / "calibrate" / "token_ids.npy"), C,
+                                     int(cfg.pack.qnn_calibration_sequences))
+    samples = qnn.decode_samples(OnnxDecoder(export_dir, threads=2), seqs, int(cfg.pack.qnn_calibration_stride))
 
     export = onnx.load(str(export_dir / "model.onnx"))
     clean, _ = npu_rewrite.sanitize(export)

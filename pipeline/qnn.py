@@ -169,3 +169,26 @@ def qdq_quantize(model: Path, out: Path, samples: Iterable[dict[str, np.ndarray]
             "calibration_method": "MinMax", "samples": len(feeds),
             "range_overrides": sorted(overrides), "quantize_s": round(time.perf_counter() - t0, 3)}
 
+
+
+def calibration_sequences(token_ids: np.ndarray, context_length: int, n: int) -> list[list[int]]:
+    """The calibration windows joined end to end and cut into at most `n`
+    sequences of context_length tokens, so calibration reaches the positions
+    (and the full-attention history) the graph serves."""
+    flat = np.asarray(token_ids, dtype=np.int64).ravel().tolist()
+    seqs = [flat[i:i + context_length] for i in range(0, len(flat), context_length)][:n]
+    return [s for s in seqs if len(s) >= 2]
+
+
+def decode_samples(decoder, sequences: list[list[int]], stride: int, advance=lambda: None) -> list[dict]:
+    """QDQ calibration samples: `decoder` (an OnnxDecoder) decodes each
+    sequence; the inputs of every `stride`-th step are kept."""
+    samples = []
+    for seq in sequences:
+        decoder.reset()
+        for pos, tok in enumerate(seq):
+            if pos % stride == 0:
+                samples.append(decoder.next_inputs(tok))
+            decoder.step(tok)
+            advance()
+    return samples

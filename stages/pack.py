@@ -179,12 +179,12 @@ QNN_CHECK_MIN_SNR_DB = 100.0
 def _calibration_sequences(cal_dir: Path, context_length: int, n: int) -> list[list[int]]:
     import numpy as np
 
+    from pipeline.qnn import calibration_sequences
+
     tokens = cal_dir / "token_ids.npy"
     if not tokens.is_file():
         raise StageError(f"pack: {tokens} is missing: the calibrate stage predates QDQ calibration; rerun it")
-    flat = np.load(tokens).astype(np.int64).ravel().tolist()
-    seqs = [flat[i:i + context_length] for i in range(0, len(flat), context_length)][:n]
-    return [s for s in seqs if len(s) >= 2]
+    return calibration_sequences(np.load(tokens), context_length, n)
 
 
 def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
@@ -233,16 +233,9 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     stride = int(cfg.qnn_calibration_stride)
     qdq = [p for p in precisions if p != "fp16"]
     if qdq:
-        samples = []
         steps = sum(len(s) for s in seqs)
         with ctx.progress(steps, "QDQ calibration: decode steps of the float graph") as bar:
-            for seq in seqs:
-                new.reset()
-                for pos, tok in enumerate(seq):
-                    if pos % stride == 0:
-                        samples.append(new.next_inputs(tok))
-                    new.step(tok)
-                    bar.advance()
+            samples = qnn.decode_samples(new, seqs, stride, advance=bar.advance)
         overrides = npu_rewrite.embedding_ranges(prepared)
         calibration = {"sequences": len(seqs), "tokens": steps, "stride": stride, "samples": len(samples),
                        "max_position": max(len(s) for s in seqs) - 1,
