@@ -142,6 +142,10 @@ def test_phone_build_end_to_end_compiles_once_and_verifies_on_the_htp(tmp_path):
     assert bench["htp_emulation_ms_per_step"]["w8a16"]["median"] > 0
     assert "HTP emulation" in first.stdout + first.stderr
 
+    gen = run_cli(repo, "generate", "galaxy_s25-embedded-speed", "def f(x):", "--max-new-tokens", "4")
+    assert gen.returncode == 0, gen.stderr[-2000:]
+    assert "HTP backend emulated on this host" in gen.stderr and " new at " in gen.stderr
+
     again = run_cli(repo, *args)
     assert again.returncode == 0, again.stderr[-2000:]
     assert not [s for s in ran_stages(again.stdout + again.stderr) if not s.endswith("--probe")
