@@ -342,6 +342,8 @@ def expected_device_ms(soc_model: str, layers: list[dict], precision: str, conte
 def _npu(ctx, b, device, host, sel) -> dict:
     import time
 
+    from omegaconf import OmegaConf
+
     from pipeline import qnn
     from pipeline.context import StageError
     from pipeline.decode_graph import OnnxDecoder
@@ -382,7 +384,7 @@ def _npu(ctx, b, device, host, sel) -> dict:
         "settings": {"passes": passes, "steps_per_pass": NPU_STEPS, "warmup_steps": NPU_WARMUP,
                      "context_length": int(io["context_length"])},
         "on_target": False,
-        "host": _plain(host),
+        "host": OmegaConf.to_container(host),
         "device": device.name,
         "notes": notes,
         "weight_path": sel,
@@ -418,12 +420,6 @@ def _npu(ctx, b, device, host, sel) -> dict:
     for k, v in summary.items():
         ctx.log(f"{k}: {v}")
     return {"metrics": metrics, "summary": summary, "on_target": False}
-
-
-def _plain(node) -> dict:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(node, resolve=True) if not isinstance(node, dict) else node
 
 
 def _describe(arm: str) -> str:

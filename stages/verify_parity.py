@@ -64,6 +64,11 @@ def _finite(x: float) -> float | str:
     return x if math.isfinite(x) else ("inf" if x > 0 else "-inf")
 
 
+def _finite_metrics(metrics: dict) -> dict:
+    """The metrics as JSON can hold them (an infinite SNR as "inf")."""
+    return {k: _finite(v) if isinstance(v, float) else v for k, v in metrics.items()}
+
+
 def _kl(r, o):
     """Mean KL(ref || test) in nats over steps, from logits."""
     import numpy as np
@@ -237,7 +242,7 @@ def run(ctx: StageContext) -> dict:
     report = {
         "passed": True,
         "artifact": artifact,
-        "metrics": {k: _finite(v) if isinstance(v, float) else v for k, v in metrics.items()},
+        "metrics": _finite_metrics(metrics),
         "thresholds": thresholds,
         "definitions": {
             "logits_snr_db": "10*log10(sum ref^2 / sum (ref-onnx)^2) over every step of every prompt",
@@ -313,7 +318,7 @@ def _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir) ->
         "applies": True,
         "runtime": ARTIFACT_RUNTIMES[path],
         "note": note,
-        "metrics": {k: _finite(v) if isinstance(v, float) else v for k, v in metrics.items()},
+        "metrics": _finite_metrics(metrics),
         "thresholds": checked,
         "per_prompt": per_prompt,
     }
@@ -369,7 +374,7 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens) -> dict:
                                        f"{precision} context binary on the HTP backend", free_decode=False)
         checked = _gate(ctx, name, limits, metrics, n)
         results[precision] = {
-            "metrics": {k: _finite(v) if isinstance(v, float) else v for k, v in metrics.items()},
+            "metrics": _finite_metrics(metrics),
             "thresholds": checked, "per_prompt": per_prompt, "deployed": precision == info["deployed"],
         }
     deployed = results[info["deployed"]]
