@@ -47,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-Q4_0_FTYPE = 2  # LLAMA_FTYPE_MOSTLY_Q4_0 in llama.h
+
 
 
 class _Progress:
@@ -76,8 +76,8 @@ def build_files(model: Path, quant: Path, work: Path, src: str | None) -> dict[s
         "ours_q4_0_emb_q4_0": gguf_q4.write_q4_0(f16, model, quant, work / "ours-q4_0-emb-q4_0.gguf",
                                                  others="q4_0"),
     }
-    for arm, ftype, name in (("llamacpp_q4_0", Q4_0_FTYPE, "llamacpp-q4_0.gguf"),
-                             ("llamacpp_q4_0_pure", Q4_0_FTYPE, "llamacpp-q4_0-pure.gguf"),
+    for arm, ftype, name in (("llamacpp_q4_0", llamacpp.Q4_0, "llamacpp-q4_0.gguf"),
+                             ("llamacpp_q4_0_pure", llamacpp.Q4_0, "llamacpp-q4_0-pure.gguf"),
                              ("llamacpp_q4_k_m", llamacpp.Q4_K_M, "llamacpp-q4_k_m.gguf")):
         if arm.endswith("_pure"):
             out = _quantize_pure(f16, work / name, ftype)

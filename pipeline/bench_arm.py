@@ -99,9 +99,14 @@ ARMS = {
     "ort_int4": "ONNX Runtime, GroupQueryAttention + MatMulNBits 4-bit graph, IO-bound KV (packed artifact)",
     "tinygemm_w4a16": "PyTorch eager with tinygemm int4 linears, bf16 activations (packed artifact)",
     "llamacpp_q4_k_m": "llama.cpp Q4_K_M through llama-cpp-python, GGUF from its bundled converter (baseline)",
+    "llamacpp_q4_0": "llama.cpp's own Q4_0 (round to nearest) through llama-cpp-python (baseline)",
+    "gguf_q4_0": "llama.cpp through llama-cpp-python, our GPTQ weights as GGUF Q4_0 (packed artifact)",
     "ortgenai_int4": "onnxruntime-genai int4 from its own model builder (round-to-nearest, block 32, "
                      "GroupQueryAttention), decoded by its own generator loop (baseline)",
 }
+
+
+LLAMA_ARMS = ("llamacpp_q4_k_m", "llamacpp_q4_0", "gguf_q4_0")
 
 
 def make_decoder(arm: str, artifact: str, threads: int, n_ctx: int = 0, session: dict | None = None):
@@ -120,10 +125,11 @@ def make_decoder(arm: str, artifact: str, threads: int, n_ctx: int = 0, session:
         from pipeline.int4_runtime import load_tinygemm_model
 
         return TorchReference(load_tinygemm_model(artifact, artifact), threads=threads)
-    if arm == "llamacpp_q4_k_m":
+    if arm in LLAMA_ARMS:
         from pipeline.llamacpp import LlamaCppDecoder
 
-        return LlamaCppDecoder(artifact, threads=threads, n_ctx=n_ctx)
+        p = Path(artifact)
+        return LlamaCppDecoder(str(p / "model.gguf" if p.is_dir() else p), threads=threads, n_ctx=n_ctx)
     if arm == "ortgenai_int4":
         from pipeline.ortgenai import GenaiDecoder
 
@@ -140,7 +146,7 @@ def import_runtime(arm: str) -> None:
 
     if arm in ("onnx_fp32", "ort_int4"):
         import onnxruntime  # noqa: F401
-    elif arm == "llamacpp_q4_k_m":
+    elif arm in LLAMA_ARMS:
         import llama_cpp  # noqa: F401
     elif arm == "ortgenai_int4":
         import onnxruntime_genai  # noqa: F401

@@ -17,7 +17,10 @@ def spec_sheet(name: str) -> dict:
     from omegaconf import OmegaConf
 
     path = DEVICE_DIR / f"{name}.yaml"
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    doc = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    # A device option that also picks another group's option is written in the
+    # global package: its spec sheet is the `device:` block.
+    return doc["device"] if "defaults" in doc and "device" in doc else doc
 
 
 def classify(host: dict) -> str:

@@ -27,7 +27,7 @@ class GenerateError(Exception):
 
 
 # deploy profile runtime -> the benchmark arm that runs that artifact
-_ARMS = {"onnxruntime": "ort_int4", "torch": "tinygemm_w4a16"}
+_ARMS = {"onnxruntime": "ort_int4", "torch": "tinygemm_w4a16", "llama.cpp": "gguf_q4_0"}
 
 
 def open_build(build: str, threads: int | None = None):
@@ -62,7 +62,14 @@ def open_build(build: str, threads: int | None = None):
         files = ", ".join(profile.get("files") or []) or "none"
         raise GenerateError(f"build {build}: its runtime is {runtime!r} ({profile['weight_path']['path']}), "
                             f"which this command does not run here; the deploy profile's files: {files}")
+    if runtime == "llama.cpp":
+        from .llamacpp import available
+
+        ok, reason = available()
+        if not ok:
+            raise GenerateError(f"build {build} runs on llama.cpp: {reason.split(': ', 1)[-1]}")
     wanted = (profile.get("session", {}).get("intra_op_num_threads")
+              or profile.get("llama.cpp", {}).get("settings", {}).get("n_threads")
               or profile.get("torch", {}).get("torch_num_threads") or 1)
     host = len(os.sched_getaffinity(0))
     threads = int(threads or min(int(wanted), host))
@@ -71,7 +78,8 @@ def open_build(build: str, threads: int | None = None):
     tok = AutoTokenizer.from_pretrained(str(folders["untie_head"]), local_files_only=True)
     session = ({"session_config": profile["session"].get("session_config") or None}
                if runtime == "onnxruntime" else None)
-    dec = make_decoder(arm, str(folders["pack"]), threads, session=session)
+    n_ctx = int(profile.get("llama.cpp", {}).get("settings", {}).get("n_ctx", 0))
+    dec = make_decoder(arm, str(folders["pack"]), threads, n_ctx=n_ctx, session=session)
     return dec, tok, {"runtime": runtime, "arm": arm, "threads": threads, "profile_threads": wanted,
                       "weight_path": profile["weight_path"]["path"]}
 

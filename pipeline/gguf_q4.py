@@ -393,6 +393,9 @@ def write_q4_0(converted_gguf, hf_dir, quant_dir, out_file, *, others: str = "ke
         "layers": {name: layer for layer, (name, _) in placed.items()},
         "permuted": sorted(name for layer, (name, perm) in placed.items()
                            if not np.array_equal(perm, np.arange(len(perm)))),
+        # file row i holds the linear's row row_order[name][i] (permuted tensors only)
+        "row_order": {name: [int(i) for i in perm] for layer, (name, perm) in placed.items()
+                      if not np.array_equal(perm, np.arange(len(perm)))},
         "tensor_types": dict(sorted(types.items())),
         "file_type": "MOSTLY_Q4_0" if wrote_ftype else "absent in the conversion (left absent)",
     }
@@ -418,24 +421,76 @@ def build_q4_0(hf_dir, quant_dir, out_file, *, src: str | None = None, outtype: 
         return write_q4_0(conv, hf_dir, quant_dir, out_file, others=others)
 
 
+def file_weights(gguf_file, report: dict) -> dict[str, np.ndarray]:
+    """{HF linear: fp32 weight [N, K]} read back from the file's Q4_0 tensors by gguf's own
+    dequantizer, rows put back in the checkpoint's order (`report` is write_q4_0's)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_file))
+    by_name = {t.name: t for t in reader.tensors}
+    out = {}
+    for gname, layer in report["layers"].items():
+        t = by_name.get(gname)
+        if t is None or t.tensor_type != gguf.GGMLQuantizationType.Q4_0:
+            raise GgufQ4Error(f"{gguf_file}: tensor {gname} is missing or not Q4_0")
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
+        order = report.get("row_order", {}).get(gname)
+        if order is not None:
+            w = w[np.argsort(np.asarray(order))]
+        out[layer] = np.ascontiguousarray(w, dtype=np.float32)
+    return out
+
+
+def verify_file(gguf_file, quant_dir, report: dict) -> int:
+    """Every Q4_0 tensor of the file dequantizes bit-for-bit to our weights (GgufQ4Error otherwise);
+    returns how many were checked. The file's Q4_0 tensors must be exactly the report's."""
+    import gguf
+
+    from pipeline.int4_runtime import read_quant
+
+    _meta, layers = read_quant(quant_dir)
+    q4 = {t.name for t in gguf.GGUFReader(str(gguf_file)).tensors if t.tensor_type == gguf.GGMLQuantizationType.Q4_0}
+    if q4 != set(report["layers"]):
+        raise GgufQ4Error(f"{gguf_file}: Q4_0 tensors {sorted(q4 ^ set(report['layers']))} differ from the report's")
+    got = file_weights(gguf_file, report)
+    if set(got) != set(layers):
+        raise GgufQ4Error(f"{gguf_file}: holds {len(got)} of the quant result's {len(layers)} layers")
+    for layer, w in got.items():
+        q, s, _z, _g = layers[layer]
+        if not np.array_equal(w, dequant(q, s)):
+            raise GgufQ4Error(f"{gguf_file}: {layer} does not dequantize to the quantize stage's weights")
+    return len(got)
+
+
+def _set_linears(model, weights: dict[str, np.ndarray]):
+    import torch
+
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for name, w in weights.items():
+            lin = modules[name]
+            if tuple(lin.weight.shape) != tuple(w.shape):
+                raise GgufQ4Error(f"{name}: quantized {tuple(w.shape)} vs model {tuple(lin.weight.shape)}")
+            lin.weight = torch.nn.Parameter(torch.from_numpy(w).to(lin.weight.dtype), requires_grad=False)
+    return model.eval()
+
+
+def file_model(hf_dir, gguf_file, report: dict):
+    """The HF model (fp32) holding the file's Q4_0 linears as gguf dequantizes them; every other
+    tensor (token embedding, norms) as the checkpoint holds it."""
+    from pipeline.decode_graph import load_hf_model
+
+    return _set_linears(load_hf_model(hf_dir), file_weights(gguf_file, report))
+
+
 def dequantized_model(hf_dir, quant_dir):
     """The HF model (fp32, eager attention) with every quantized linear replaced by our
     dequantized weights: the reference a Q4_0 file of these weights should reproduce
     up to llama.cpp's activation rounding."""
-    import torch
-
     from pipeline import int4_layouts
     from pipeline.decode_graph import load_hf_model
     from pipeline.int4_runtime import read_quant
 
     _meta, layers = read_quant(quant_dir)
-    model = load_hf_model(hf_dir)
-    modules = dict(model.named_modules())
-    with torch.no_grad():
-        for name, (q, s, z, g) in layers.items():
-            w = torch.from_numpy(int4_layouts.dequant(q, s, z, g))
-            lin = modules[name]
-            if tuple(lin.weight.shape) != tuple(w.shape):
-                raise GgufQ4Error(f"{name}: quantized {tuple(w.shape)} vs model {tuple(lin.weight.shape)}")
-            lin.weight = torch.nn.Parameter(w.to(lin.weight.dtype), requires_grad=False)
-    return model.eval()
+    weights = {name: int4_layouts.dequant(q, s, z, g) for name, (q, s, z, g) in layers.items()}
+    return _set_linears(load_hf_model(hf_dir), weights)

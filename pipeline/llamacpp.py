@@ -23,6 +23,7 @@ from pipeline.decode_graph import _Greedy
 
 SKIP_REASON = "llama.cpp baseline skipped: llama-cpp-python not installed (pip install llama-cpp-python, ~15 min build)"
 CONVERTER = "convert_hf_to_gguf.py"
+Q4_0 = 2  # LLAMA_FTYPE_MOSTLY_Q4_0 in llama.h
 Q4_K_M = 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M in llama.h
 
 
@@ -50,45 +51,20 @@ def version() -> str:
 
 
 def find_converter(src: str | None = None) -> Path | None:
-    """convert_hf_to_gguf.py in `src` (a llama.cpp tree), else inside the installed package."""
-    import llama_cpp
+    """convert_hf_to_gguf.py: in `src` (a llama.cpp tree), else where pipeline/converter.py looks."""
+    from pipeline import converter
 
-    if src:
-        candidate = Path(src).expanduser() / CONVERTER
-        return candidate if candidate.is_file() else None
-
-    roots = [Path(llama_cpp.__file__).resolve().parent]
-    roots.append(roots[0].parent)
-    for root in roots:
-        direct = root / CONVERTER
-        if direct.is_file():
-            return direct
-    for root in roots[:1]:
-        for hit in sorted(root.rglob(CONVERTER)):
-            return hit
-    from importlib import metadata
-
-    try:
-        dist = metadata.distribution("llama-cpp-python")
-    except metadata.PackageNotFoundError:
-        return None
-    for f in dist.files or ():
-        if str(f).endswith(CONVERTER):
-            p = Path(dist.locate_file(f))
-            if p.is_file():
-                return p
-    return None
+    tree = converter.find(src)
+    return tree / CONVERTER if tree is not None else None
 
 
 def convert(hf_dir: Path, out_file: Path, outtype: str = "f16", src: str | None = None) -> Path:
     """HF checkpoint -> GGUF with llama.cpp's own converter."""
+    from pipeline import converter
+
     conv = find_converter(src)
     if conv is None:
-        where = src or "the installed llama-cpp-python package"
-        raise LlamaCppUnavailable(
-            f"llama.cpp baseline skipped: {CONVERTER} not found in {where} (the wheel does not ship it: "
-            "set benchmark.llamacpp_src to a llama.cpp tree, e.g. the llama-cpp-python sdist's vendor/llama.cpp)"
-        )
+        raise LlamaCppUnavailable(converter.missing_message(src))
     env = dict(os.environ)
     # The converter imports `gguf` (gguf-py beside it in the llama.cpp tree) and its `conversion/` package.
     extra = [str(d) for d in (conv.parent / "gguf-py", conv.parent) if d.is_dir()]
@@ -97,7 +73,7 @@ def convert(hf_dir: Path, out_file: Path, outtype: str = "f16", src: str | None 
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0 or not out_file.is_file():
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise LlamaCppUnavailable(f"llama.cpp baseline skipped: {CONVERTER} failed on this checkpoint: {last}")
+        raise LlamaCppUnavailable(f"{CONVERTER} failed on this checkpoint: {last}")
     return out_file
 
 
@@ -126,7 +102,7 @@ def quantize(f16_file: Path, out_file: Path, ftype: int = Q4_K_M, threads: int =
     with _NativeStderrSilenced():
         rc = llama_cpp.llama_model_quantize(str(f16_file).encode(), str(out_file).encode(), ctypes.byref(params))
     if rc != 0 or not out_file.is_file():
-        raise LlamaCppUnavailable(f"llama.cpp baseline skipped: llama_model_quantize returned {rc}")
+        raise LlamaCppUnavailable(f"llama_model_quantize returned {rc}")
     return out_file
 
 

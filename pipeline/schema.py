@@ -127,7 +127,8 @@ class BenchmarkConfig:
     llamacpp: str = "auto"  # auto | off
     # A llama.cpp source tree holding convert_hf_to_gguf.py and gguf-py (the
     # wheel of llama-cpp-python ships only the library; its sdist's
-    # vendor/llama.cpp has the converter). null: look inside the installed package.
+    # vendor/llama.cpp has the converter). null: where pipeline/converter.py looks
+    # ($EDGEKILN_LLAMACPP_SRC, `python -m pipeline.converter fetch`'s copy, the package).
     llamacpp_src: Optional[str] = None
     # The onnxruntime-genai int4 arm (the `peers` extra): auto runs it when the
     # package is installed and its builder can build the model; off skips it.
@@ -194,6 +195,11 @@ class PackConfig:
     # every `stride`-th step's inputs are one calibration sample.
     qnn_calibration_sequences: int = 4
     qnn_calibration_stride: int = 4
+    # llama.cpp devices (weight path gguf_q4_0): the GGUF's token embedding,
+    # which GPTQ does not touch: `keep` it as llama.cpp's converter wrote it
+    # (f16), or round it to q8_0 / q4_0 with gguf's quantizer (what llama.cpp's
+    # own Q4_0 file holds; smaller, costs fidelity: README).
+    gguf_token_embedding: str = "keep"
 
 
 @dataclass

@@ -19,6 +19,9 @@ from importlib import metadata
 # Always part of every stage's fingerprint.
 BASE = ("python", "edgekiln-format")
 FORMAT_VERSION = "1"
+# llama.cpp's HF -> GGUF converter: no package version names it (no wheel ships
+# it), so its identity is the hash of its files (pipeline/converter.py).
+CONVERTER = "llama.cpp-converter"
 
 
 def version_of(dist: str) -> str:
@@ -54,5 +57,12 @@ def fingerprint(dists: tuple[str, ...]) -> dict[str, str]:
     names = list(BASE) + sorted(set(dists) - set(BASE))
     out = {}
     for d in names:
-        out[d] = qnn_sdk_version() if d == "qnn-sdk" else version_of(d)
+        if d == "qnn-sdk":
+            out[d] = qnn_sdk_version()
+        elif d == CONVERTER:
+            from pipeline import converter
+
+            out[d] = converter.identity()
+        else:
+            out[d] = version_of(d)
     return out

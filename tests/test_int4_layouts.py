@@ -23,7 +23,7 @@ ort = pytest.importorskip("onnxruntime")
 from omegaconf import OmegaConf  # noqa: E402
 
 from pipeline import int4_layouts as L  # noqa: E402
-from pipeline import weight_path  # noqa: E402
+from pipeline import devices, weight_path  # noqa: E402
 from pipeline.context import StageContext, StageError  # noqa: E402
 from pipeline.decode_graph import OnnxDecoder, TorchReference, export_decode_step, snr_db  # noqa: E402
 from pipeline.int4_runtime import (  # noqa: E402
@@ -475,6 +475,8 @@ EXPECTED = {
     "galaxy_s25": ("qnn_graph", "qnn_graph", False),
     "jetson_orin": ("model_dtype", "model_dtype", False),
     "x86_avx2": ("w4a16_tinygemm", "w4a16_tinygemm", True),
+    "x86_llamacpp": ("gguf_q4_0", "gguf_q4_0", True),
+    "arm64_llamacpp": ("gguf_q4_0", "gguf_q4_0", False),
     "x86_avx512": ("w4_ort_matmulnbits", "w4a16_tinygemm", True),
     "xeon_amx": ("w4a8_gptq_vllm", "w4a16_tinygemm", True),
 }
@@ -484,7 +486,7 @@ def test_weight_path_table_covers_every_device():
     names = {p.stem for p in (ROOT / "conf" / "device").glob("*.yaml")}
     assert names - {"auto"} == set(EXPECTED)
     for name, (speed, fidelity, verified) in EXPECTED.items():
-        dev = OmegaConf.load(ROOT / "conf" / "device" / f"{name}.yaml")
+        dev = devices.spec_sheet(name)
         for priority, want in (("speed", speed), ("fidelity", fidelity)):
             sel = weight_path.select(dev, priority)
             assert sel["path"] == want, (name, priority, sel)
