@@ -28,12 +28,37 @@ def candidates(physical_cores: int, spin_choices: Sequence[bool] = (False, True)
             if not (t == 1 and s)]  # spinning only matters when threads wait on each other
 
 
+def with_accuracy_level(src_dir, level: int, dst_dir) -> None:
+    """A copy of a GQA graph artifact (model.onnx + io.json) with every MatMulNBits at `level`.
+
+    The level is a node attribute: ONNX Runtime has no session option that
+    overrides it (its `session.qdq_matmulnbits_accuracy_level` applies only to
+    graphs it fuses from DequantizeLinear + MatMul), so a level is measured on
+    its own copy of the graph."""
+    import shutil
+    from pathlib import Path
+
+    import onnx
+
+    src, dst = Path(src_dir), Path(dst_dir)
+    dst.mkdir(parents=True, exist_ok=True)
+    model = onnx.load(str(src / "model.onnx"))
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits":
+            attrs = [a for a in node.attribute if a.name != "accuracy_level"]
+            del node.attribute[:]
+            node.attribute.extend(attrs + [onnx.helper.make_attribute("accuracy_level", int(level))])
+    onnx.save(model, str(dst / "model.onnx"))
+    shutil.copy2(src / "io.json", dst / "io.json")
+
+
 def _cost(c: dict) -> tuple:
     return (c["intra_op_num_threads"], c["allow_spinning"])
 
 
 def sweep(make: Callable[[dict], object], settings: list[dict], prompt: Sequence[int], decode_tokens: int,
-          rounds: int = 3, noise_floor: float = 0.08, progress: Callable[[str], None] | None = None) -> dict:
+          rounds: int = 3, noise_floor: float = 0.08, progress: Callable[[str], None] | None = None,
+          cost: Callable[[dict], tuple] = _cost) -> dict:
     """Measure each setting (make(setting) -> decoder with reset/step[/prefill]); pick one."""
     import numpy as np
 
@@ -54,10 +79,10 @@ def sweep(make: Callable[[dict], object], settings: list[dict], prompt: Sequence
     table = [{"setting": s, "decode_tok_s": spread(v)} for s, v in zip(settings, rates)]
     # Cheapest first; a costlier setting must beat the best so far by more than the noise floor.
     best = None
-    for row in sorted(table, key=lambda row: _cost(row["setting"])):
+    for row in sorted(table, key=lambda row: cost(row["setting"])):
         if best is None or row["decode_tok_s"]["median"] > best["decode_tok_s"]["median"] * (1 + noise_floor):
             best = row
     return {"candidates": table, "chosen": best["setting"], "chosen_decode_tok_s": best["decode_tok_s"],
             "rounds": rounds, "prompt_tokens": len(prompt), "decode_tokens": decode_tokens,
-            "noise_floor": noise_floor, "rule": "cheapest setting unless a costlier one is faster by more than "
-                                                "the noise floor (median decode tok/s)"}
+            "noise_floor": noise_floor, "rule": "cheapest setting (the first, by cost) unless another is faster by "
+                                                "more than the noise floor (median decode tok/s)"}

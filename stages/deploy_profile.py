@@ -11,14 +11,20 @@ Per weight path (pack's weight_path.json):
   measured sweep when this host is the target device (pipeline/tune.py; the
   candidates' spreads and the host fingerprint are recorded), else taken from
   the device config, saying so. The MatMulNBits accuracy level is the pack
-  stage's (`pack.ort_accuracy_level`), the one verify_parity measured: a
-  faster level would be an unverified artifact.
+  stage's (`pack.ort_accuracy_level`), the one verify_parity measured; on the
+  target the sweep also times the graph at the other levels and records
+  whether one is faster (then the profile says to rebuild with it: a level is
+  baked into the graph, and a swapped-in one would be unverified).
 - w4a16_tinygemm: `torch.json`: threads, the prefill mode and the loader.
 - qnn_graph (phone NPU): `qnn.json`: the deployed context binary and the
   other compiled precisions, the QNN EP's provider and session options (CPU
   fallback disabled), every input and output with shape and dtype, the KV
   layout per layer type with the ring-slot rule, the runtime it is for and
   the QNN SDK version the binaries need.
+- gguf_q4_0 (llama.cpp devices): `llama.cpp.json`: the GGUF file, threads
+  (the device config's), context and batch sizes, the KV cache type, and the
+  same settings as `llama-cli` / `llama-server` arguments and as
+  llama-cpp-python's `Llama(...)` keywords.
 - every path: `profile.json` with the above, the KV budget (flat and
   per-layer-type) and the weight path's rationale.
 """
@@ -33,6 +39,9 @@ READS = ("device", "export", "host")
 INPUTS = ("untie_head", "pack", "compile_qnn")
 TOOLCHAIN = ("pyyaml", "onnxruntime")
 SWEEP_PROMPT, SWEEP_DECODE, SWEEP_ROUNDS = 32, 48, 5
+# MatMulNBits accuracy levels measured beside the deployed one: 1 (fp32 math; 2
+# and 3 fall back to it on CPUs without fp16/bf16 arithmetic) and 4 (int8).
+LEVELS = (1, 4)
 
 # Thread binding and preloads doubled vLLM's CPU speed on the builders
 # (field notes: 18-30 tok/s with defaults, 37-40 with both).
@@ -91,7 +100,50 @@ def _tune(ctx, device, host, pack_dir, max_len: int) -> tuple[dict, dict]:
         res = tune.sweep(lambda s: GqaDecoder(pack_dir, threads=s["intra_op_num_threads"],
                                               spinning=s["allow_spinning"]),
                          settings, prompt, n_decode, rounds=SWEEP_ROUNDS, progress=lambda _: bar.advance())
-    return res["chosen"], {"measured": True, "host": fingerprint, **res}
+    chosen = res["chosen"]
+    return chosen, {"measured": True, "host": fingerprint, **res,
+                    "accuracy_level": _level_sweep(ctx, pack_dir, chosen, prompt, n_decode)}
+
+
+def _level_sweep(ctx, pack_dir, chosen: dict, prompt, n_decode: int) -> dict:
+    """MatMulNBits accuracy levels at the chosen threads: the graph's own level (the one
+    verify_parity checked, deployed) against the others this CPU computes differently
+    (1: fp32 math; 2 and 3 fall back to it without fp16/bf16 units; 4: int8 activations).
+    The level is baked into the graph, so a faster one is a recommendation to rebuild
+    with pack.ort_accuracy_level, never swapped in unverified."""
+    import tempfile
+    from pathlib import Path
+
+    import onnx
+
+    from pipeline import tune
+    from pipeline.gqa_graph import GqaDecoder
+
+    graph = onnx.load(str(pack_dir / "model.onnx"), load_external_data=False)
+    levels = {a.i for n in graph.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
+              if a.name == "accuracy_level"}
+    deployed = levels.pop() if len(levels) == 1 else None
+    if deployed is None:
+        return {"measured": False, "reason": f"the graph's MatMulNBits carry levels {sorted(levels)}, not one"}
+    candidates = [{"accuracy_level": lvl} for lvl in [deployed] + [x for x in LEVELS if x != deployed]]
+    with tempfile.TemporaryDirectory(prefix="edgekiln-levels-") as tmp:
+        dirs = {}
+        for c in candidates:
+            lvl = c["accuracy_level"]
+            dirs[lvl] = pack_dir if lvl == deployed else Path(tmp) / str(lvl)
+            if lvl != deployed:
+                tune.with_accuracy_level(pack_dir, lvl, dirs[lvl])
+        with ctx.progress(len(candidates) * SWEEP_ROUNDS, f"MatMulNBits accuracy levels {[c['accuracy_level'] for c in candidates]}") as bar:
+            res = tune.sweep(lambda c: GqaDecoder(dirs[c["accuracy_level"]], threads=chosen["intra_op_num_threads"],
+                                                  spinning=chosen["allow_spinning"]),
+                             candidates, prompt, n_decode, rounds=SWEEP_ROUNDS, progress=lambda _: bar.advance(),
+                             cost=lambda c: (c["accuracy_level"] != deployed,))
+    best = res["chosen"]["accuracy_level"]
+    verdict = ("deployed: no other level is faster beyond the noise floor" if best == deployed else
+               f"level {best} measured faster beyond the noise floor: rebuild with pack.ort_accuracy_level={best} "
+               f"to deploy it (the deployed graph is level {deployed}, the one verify_parity checked)")
+    ctx.log(f"accuracy level {deployed}: {verdict}")
+    return {"measured": True, "deployed": deployed, "fastest": best, "verdict": verdict, **res}
 
 
 def _onnxruntime(ctx, device, host, pack_dir) -> dict:
@@ -138,6 +190,33 @@ def _torch(ctx, device, pack_dir) -> dict:
     }
     (ctx.out / "torch.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return {"runtime": "torch", "files": ["torch.json"], "torch": cfg}
+
+
+def _llamacpp(ctx, device, pack_dir, kv, context_length: int) -> dict:
+    info = json.loads((pack_dir / "gguf.json").read_text())
+    threads = int(device.threads)
+    model = f"../pack/{info['file']}"
+    settings = {"n_ctx": context_length, "n_batch": min(512, context_length), "n_threads": threads,
+                "n_threads_batch": threads, "type_k": "f16", "type_v": "f16"}
+    args = ["-m", model, "-c", str(context_length), "-b", str(settings["n_batch"]), "-t", str(threads),
+            "-tb", str(threads), "-ctk", "f16", "-ctv", "f16"]
+    profile = {
+        "runtime": "llama.cpp",
+        "model": model,
+        "format": f"GGUF {info['file_type']} (our GPTQ codes; {info['tensor_types']})",
+        "settings": settings,
+        "threads_from": f"the device config ({device.name}: {threads} threads); no sweep ran on this host",
+        "llama_cli": "llama-cli " + " ".join(args),
+        "llama_server": "llama-server " + " ".join(args) + " --host 127.0.0.1 --port 8080",
+        "llama_cpp_python": {"model_path": model, **{k: v for k, v in settings.items()
+                                                     if k not in ("type_k", "type_v")}},
+        # f16 K and V for n_ctx positions; llama.cpp keeps sliding layers to their window (its SWA cache)
+        "kv_cache_bytes_f16": {"every_layer_full": kv["flat_bytes"], "sliding_layers_windowed": kv["per_layer_type_bytes"]},
+        "converter": info["converter"],
+    }
+    (ctx.out / "llama.cpp.json").write_text(json.dumps(profile, indent=2) + "\n")
+    ctx.log(f"llama.cpp profile: {model}, {threads} threads (device config), context {context_length}")
+    return {"runtime": "llama.cpp", "files": ["llama.cpp.json"], "llama.cpp": profile}
 
 
 def _qnn(ctx, comp_dir) -> dict:
@@ -203,6 +282,8 @@ def run(ctx) -> dict:
         detail = _torch(ctx, device, pack_dir)
     elif path == "qnn_graph":
         detail = _qnn(ctx, ctx.inputs["compile_qnn"])
+    elif path == "gguf_q4_0":
+        detail = _llamacpp(ctx, device, pack_dir, kv, context_length)
     else:
         detail = {"runtime": sel.get("runtime"), "files": [],
                   "note": f"{path}: no runtime profile for this path yet (the GPU is unverified)"}

@@ -22,7 +22,7 @@ HOST = {"device_class": "x86_avx512", "cpu_model": "test cpu", "arch": "x86_64",
 def run(tmp_path, path, extra_files=None, device=None, host=None, compiled=None):
     untie, pack, out, comp = tmp_path / "untie", tmp_path / "pack", tmp_path / "out", tmp_path / "compile_qnn"
     for d in (untie, pack, out, comp):
-        d.mkdir()
+        d.mkdir(exist_ok=True)
     for name, text in (compiled or {}).items():
         (comp / name).write_text(text)
     (untie / "config.json").write_text(json.dumps(CONFIG))
@@ -65,11 +65,38 @@ def test_a_cross_built_onnxruntime_profile_takes_the_device_threads(tmp_path):
     assert "cross-build" in session["tuning"]["reason"] and session["session_config"] == {}
 
 
+def _matmulnbits_graph(level: int) -> bytes:
+    """A graph with one MatMulNBits node at `level` (its attributes are all the level sweep reads)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    node = helper.make_node("MatMulNBits", ["x", "w", "s"], ["y"], domain="com.microsoft", K=32, N=8, bits=4,
+                            block_size=32, accuracy_level=level)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])],
+                              [helper.make_tensor("w", TensorProto.UINT8, [8, 1, 16], bytes(128), raw=True),
+                               helper.make_tensor("s", TensorProto.FLOAT, [8], [1.0] * 8)])
+    return onnx.helper.make_model(graph).SerializeToString()
+
+
+def _level_of(graph_dir) -> int:
+    import onnx
+
+    node = onnx.load(str(graph_dir / "model.onnx")).graph.node[0]
+    return next(a.i for a in node.attribute if a.name == "accuracy_level")
+
+
 class FakeDecoder:
-    """Known speeds: 2 threads twice as fast as 1, spinning no faster."""
+    """Known speeds: 2 threads twice as fast as 1, spinning no faster; a graph at
+    accuracy level `SLOW_LEVEL` three times slower."""
+
+    SLOW_LEVEL = 1
 
     def __init__(self, pack_dir, threads, spinning):
-        self.seconds = 0.004 / threads
+        from pathlib import Path
+
+        slow = 3 if _level_of(Path(pack_dir)) == FakeDecoder.SLOW_LEVEL else 1
+        self.seconds = 0.004 / threads * slow
 
     def reset(self):
         pass
@@ -89,6 +116,8 @@ def test_on_the_target_the_settings_are_measured_and_recorded(tmp_path, monkeypa
     monkeypatch.setattr(pipeline.gqa_graph, "GqaDecoder", FakeDecoder)
     monkeypatch.setattr(deploy_profile, "SWEEP_DECODE", 8)
     monkeypatch.setattr(deploy_profile, "SWEEP_PROMPT", 2)
+    (tmp_path / "pack").mkdir()
+    (tmp_path / "pack" / "model.onnx").write_bytes(_matmulnbits_graph(4))
     out, _ = run(tmp_path, "w4_ort_matmulnbits", {"io.json": json.dumps(IO)},
                  device={"name": "x86_avx512", "threads": 1})
     session = json.loads((out / "onnxruntime.json").read_text())
@@ -97,6 +126,26 @@ def test_on_the_target_the_settings_are_measured_and_recorded(tmp_path, monkeypa
     assert len(tuning["candidates"]) == 2 + 1  # 1 thread; 2 threads with and without spinning
     assert session["intra_op_num_threads"] == 2  # measured faster than the device config's 1
     assert session["session_config"] == {"session.intra_op.allow_spinning": "0"}  # spinning bought nothing
+    levels = tuning["accuracy_level"]
+    assert levels["deployed"] == levels["fastest"] == 4 and levels["verdict"].startswith("deployed")
+    assert [c["setting"]["accuracy_level"] for c in levels["candidates"]] == [4, 1]
+    assert _level_of(tmp_path / "pack") == 4  # the artifact itself is never rewritten
+
+
+def test_a_faster_accuracy_level_is_recommended_not_swapped_in(tmp_path, monkeypatch):
+    import pipeline.gqa_graph
+
+    monkeypatch.setattr(pipeline.gqa_graph, "GqaDecoder", FakeDecoder)
+    monkeypatch.setattr(FakeDecoder, "SLOW_LEVEL", 4)
+    monkeypatch.setattr(deploy_profile, "SWEEP_DECODE", 8)
+    monkeypatch.setattr(deploy_profile, "SWEEP_PROMPT", 2)
+    (tmp_path / "pack").mkdir()
+    (tmp_path / "pack" / "model.onnx").write_bytes(_matmulnbits_graph(4))
+    out, _ = run(tmp_path, "w4_ort_matmulnbits", {"io.json": json.dumps(IO)},
+                 device={"name": "x86_avx512", "threads": 1})
+    levels = json.loads((out / "onnxruntime.json").read_text())["tuning"]["accuracy_level"]
+    assert levels["deployed"] == 4 and levels["fastest"] == 1
+    assert "rebuild with pack.ort_accuracy_level=1" in levels["verdict"]
 
 
 def test_paths_without_a_runtime_profile_write_only_the_profile(tmp_path):
@@ -128,3 +177,19 @@ def test_a_phone_profile_names_the_binary_its_io_kv_layout_and_sdk(tmp_path):
     assert p["session_config"] == {"session.disable_cpu_ep_fallback": "1"}
     assert p["inputs"] == PHONE_IO["inputs"] and p["kv_layout"] == PHONE_IO["layers"]
     assert "mod (window-1)" in p["slot_rules"]["sliding_attention"]
+
+
+def test_llamacpp_profile_names_the_file_threads_and_commands(tmp_path):
+    info = {"file": "model.gguf", "file_type": "MOSTLY_Q4_0", "tensor_types": {"Q4_0": 43, "F16": 1},
+            "converter": {"identity": "sha256:0123", "source": "test"}}
+    out, result = run(tmp_path, "gguf_q4_0", {"gguf.json": json.dumps(info)},
+                      device={"name": "x86_llamacpp", "threads": 4})
+    prof = json.loads((out / "llama.cpp.json").read_text())
+    assert result["runtime"] == "llama.cpp" and result["files"] == ["llama.cpp.json"]
+    assert prof["model"] == "../pack/model.gguf" and prof["settings"]["n_threads"] == 4
+    assert prof["llama_cli"].startswith("llama-cli -m ../pack/model.gguf -c 256 ") and " -t 4 " in prof["llama_cli"]
+    assert prof["llama_cpp_python"] == {"model_path": "../pack/model.gguf", "n_ctx": 256, "n_batch": 256,
+                                        "n_threads": 4, "n_threads_batch": 4}
+    kv = prof["kv_cache_bytes_f16"]
+    assert kv["sliding_layers_windowed"] < kv["every_layer_full"]
+    assert "no sweep" in prof["threads_from"]
