@@ -251,6 +251,11 @@ def _check(c: dict, where) -> None:
             f"{where('quantize.group_size')}: quantize.group_size={q['group_size']} is not supported: "
             f"choose one of {', '.join(map(str, GROUP_SIZES))} (what the 4-bit kernels take)"
         )
+    if q.get("head_group_size") is not None and q["head_group_size"] not in GROUP_SIZES:
+        raise ConfigError(
+            f"{where('quantize.head_group_size')}: quantize.head_group_size={q['head_group_size']} is not "
+            f"supported: choose one of {', '.join(map(str, GROUP_SIZES))} or null"
+        )
     if not 0 <= q["damp"] < 1:
         raise ConfigError(f"{where('quantize.damp')}: quantize.damp={q['damp']} must be in [0, 1)")
     precisions = c["pack"]["qnn_precisions"]

@@ -13,8 +13,8 @@ quant_meta read it back):
   run's quant.json stays byte-identical to the ones before the option],
   "layers": {name: {"in_features", "out_features",
   "weight_rel_mse", "out_rel_err_h"}}, "calibration": {"data_sha256", ...}}.
-  A layer quantized under `group_fallback: divisor` also records its own
-  "group_size" (absent otherwise).
+  A layer quantized under `group_fallback: divisor`, or the head at its own
+  `head_group_size`, also records its own "group_size" (absent otherwise).
 - quantized.safetensors: per layer L, `L.qweight` uint8 [N, K] (codes 0..15,
   unpacked), `L.scales` float32 [N, K//g], `L.zeros` uint8 [N, K//g] (all 8
   when sym). W[n, k] = (qweight[n, k] - zeros[n, k//g]) * scales[n, k//g].
@@ -33,7 +33,11 @@ from pathlib import Path
 
 from pipeline.context import StageError
 
-READS = ("quantize",)
+# device and priority: which kernel the codes are for decides whether the head
+# may have its own group size (quantize.head_group_size: null).
+READS = ("quantize", "device", "priority")
+HEAD = "lm_head"
+HEAD_GROUP_SIZE = 32
 INPUTS = ("untie_head", "calibrate")
 TOOLCHAIN = ("torch", "numpy", "safetensors")
 
@@ -55,6 +59,7 @@ def _settings(cfg) -> dict:
         "block_size": int(q.get("block_size", 128)),
         "group_fallback": str(q.get("group_fallback", "error")),
         "scale_dtype": str(q.get("scale_dtype", "fp32")),
+        "head_group_size": _head_group_size(cfg),
     }
     if s["method"] not in gptq.METHODS:
         raise StageError(f"quantize.method={s['method']!r} is not known; use {' or '.join(gptq.METHODS)}")
@@ -74,8 +79,27 @@ def _settings(cfg) -> dict:
     return s
 
 
+def _head_group_size(cfg) -> int:
+    """quantize.head_group_size, or for null: 32 unless the device's weight path needs one group size."""
+    q = cfg.quantize
+    if q.get("head_group_size") is not None:
+        return int(q.head_group_size)
+    from omegaconf import OmegaConf
+
+    from pipeline import weight_path
+
+    if "device" not in cfg or "priority" not in cfg:
+        return int(q.get("group_size", 128))
+    try:
+        path = weight_path.select(OmegaConf.to_container(cfg.device, resolve=True), str(cfg.priority.name))["path"]
+    except ValueError:
+        path = None
+    # vLLM's GPTQ config has one group_size for every layer, the head included
+    return int(q.get("group_size", 128)) if path in (None, "w4a8_gptq_vllm") else HEAD_GROUP_SIZE
+
+
 def _layer_group_size(name: str, k: int, s: dict) -> int:
-    g = s["group_size"]
+    g = s["head_group_size"] if name == HEAD else s["group_size"]
     if k % g == 0:
         return g
     if s["group_fallback"] == "divisor":
@@ -84,7 +108,7 @@ def _layer_group_size(name: str, k: int, s: dict) -> int:
                 return d
         raise StageError(f"{name}: in_features K={k} has no divisor <= {g} that is a multiple of 32")
     raise StageError(
-        f"{name}: quantize.group_size={g} does not divide in_features K={k} "
+        f"{name}: quantize.{'head_' if name == HEAD else ''}group_size={g} does not divide in_features K={k} "
         f"(choose a group size that divides it, or quantize.group_fallback=divisor)"
     )
 
@@ -191,6 +215,7 @@ def run(ctx) -> dict:
         "format": gptq.FORMAT,
         "bits": s["bits"],
         "group_size": s["group_size"],
+        **({"head_group_size": s["head_group_size"]} if s["head_group_size"] != s["group_size"] else {}),
         "sym": s["sym"],
         "method": s["method"],
         "scale_search": s["scale_search"],
@@ -210,7 +235,8 @@ def run(ctx) -> dict:
     worst = max(report, key=lambda n: report[n]["out_rel_err_h"])
     wall = time.perf_counter() - t_start
     scale_note = f", {s['scale_dtype']} scales" if s["scale_dtype"] != "fp32" else ""
-    ctx.log(f"{len(report)} linears ({s['method']}, g{s['group_size']}, {'sym' if s['sym'] else 'asym'}{scale_note}): "
+    head_note = f", head g{s['head_group_size']}" if s["head_group_size"] != s["group_size"] else ""
+    ctx.log(f"{len(report)} linears ({s['method']}, g{s['group_size']}{head_note}, {'sym' if s['sym'] else 'asym'}{scale_note}): "
             f"mean out_rel_err_h {sum(out_errs) / len(out_errs):.4g}, worst {worst} "
             f"{report[worst]['out_rel_err_h']:.4g}, {wall:.1f} s")
     return {

@@ -57,6 +57,8 @@ def one_line(exc: ConfigError) -> str:
         (["build.name=exp"], ["build.name"]),
         (["parity.min_greedy_match=13"], ["parity.min_greedy_match", "12 prompts"]),
         (["priority=turbo"], ["unknown priority 'turbo'", "fidelity", "speed"]),
+        (["quantize.head_group_size=48"], ["quantize.head_group_size=48", "32, 64, 128, 256"]),
+        (["device=x86_llamacpp", "pack.gguf_token_embedding=q2_k"], ["pack.gguf_token_embedding", "keep"]),
     ],
 )
 def test_bad_overrides_are_one_line(overrides, expected):

@@ -269,6 +269,38 @@ def test_quantize_end_to_end_format(tiny_untied, calibrated, tmp_path):
     assert m["mean_out_rel_err"] < results["rtn"]["metrics"]["mean_out_rel_err"]
 
 
+@pytest.mark.parametrize("device, priority, head_setting, want", [
+    ("x86_avx512", "speed", None, 32),      # ORT MatMulNBits: a group size per node
+    ("x86_avx2", "speed", None, 32),        # tinygemm: a group size per layer
+    ("xeon_amx", "speed", None, 128),       # vLLM's GPTQ config: one group size for every layer
+    ("xeon_amx", "fidelity", None, 32),     # tinygemm again
+    ("xeon_amx", "speed", 64, 64),          # an explicit size is taken as it is
+])
+def test_the_head_gets_its_own_group_size_where_the_kernel_takes_one(device, priority, head_setting, want):
+    from pipeline import devices
+    from stages import quantize
+
+    cfg = OmegaConf.create({"quantize": {**QCFG, "head_group_size": head_setting},
+                            "device": devices.spec_sheet(device), "priority": {"name": priority}})
+    assert quantize._settings(cfg)["head_group_size"] == want
+
+
+def test_quantize_records_the_heads_own_group_size(tiny_untied, calibrated, tmp_path):
+    from stages import quantize
+
+    cal, _ = calibrated
+    out = tmp_path / "q"
+    quantize.run(ctx("quantize", out, {"quantize": {**QCFG, "head_group_size": 32}},
+                     {"untie_head": tiny_untied, "calibrate": cal}))
+    meta = json.loads((out / "quant.json").read_text())
+    assert meta["group_size"] == 128 and meta["head_group_size"] == 32
+    assert meta["layers"]["lm_head"]["group_size"] == 32
+    assert "group_size" not in meta["layers"]["model.layers.0.mlp.down_proj"]
+    loaded = gptq.load_quantized(out)
+    assert tuple(loaded["lm_head"][1].shape) == (512, 128 // 32)  # scales: one per 32 inputs
+    assert gptq.layer_group_size(meta, "lm_head") == 32
+
+
 def test_quantize_refuses_quantized_checkpoint_and_bad_config(tiny_untied, calibrated, tmp_path):
     import shutil
 
