@@ -110,7 +110,9 @@ class FakeDecoder:
         return np.zeros(4)
 
 
-def test_on_the_target_the_settings_are_measured_and_recorded(tmp_path, monkeypatch):
+def _on_target(tmp_path, monkeypatch) -> dict:
+    """A level-4 GQA pack built on this (fake) host, profiled with FakeDecoder's known speeds:
+    the onnxruntime.json written."""
     import pipeline.gqa_graph
 
     monkeypatch.setattr(pipeline.gqa_graph, "GqaDecoder", FakeDecoder)
@@ -120,7 +122,11 @@ def test_on_the_target_the_settings_are_measured_and_recorded(tmp_path, monkeypa
     (tmp_path / "pack" / "model.onnx").write_bytes(_matmulnbits_graph(4))
     out, _ = run(tmp_path, "w4_ort_matmulnbits", {"io.json": json.dumps(IO)},
                  device={"name": "x86_avx512", "threads": 1})
-    session = json.loads((out / "onnxruntime.json").read_text())
+    return json.loads((out / "onnxruntime.json").read_text())
+
+
+def test_on_the_target_the_settings_are_measured_and_recorded(tmp_path, monkeypatch):
+    session = _on_target(tmp_path, monkeypatch)
     tuning = session["tuning"]
     assert tuning["measured"] and tuning["host"]["cpu_model"] == "test cpu"
     assert len(tuning["candidates"]) == 2 + 1  # 1 thread; 2 threads with and without spinning
@@ -133,17 +139,8 @@ def test_on_the_target_the_settings_are_measured_and_recorded(tmp_path, monkeypa
 
 
 def test_a_faster_accuracy_level_is_recommended_not_swapped_in(tmp_path, monkeypatch):
-    import pipeline.gqa_graph
-
-    monkeypatch.setattr(pipeline.gqa_graph, "GqaDecoder", FakeDecoder)
     monkeypatch.setattr(FakeDecoder, "SLOW_LEVEL", 4)
-    monkeypatch.setattr(deploy_profile, "SWEEP_DECODE", 8)
-    monkeypatch.setattr(deploy_profile, "SWEEP_PROMPT", 2)
-    (tmp_path / "pack").mkdir()
-    (tmp_path / "pack" / "model.onnx").write_bytes(_matmulnbits_graph(4))
-    out, _ = run(tmp_path, "w4_ort_matmulnbits", {"io.json": json.dumps(IO)},
-                 device={"name": "x86_avx512", "threads": 1})
-    levels = json.loads((out / "onnxruntime.json").read_text())["tuning"]["accuracy_level"]
+    levels = _on_target(tmp_path, monkeypatch)["tuning"]["accuracy_level"]
     assert levels["deployed"] == 4 and levels["fastest"] == 1
     assert "rebuild with pack.ort_accuracy_level=1" in levels["verdict"]
 

@@ -6,8 +6,9 @@ Three layers of checks:
   dequantizer, the refusals, and a round trip through a GGUF written here in
   the converter's place (tensor names from gguf's name table, Q/K rows
   permuted the way llama.cpp's Llama converter permutes them);
-- llama.cpp's converter (a llama.cpp tree: $EDGEKILN_LLAMACPP_SRC or
-  `benchmark.llamacpp_src`, else the installed llama-cpp-python): a tiny random
+- llama.cpp's converter (where pipeline/converter.py finds it:
+  $EDGEKILN_LLAMACPP_SRC, `python -m pipeline.converter fetch`'s copy, the
+  installed llama-cpp-python): a tiny random
   Gemma 3 and a tiny random Llama, each with a SentencePiece tokenizer trained
   here, converted for real; every Q4_0 tensor must dequantize bit-exactly to
   our weights;
@@ -364,30 +365,14 @@ def test_refuses_quant_results_q4_0_cannot_hold(tiny_llama, tmp_path):
 # --------------------------------------------------------------------------
 
 
-def _converter_src() -> str | None:
-    """The llama.cpp tree: $EDGEKILN_LLAMACPP_SRC, else the benchmark config's llamacpp_src."""
-    env = os.environ.get("EDGEKILN_LLAMACPP_SRC")
-    if env:
-        return env
-    from omegaconf import OmegaConf
+def _need_converter() -> str:
+    """The llama.cpp tree where the stages look for the converter (pipeline/converter.py), or skip saying how to get it."""
+    from pipeline import converter
 
-    from pipeline.config import CONF_DIR
-
-    return OmegaConf.load(CONF_DIR / "benchmark" / "default.yaml").get("llamacpp_src")
-
-
-def _need_converter() -> str | None:
-    from pipeline import llamacpp
-
-    src = _converter_src()
-    try:
-        found = llamacpp.find_converter(src)
-    except ImportError:  # find_converter imports llama_cpp first, whatever src says
-        pytest.skip(llamacpp.SKIP_REASON)
-    if found is None:
-        pytest.skip("llama.cpp's convert_hf_to_gguf.py not found: set EDGEKILN_LLAMACPP_SRC (or "
-                    "benchmark.llamacpp_src) to a llama.cpp tree, e.g. the llama-cpp-python sdist's vendor/llama.cpp")
-    return src
+    tree = converter.find()
+    if tree is None:
+        pytest.skip(converter.missing_message())
+    return str(tree)
 
 
 @pytest.fixture(scope="module")
