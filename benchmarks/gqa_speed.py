@@ -147,11 +147,11 @@ def prepare_ort_int4(art: Path, work: Path, need: int) -> Path:
 
 
 def prepare_gguf(art: Path, work: Path) -> Path:
-    from pipeline.llamacpp import build_q4_k_m
+    from pipeline.llamacpp import Q4_K_M, build_quantized
 
     gguf = work / "gguf" / "model-q4_k_m.gguf"
     if not gguf.is_file():
-        build_q4_k_m(art / "untie_head", work / "gguf", threads=2, src=LLAMA_SRC)
+        build_quantized(art / "untie_head", work / "gguf", {"model-q4_k_m": Q4_K_M}, threads=2, src=LLAMA_SRC)
     return gguf
 
 

@@ -126,10 +126,11 @@ def make_decoder(arm: str, artifact: str, threads: int, n_ctx: int = 0, session:
 
         return TorchReference(load_tinygemm_model(artifact, artifact), threads=threads)
     if arm in LLAMA_ARMS:
+        from pipeline.gguf_q4 import GGUF_FILE
         from pipeline.llamacpp import LlamaCppDecoder
 
         p = Path(artifact)
-        return LlamaCppDecoder(str(p / "model.gguf" if p.is_dir() else p), threads=threads, n_ctx=n_ctx)
+        return LlamaCppDecoder(str(p / GGUF_FILE if p.is_dir() else p), threads=threads, n_ctx=n_ctx)
     if arm == "ortgenai_int4":
         from pipeline.ortgenai import GenaiDecoder
 

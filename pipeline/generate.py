@@ -67,9 +67,9 @@ def open_build(build: str, threads: int | None = None):
 
         ok, reason = available()
         if not ok:
-            raise GenerateError(f"build {build} runs on llama.cpp: {reason.split(': ', 1)[-1]}")
-    wanted = (profile.get("session", {}).get("intra_op_num_threads")
-              or profile.get("llama.cpp", {}).get("settings", {}).get("n_threads")
+            raise GenerateError(f"build {build} runs on llama.cpp: {reason}")
+    llama = profile.get("llama.cpp", {}).get("settings", {})
+    wanted = (profile.get("session", {}).get("intra_op_num_threads") or llama.get("n_threads")
               or profile.get("torch", {}).get("torch_num_threads") or 1)
     host = len(os.sched_getaffinity(0))
     threads = int(threads or min(int(wanted), host))
@@ -78,8 +78,7 @@ def open_build(build: str, threads: int | None = None):
     tok = AutoTokenizer.from_pretrained(str(folders["untie_head"]), local_files_only=True)
     session = ({"session_config": profile["session"].get("session_config") or None}
                if runtime == "onnxruntime" else None)
-    n_ctx = int(profile.get("llama.cpp", {}).get("settings", {}).get("n_ctx", 0))
-    dec = make_decoder(arm, str(folders["pack"]), threads, n_ctx=n_ctx, session=session)
+    dec = make_decoder(arm, str(folders["pack"]), threads, n_ctx=int(llama.get("n_ctx", 0)), session=session)
     return dec, tok, {"runtime": runtime, "arm": arm, "threads": threads, "profile_threads": wanted,
                       "weight_path": profile["weight_path"]["path"]}
 

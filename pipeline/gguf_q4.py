@@ -65,6 +65,7 @@ from typing import Any
 import numpy as np
 
 
+GGUF_FILE = "model.gguf"  # the artifact's file in the pack folder of a llama.cpp device
 BLOCK = 32  # GGUF Q4_0 block: QK4_0 weights per fp16 scale
 SYM_ZERO = 8
 BLOCK_BYTES = 2 + BLOCK // 2  # fp16 d + 16 bytes of nibbles

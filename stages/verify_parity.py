@@ -293,13 +293,13 @@ def _artifact_decoder(path: str, pack_dir: Path, hf_dir: Path, context_length: i
     if path == "gguf_q4_0":
         from pipeline import gguf_q4, llamacpp
 
-        gguf_file = pack_dir / "model.gguf"
+        gguf_file = pack_dir / gguf_q4.GGUF_FILE
         ok, reason = llamacpp.available()
         if ok:
             return llamacpp.LlamaCppDecoder(str(gguf_file), threads=THREADS, n_ctx=context_length), "", \
                 ARTIFACT_RUNTIMES[path]
         report = json.loads((pack_dir / "gguf.json").read_text())
-        note = (f"llama.cpp not run ({reason.split(': ', 1)[-1]}): these figures are the file's Q4_0 weights "
+        note = (f"llama.cpp not run ({reason}): these figures are the file's Q4_0 weights "
                 "(read back by gguf, bit-for-bit the GPTQ result) with fp32 activations in PyTorch, not llama.cpp's "
                 "kernels (Q8_0-rounded activations)")
         model = gguf_q4.file_model(hf_dir, gguf_file, report)
@@ -359,14 +359,14 @@ def _llamacpp_peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir) -> di
 
     ok, reason = llamacpp.available()
     if not ok:
-        return {"skipped": reason}
+        return {"skipped": f"llama.cpp peers not run: {reason}"}
     peers = {}
     with tempfile.TemporaryDirectory(prefix="edgekiln-peers-") as tmp:
         try:
             with ctx.progress(None, "llama.cpp's own Q4_0 and Q4_K_M of the checkpoint"):
-                f16 = llamacpp.convert(hf_dir, Path(tmp) / "f16.gguf")
-                files = {name: llamacpp.quantize(f16, Path(tmp) / f"{name}.gguf", ftype=ftype, threads=THREADS)
-                         for name, ftype in (("llamacpp_q4_0", llamacpp.Q4_0), ("llamacpp_q4_k_m", llamacpp.Q4_K_M))}
+                files = llamacpp.build_quantized(hf_dir, Path(tmp), {"llamacpp_q4_0": llamacpp.Q4_0,
+                                                                     "llamacpp_q4_k_m": llamacpp.Q4_K_M},
+                                                 threads=THREADS)
         except llamacpp.LlamaCppUnavailable as err:
             return {"skipped": f"llama.cpp peers not built: {err}"}
         for name, f in files.items():
