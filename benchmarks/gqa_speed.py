@@ -19,12 +19,12 @@ Arms (default all three; `--arms` picks, `--arm label=kind:path` adds any):
              context, the same pack recipe (export_decode_step + quantize_onnx_matmuls,
              accuracy_level 4) is rebuilt under --work with the smallest context that fits.
 - llamacpp:  llama.cpp Q4_K_M (pipeline/llamacpp.py), n_ctx = --max-len, batched prefill.
-- with --huge-pages, two more: gqa_thp (GqaDecoder(huge_pages=True): the session's
-             memory collapsed into 2 MiB pages after load) and llamacpp_thp (the same
-             llama.cpp arm in a process started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1,
-             so its malloc'ed weights get transparent huge pages): like for like.
-Kinds for --arm: gqa, gqa_thp, gqa_nospin (allow_spinning 0), gqa_basic (graph
-optimization level basic), ort_int4, llamacpp, llamacpp_thp.
+- with --huge-pages, two more: gqa_thp and llamacpp_thp, the same arms in processes
+             started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (pipeline/pages.py), so
+             both runtimes' malloc'ed weights get transparent huge pages: like for like.
+Kinds for --arm: gqa, gqa_thp, gqa_collapse (GqaDecoder(huge_pages=True): MADV_COLLAPSE
+after load), gqa_nospin (allow_spinning 0), gqa_basic (graph optimization level
+basic), ort_int4, llamacpp, llamacpp_thp.
 
 Writes every pass to <work>/<build>/gqa_speed.json and prints the table;
 `--report <that json>` prints the table of a saved run again.
@@ -59,7 +59,7 @@ def make_decoder(kind: str, path: str, threads: int, n_ctx: int):
         from pipeline.gqa_graph import GqaDecoder
 
         kw = {}
-        if kind == "gqa_thp":
+        if kind == "gqa_collapse":
             kw["huge_pages"] = True
         elif kind == "gqa_nospin":
             kw["spinning"] = False
@@ -69,7 +69,7 @@ def make_decoder(kind: str, path: str, threads: int, n_ctx: int):
             kw["opt_level"] = "basic"
         elif kind == "gqa_extended":
             kw["opt_level"] = "extended"
-        elif kind != "gqa":
+        elif kind not in ("gqa", "gqa_thp"):
             raise SystemExit(f"unknown kind {kind}")
         return GqaDecoder(path, threads=threads, **kw)
     if kind == "ort_int4":
@@ -164,9 +164,9 @@ def run_pass(kind, path, prompt, decode, threads, n_ctx, reps, seed) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--kind", kind, "--path", str(path),
            "--prompt-length", str(prompt), "--decode-tokens", str(decode), "--threads", str(threads),
            "--n-ctx", str(n_ctx), "--reps", str(reps), "--seed", str(seed)]
-    env = dict(os.environ)
-    if kind == "llamacpp_thp":
-        env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
+    from pipeline import pages
+
+    env = pages.hugetlb_env(dict(os.environ)) if kind.endswith("_thp") else dict(os.environ)
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{kind} {path} failed:\n{proc.stderr[-3000:]}")

@@ -57,7 +57,8 @@ def memory_snapshot() -> dict[str, float]:
     r = _rollup()
     rss = r.get("Rss", float("nan"))
     anon = r.get("Anonymous", float("nan"))
-    return {"rss_mib": rss, "anon_mib": anon, "file_mib": rss - anon}
+    return {"rss_mib": rss, "anon_mib": anon, "file_mib": rss - anon,
+            "anon_huge_mib": r.get("AnonHugePages", float("nan"))}
 
 
 def mapped_resident_mib(paths: list[Path]) -> float:
@@ -110,7 +111,7 @@ LLAMA_ARMS = ("llamacpp_q4_k_m", "llamacpp_q4_0", "gguf_q4_0")
 
 
 def make_decoder(arm: str, artifact: str, threads: int, n_ctx: int = 0, session: dict | None = None):
-    """The arm's decoder; `session`: GqaDecoder settings (spinning) from a deploy profile."""
+    """The arm's decoder; `session`: GqaDecoder settings (spinning, huge pages) from a deploy profile."""
     from pipeline.decode_graph import OnnxDecoder, TorchReference
 
     if arm == "ort_int4":
@@ -262,6 +263,7 @@ def measure(arm: str, artifact: str, prompt_length: int, decode_tokens: int, war
             "load_delta_mib": mem_loaded["rss_mib"] - mem_before["rss_mib"],
             "run_delta_mib": mem_run["rss_mib"] - mem_loaded["rss_mib"],
             "anon_after_run_mib": mem_run["anon_mib"],
+            "anon_huge_after_run_mib": mem_run["anon_huge_mib"],
             "file_after_run_mib": mem_run["file_mib"],
             "weights_file_mib": sum(f.stat().st_size for f in files) / MIB,
             "weights_mapped_resident_mib": mapped,

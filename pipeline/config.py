@@ -57,6 +57,7 @@ CHOICES = {
     "pack.tinygemm_prefill": ("dequant_packed", "deinterleave_once"),  # pipeline/int4_runtime.py PREFILL_MODES
     "benchmark.llamacpp": ("auto", "off"),
     "benchmark.ortgenai": ("auto", "off"),
+    "benchmark.huge_pages": ("auto", "off"),
     "quantize.scale_dtype": ("fp32", "fp16"),  # pipeline/gptq.py SCALE_DTYPES
     "pack.gguf_token_embedding": ("keep", "q8_0", "q4_0"),  # pipeline/gguf_q4.py OTHERS
 }

@@ -1,6 +1,6 @@
 """python -m pipeline generate BUILD "prompt": stream text from a built artifact.
 
-The artifact is run the way its deploy profile says (runtime, threads), from
+The artifact is run the way its deploy profile says (runtime, threads, pages), from
 the build's own folders, after their manifests are verified: what a fleet
 device would run, not a re-export. Greedy by default; `--temperature` samples.
 
@@ -76,7 +76,8 @@ def open_build(build: str, threads: int | None = None):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(folders["untie_head"]), local_files_only=True)
-    session = ({"session_config": profile["session"].get("session_config") or None}
+    session = ({"session_config": profile["session"].get("session_config") or None,
+                "huge_pages": bool(profile["session"].get("huge_pages"))}
                if runtime == "onnxruntime" else None)
     dec = make_decoder(arm, str(folders["pack"]), threads, n_ctx=int(llama.get("n_ctx", 0)), session=session)
     return dec, tok, {"runtime": runtime, "arm": arm, "threads": threads, "profile_threads": wanted,

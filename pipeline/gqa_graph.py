@@ -74,6 +74,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from pipeline import int4_layouts as L
+from pipeline.pages import anon_mappings, collapse_to_huge_pages
 from pipeline.decode_graph import (
     SLIDING,
     ContextFull,
@@ -602,54 +603,6 @@ def _theta(cfg, key: str):
 # --------------------------------------------------------------------------
 
 
-_MADV_HUGEPAGE, _MADV_COLLAPSE, _HUGE = 14, 25, 2 << 20
-
-
-def _anon_mappings() -> dict[int, int]:
-    """{start: end} of this process's private anonymous read-write mappings (Linux; {} elsewhere)."""
-    out = {}
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) == 5 or (len(parts) > 5 and parts[5] == "[heap]"):
-                    if parts[1].startswith("rw") and parts[1].endswith("p"):
-                        lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                        out[lo] = hi
-    except OSError:
-        pass
-    return out
-
-
-def collapse_to_huge_pages(before: dict[int, int], min_bytes: int = 4 << 20) -> int:
-    """madvise(MADV_COLLAPSE) the 2 MiB-aligned parts of anonymous mappings new or grown since `before`.
-
-    ORT's prepacked MatMulNBits weights live in such mappings: with 4 KiB pages
-    every decode step walks a page table entry per 4 KiB of weights it streams;
-    in 2 MiB pages it does not (measured here: +20-27% decode on the ~100M model,
-    nothing on the 5M one whose weights stay in cache). Linux >= 6.1; returns the
-    bytes collapsed (0 where unsupported; a region the kernel refuses is skipped).
-    """
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return 0
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    done = 0
-    for lo, hi in _anon_mappings().items():
-        if before.get(lo) == hi or hi - lo < min_bytes:
-            continue
-        a, b = (lo + _HUGE - 1) & ~(_HUGE - 1), hi & ~(_HUGE - 1)
-        if b <= a:
-            continue
-        libc.madvise(a, b - a, _MADV_HUGEPAGE)
-        if libc.madvise(a, b - a, _MADV_COLLAPSE) == 0:
-            done += b - a
-    return done
-
-
 class GqaDecoder(_Greedy):
     """The runtime of a `build_gqa_graph` artifact; the API of decode_graph.OnnxDecoder plus batched prefill.
 
@@ -664,15 +617,15 @@ class GqaDecoder(_Greedy):
     default: decode measured 1.26x (~100M) to 1.43x (5M) faster than with
     spinning off at 2 threads),
     ORT_ENABLE_ALL. `huge_pages=True` collapses the session's memory into
-    2 MiB pages after loading (see collapse_to_huge_pages; off by default so
-    that comparisons with runtimes on 4 KiB pages stay like for like).
+    2 MiB pages after loading (pipeline/pages.py; the deploy profile says
+    whether it measured faster on the target).
     """
 
     def __init__(self, artifact_dir, threads: int = 1, *, spinning: bool | None = None, opt_level: str = "all",
                  profile: str | None = None, session_config: dict | None = None, huge_pages: bool = False):
         import onnxruntime as ort
 
-        maps_before = _anon_mappings() if huge_pages else {}
+        maps_before = anon_mappings() if huge_pages else {}
         self._ort = ort
         self.dir = Path(artifact_dir)
         self.io = json.loads((self.dir / "io.json").read_text())
@@ -698,7 +651,7 @@ class GqaDecoder(_Greedy):
         self._logits = np.zeros((1, self.vocab_size), np.float32)
         self._step_binding, self._step_values = self._binding(self._ids, self._seqlens, self._total, self._logits)
         self.position = 0
-        # Opt-in: back the session's weights (and the KV) with 2 MiB pages; see collapse_to_huge_pages.
+        # Back the session's weights (and the KV) with 2 MiB pages (pipeline/pages.py).
         self.huge_page_bytes = collapse_to_huge_pages(maps_before) if huge_pages else 0
 
     def _binding(self, ids, seqlens, total, logits):

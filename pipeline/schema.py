@@ -133,6 +133,10 @@ class BenchmarkConfig:
     # The onnxruntime-genai int4 arm (the `peers` extra): auto runs it when the
     # package is installed and its builder can build the model; off skips it.
     ortgenai: str = "auto"  # auto | off
+    # Transparent huge pages for every arm's process alike (pipeline/pages.py:
+    # GLIBC_TUNABLES glibc.malloc.hugetlb=1): auto asks for them where the host
+    # allows (the report says which pages each arm got); off keeps 4 KiB pages.
+    huge_pages: str = "auto"  # auto | off
 
 
 @dataclass

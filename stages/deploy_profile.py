@@ -10,7 +10,10 @@ Per weight path (pack's weight_path.json):
   I/O and each layer's KV buffer. Threads and spinning are chosen by a short
   measured sweep when this host is the target device (pipeline/tune.py; the
   candidates' spreads and the host fingerprint are recorded), else taken from
-  the device config, saying so. The MatMulNBits accuracy level is the pack
+  the device config, saying so. On the target it also times 4 KiB
+  against transparent huge pages (pipeline/pages.py) and deploys huge pages
+  only when they measure faster (`huge_pages`, with the environment that
+  asks for them). The MatMulNBits accuracy level is the pack
   stage's (`pack.ort_accuracy_level`), the one verify_parity measured; on the
   target the sweep also times the graph at the other levels and records
   whether one is faster (then the profile says to rebuild with it: a level is
@@ -102,7 +105,29 @@ def _tune(ctx, device, host, pack_dir, max_len: int) -> tuple[dict, dict]:
                          settings, prompt, n_decode, rounds=SWEEP_ROUNDS, progress=lambda _: bar.advance())
     chosen = res["chosen"]
     return chosen, {"measured": True, "host": fingerprint, **res,
-                    "accuracy_level": _level_sweep(ctx, pack_dir, chosen, prompt, n_decode)}
+                    "accuracy_level": _level_sweep(ctx, pack_dir, chosen, prompt, n_decode),
+                    "huge_pages": _page_sweep(ctx, pack_dir, chosen, prompt, n_decode)}
+
+
+def _page_sweep(ctx, pack_dir, chosen: dict, prompt, n_decode: int) -> dict:
+    """4 KiB against transparent huge pages for the session's memory, at the chosen threads
+    (pipeline/pages.py). Huge pages cost resident memory (whole 2 MiB pages), so they are
+    deployed only when they measure faster beyond the noise floor."""
+    from pipeline import pages, tune
+    from pipeline.gqa_graph import GqaDecoder
+
+    ok, why = pages.support()
+    if not ok:
+        return {"measured": False, "huge_pages": False, "reason": why}
+    candidates = [{"huge_pages": False}, {"huge_pages": True}]
+    with ctx.progress(len(candidates) * SWEEP_ROUNDS, "4 KiB vs transparent huge pages") as bar:
+        res = tune.sweep(lambda c: GqaDecoder(pack_dir, threads=chosen["intra_op_num_threads"],
+                                              spinning=chosen["allow_spinning"], huge_pages=c["huge_pages"]),
+                         candidates, prompt, n_decode, rounds=SWEEP_ROUNDS, progress=lambda _: bar.advance(),
+                         cost=lambda c: (c["huge_pages"],))
+    huge = bool(res["chosen"]["huge_pages"])
+    ctx.log(f"pages: {'transparent huge pages' if huge else '4 KiB'} ({why})")
+    return {"measured": True, "huge_pages": huge, "host": why, **res}
 
 
 def _level_sweep(ctx, pack_dir, chosen: dict, prompt, n_decode: int) -> dict:
@@ -161,6 +186,7 @@ def _onnxruntime(ctx, device, host, pack_dir) -> dict:
         "graph_optimization_level": "ORT_ENABLE_ALL",
         "session_config": ({} if chosen["allow_spinning"] is None else
                            {"session.intra_op.allow_spinning": "1" if chosen["allow_spinning"] else "0"}),
+        **_pages_setting(evidence),
         "inputs": io["inputs"],
         "outputs": io["outputs"],
         "kv_layout": io["layers"],
@@ -175,6 +201,20 @@ def _onnxruntime(ctx, device, host, pack_dir) -> dict:
     else:
         ctx.log(evidence["reason"])
     return {"runtime": "onnxruntime", "files": ["onnxruntime.json"], "session": session}
+
+
+def _pages_setting(evidence: dict) -> dict:
+    """The profile's page setting: measured on the target, else left to the target's defaults."""
+    from pipeline import pages
+
+    hp = evidence.get("huge_pages") or {}  # {} on a cross-build: the target's pages are not known here
+    if not hp.get("huge_pages"):
+        return {"huge_pages": hp.get("huge_pages")}
+    return {"huge_pages": True,
+            "environment": {"GLIBC_TUNABLES": pages.TUNABLE},
+            "huge_pages_how": "start the runtime's process with `environment` (glibc >= 2.35 backs its malloc'ed "
+                              "weights with transparent huge pages), or GqaDecoder(huge_pages=True), which "
+                              "collapses the session's memory after loading (Linux >= 6.1)"}
 
 
 def _torch(ctx, device, pack_dir) -> dict:

@@ -40,6 +40,16 @@ def test_first_build_runs_every_stage_and_prints_parity_and_speed(built_repo):
     assert parity["logits_snr_db"] >= 60 and parity["greedy_match"] == 12
     bench = manifest(repo, "benchmark")["result"]["metrics"]
     assert bench["decode_tok_s"] > 0 and bench["peak_rss_mib"] > 0
+    report = json.loads((repo / "artifacts" / BUILD / "benchmark" / "report.json").read_text())
+    pages_used = report["settings"]["huge_pages"]
+    from pipeline import pages
+
+    assert pages_used["applied"] == pages.support()[0], pages_used
+    if pages_used["applied"]:  # every arm asked for huge pages, and the artifact's runtime got them
+        huge = report["memory"][report["artifact_arm"]]["anon_huge_after_run_mib"]
+        assert huge["min"] > 0, huge
+    else:
+        assert any(n.startswith("4 KiB pages for every arm") for n in report["notes"])
     assert "decode tok/s" in proc.stdout and "logits_snr_db" in proc.stdout
     assert (repo / "builds" / f"{BUILD}.yaml").is_file()
     assert not (repo / "outputs").exists() and not (repo / "multirun").exists()

@@ -63,6 +63,7 @@ def test_a_cross_built_onnxruntime_profile_takes_the_device_threads(tmp_path):
     assert session["intra_op_num_threads"] == 4 and session["kv_layout"][0]["cache_len"] == 80
     assert session["context_length"] == 256 and session["tuning"]["measured"] is False
     assert "cross-build" in session["tuning"]["reason"] and session["session_config"] == {}
+    assert session["huge_pages"] is None  # the target's pages are not known on the builder
 
 
 def _matmulnbits_graph(level: int) -> bytes:
@@ -91,12 +92,14 @@ class FakeDecoder:
     accuracy level `SLOW_LEVEL` three times slower."""
 
     SLOW_LEVEL = 1
+    HUGE_PAGE_SPEEDUP = 1.0
+    HUGE_PAGES_HERE = True
 
-    def __init__(self, pack_dir, threads, spinning):
+    def __init__(self, pack_dir, threads, spinning, huge_pages=False):
         from pathlib import Path
 
         slow = 3 if _level_of(Path(pack_dir)) == FakeDecoder.SLOW_LEVEL else 1
-        self.seconds = 0.004 / threads * slow
+        self.seconds = 0.004 / threads * slow / (FakeDecoder.HUGE_PAGE_SPEEDUP if huge_pages else 1.0)
 
     def reset(self):
         pass
@@ -114,11 +117,13 @@ def _on_target(tmp_path, monkeypatch) -> dict:
     """A level-4 GQA pack built on this (fake) host, profiled with FakeDecoder's known speeds:
     the onnxruntime.json written."""
     import pipeline.gqa_graph
+    import pipeline.pages
 
     monkeypatch.setattr(pipeline.gqa_graph, "GqaDecoder", FakeDecoder)
+    monkeypatch.setattr(pipeline.pages, "support", lambda: (FakeDecoder.HUGE_PAGES_HERE, "test host"))
     monkeypatch.setattr(deploy_profile, "SWEEP_DECODE", 8)
     monkeypatch.setattr(deploy_profile, "SWEEP_PROMPT", 2)
-    (tmp_path / "pack").mkdir()
+    (tmp_path / "pack").mkdir(parents=True)
     (tmp_path / "pack" / "model.onnx").write_bytes(_matmulnbits_graph(4))
     out, _ = run(tmp_path, "w4_ort_matmulnbits", {"io.json": json.dumps(IO)},
                  device={"name": "x86_avx512", "threads": 1})
@@ -136,6 +141,24 @@ def test_on_the_target_the_settings_are_measured_and_recorded(tmp_path, monkeypa
     assert levels["deployed"] == levels["fastest"] == 4 and levels["verdict"].startswith("deployed")
     assert [c["setting"]["accuracy_level"] for c in levels["candidates"]] == [4, 1]
     assert _level_of(tmp_path / "pack") == 4  # the artifact itself is never rewritten
+
+
+def test_huge_pages_are_deployed_only_when_measured_faster(tmp_path, monkeypatch):
+    session = _on_target(tmp_path, monkeypatch)  # the same speed on both: the cheaper 4 KiB pages
+    hp = session["tuning"]["huge_pages"]
+    assert hp["measured"] and [c["setting"]["huge_pages"] for c in hp["candidates"]] == [False, True]
+    assert session["huge_pages"] is False and "environment" not in session
+    monkeypatch.setattr(FakeDecoder, "HUGE_PAGE_SPEEDUP", 2.0)
+    session = _on_target(tmp_path / "faster", monkeypatch)
+    assert session["huge_pages"] is True and session["tuning"]["huge_pages"]["chosen"] == {"huge_pages": True}
+    assert session["environment"] == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+
+
+def test_huge_pages_are_not_swept_where_the_host_has_none(tmp_path, monkeypatch):
+    monkeypatch.setattr(FakeDecoder, "HUGE_PAGES_HERE", False)
+    session = _on_target(tmp_path, monkeypatch)
+    assert session["huge_pages"] is False
+    assert session["tuning"]["huge_pages"] == {"measured": False, "huge_pages": False, "reason": "test host"}
 
 
 def test_a_faster_accuracy_level_is_recommended_not_swapped_in(tmp_path, monkeypatch):

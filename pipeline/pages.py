@@ -1,0 +1,132 @@
+"""Transparent huge pages (THP) for a runtime's weights: what the host allows and how a process asks.
+
+Why: a decode step streams every weight once, so with 4 KiB pages it also
+walks a page-table entry (and risks a TLB miss) per 4 KiB of weights; in
+2 MiB pages it does not. Measured here on the ~100M model (benchmarks/
+gqa_speed.py, 11 interleaved passes): ONNX Runtime's GQA graph +6% decode,
+llama.cpp Q4_K_M within noise; nothing on the 5M embedded model, whose
+weights stay in cache.
+
+Two ways in, both plain Linux / glibc:
+- `hugetlb_env(env)`: for a process about to start. GLIBC_TUNABLES
+  glibc.malloc.hugetlb=1 makes glibc (>= 2.35) madvise(MADV_HUGEPAGE) the
+  memory it maps for malloc, so every runtime that reads its weights into
+  malloc'ed buffers (ONNX Runtime's prepacked MatMulNBits weights, llama.cpp
+  with use_mmap off, PyTorch tensors) gets 2 MiB pages where the kernel has
+  them. The benchmark gives every arm's process the same environment: like
+  for like.
+- `collapse_to_huge_pages(before)`: inside a process already running (the
+  deploy profile's sweep, `pipeline generate`): madvise(MADV_COLLAPSE) on the
+  anonymous mappings a session created (Linux >= 6.1).
+
+`support()` says whether either can work here: the kernel's THP mode must be
+`always` or `madvise` (`never` refuses both) and glibc must know the tunable.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+TUNABLE = "glibc.malloc.hugetlb=1"
+MIN_GLIBC = (2, 35)  # glibc.malloc.hugetlb appeared in 2.35
+_MADV_HUGEPAGE, _MADV_COLLAPSE, _HUGE = 14, 25, 2 << 20
+
+
+def thp_mode(path: str = THP_ENABLED) -> str | None:
+    """The kernel's THP mode (the bracketed word of `always [madvise] never`), or None where unknown."""
+    try:
+        text = open(path).read()
+    except OSError:
+        return None
+    for word in text.split():
+        if word.startswith("[") and word.endswith("]"):
+            return word[1:-1]
+    return None
+
+
+def glibc_version() -> tuple[int, ...] | None:
+    lib, ver = platform.libc_ver()
+    if lib != "glibc" or not ver:
+        return None
+    try:
+        return tuple(int(x) for x in ver.split("."))
+    except ValueError:
+        return None
+
+
+def support(mode: str | None = None, glibc: tuple[int, ...] | None = None) -> tuple[bool, str]:
+    """(usable, why): whether a process here can get transparent huge pages for its malloc'ed memory."""
+    mode = thp_mode() if mode is None else mode
+    glibc = glibc_version() if glibc is None else glibc
+    if mode not in ("always", "madvise"):
+        return False, (f"this host's transparent huge pages are {mode!r} ({THP_ENABLED})" if mode
+                       else f"this host has no transparent huge pages ({THP_ENABLED} unreadable)")
+    if glibc is None or glibc < MIN_GLIBC:
+        have = ".".join(map(str, glibc)) if glibc else "no glibc"
+        return False, f"{TUNABLE} needs glibc >= {'.'.join(map(str, MIN_GLIBC))} ({have} here)"
+    return True, f"THP mode {mode}, glibc {'.'.join(map(str, glibc))}"
+
+
+def hugetlb_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` plus GLIBC_TUNABLES glibc.malloc.hugetlb=1 (appended to any tunables already set)."""
+    out = dict(env)
+    kept = [t for t in out.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.malloc.hugetlb=")]
+    out["GLIBC_TUNABLES"] = ":".join(kept + [TUNABLE])
+    return out
+
+
+def anon_huge_mib() -> float:
+    """This process's anonymous memory in huge pages (AnonHugePages of smaps_rollup), MiB; nan where unknown."""
+    try:
+        for line in open("/proc/self/smaps_rollup"):
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def anon_mappings() -> dict[int, int]:
+    """{start: end} of this process's private anonymous read-write mappings (Linux; {} elsewhere)."""
+    out = {}
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) == 5 or (len(parts) > 5 and parts[5] == "[heap]"):
+                    if parts[1].startswith("rw") and parts[1].endswith("p"):
+                        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                        out[lo] = hi
+    except OSError:
+        pass
+    return out
+
+
+def collapse_to_huge_pages(before: dict[int, int], min_bytes: int = 4 << 20) -> int:
+    """madvise(MADV_COLLAPSE) the 2 MiB-aligned parts of anonymous mappings new or grown since `before`
+    (an `anon_mappings()` taken before the runtime loaded). Returns the bytes collapsed: 0 where the
+    kernel has no MADV_COLLAPSE (Linux < 6.1) or THP is off; a region the kernel refuses is skipped."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return 0
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    done = 0
+    for lo, hi in anon_mappings().items():
+        if before.get(lo) == hi or hi - lo < min_bytes:
+            continue
+        a, b = (lo + _HUGE - 1) & ~(_HUGE - 1), hi & ~(_HUGE - 1)
+        if b <= a:
+            continue
+        libc.madvise(a, b - a, _MADV_HUGEPAGE)
+        if libc.madvise(a, b - a, _MADV_COLLAPSE) == 0:
+            done += b - a
+    return done
+
+
+def in_use() -> bool:
+    """Whether this process was started with the glibc tunable (benchmark arms record it)."""
+    return TUNABLE in os.environ.get("GLIBC_TUNABLES", "").split(":")

@@ -1,0 +1,61 @@
+"""pipeline/pages.py: whether a host allows transparent huge pages, and the environment that asks for them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pipeline import pages
+
+
+@pytest.mark.parametrize("text, mode", [("always [madvise] never\n", "madvise"), ("[always] madvise never", "always"),
+                                        ("always madvise [never]", "never"), ("garbled", None)])
+def test_thp_mode_is_the_bracketed_word(tmp_path, text, mode):
+    f = tmp_path / "enabled"
+    f.write_text(text)
+    assert pages.thp_mode(str(f)) == mode
+    assert pages.thp_mode(str(tmp_path / "absent")) is None
+
+
+def test_support_needs_a_thp_mode_that_allows_madvise_and_a_new_enough_glibc():
+    assert pages.support("madvise", (2, 36))[0] and pages.support("always", (2, 35))[0]
+    ok, why = pages.support("never", (2, 36))
+    assert not ok and "'never'" in why
+    ok, why = pages.support("madvise", (2, 31))
+    assert not ok and "glibc >= 2.35" in why and "2.31" in why
+    assert not pages.support("madvise", ())[0]
+
+
+def test_the_tunable_is_appended_to_the_ones_already_set_and_never_doubled():
+    assert pages.hugetlb_env({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    env = pages.hugetlb_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=0", "X": "1"})
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1" and env["X"] == "1"
+    assert pages.hugetlb_env(env) == env
+
+
+CHILD = """
+import json, numpy as np
+from pipeline import pages
+a = np.ones(64 << 18, np.float32)  # 64 MiB, malloc'ed by numpy and touched
+print(json.dumps({"huge": pages.anon_huge_mib(), "asked": pages.in_use(), "sum": float(a.sum())}))
+"""
+
+
+@pytest.mark.skipif(not pages.support()[0], reason=f"no transparent huge pages here: {pages.support()[1]}")
+def test_a_process_started_with_the_tunable_gets_huge_pages_and_one_without_does_not():
+    """What the benchmark relies on: the environment alone backs malloc'ed memory with 2 MiB pages."""
+    import os
+
+    def child(env):
+        out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)
+
+    base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    asked = child(pages.hugetlb_env(base))
+    assert asked["asked"] and asked["huge"] >= 32, asked  # most of the 64 MiB array
+    if pages.thp_mode() == "madvise":  # "always" gives every process huge pages
+        plain = child(base)
+        assert not plain["asked"] and plain["huge"] < asked["huge"], (plain, asked)
