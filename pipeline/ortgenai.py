@@ -41,8 +41,7 @@ def available() -> tuple[bool, str]:
     try:
         import onnxruntime_genai  # noqa: F401
     except ImportError as e:
-        return False, (f"onnxruntime-genai baseline skipped: not installed ({e.name or e}); "
-                       f"pip install -e '.[peers]' adds it")
+        return False, f"not installed ({e.name or e}); pip install -e '.[peers]' adds it"
     return True, ""
 
 
@@ -64,7 +63,7 @@ def build_int4(hf_dir: Path, out_dir: Path, accuracy_level: int = 4, timeout: in
     if proc.returncode != 0 or not (out_dir / "genai_config.json").is_file():
         lines = [l.strip() for l in (proc.stderr or proc.stdout).splitlines() if l.strip()]
         last = lines[-1] if lines else f"exit code {proc.returncode}"
-        raise GenaiUnavailable(f"onnxruntime-genai {version()} baseline skipped: its model builder "
+        raise GenaiUnavailable(f"onnxruntime-genai {version()}: its model builder "
                                f"cannot build this checkpoint ({last[:300]})")
     return out_dir
 
@@ -79,7 +78,7 @@ def repair_head(out_dir: Path) -> str | None:
     head = [n for n in model.graph.node if "logits" in n.output]
     final = [n for n in model.graph.node if "final_norm" in n.name]
     if len(head) != 1 or len(final) != 1:
-        raise GenaiUnavailable(f"onnxruntime-genai baseline skipped: cannot find its head and final norm in {path} "
+        raise GenaiUnavailable(f"onnxruntime-genai: cannot find its head and final norm in {path} "
                                f"({len(head)} logits nodes, {len(final)} final norms)")
     want = final[0].output[0]
     if head[0].input[0] == want:

@@ -129,13 +129,13 @@ def _genai_arm(ctx, b, work: Path) -> tuple[Path | None, str, str | None]:
         return None, "onnxruntime-genai baseline off (benchmark.ortgenai=off)", None
     ok, reason = ortgenai.available()
     if not ok:
-        return None, reason, None
+        return None, f"onnxruntime-genai baseline skipped: {reason}", None
     try:
         with ctx.progress(None, "onnxruntime-genai baseline: its int4 model builder"):
             out = ortgenai.build_int4(ctx.inputs["untie_head"], work / "ortgenai")
             return out, "", ortgenai.repair_head(out)
     except ortgenai.GenaiUnavailable as e:
-        return None, str(e), None
+        return None, f"onnxruntime-genai baseline skipped: {e}", None
 
 
 def _pages(setting: str) -> dict:

@@ -35,7 +35,7 @@ from pipeline.context import StageContext, StageError
 READS = ("parity", "export")
 INPUTS = ("untie_head", "export", "pack", "compile_qnn")
 TOOLCHAIN = ("torch", "transformers", "onnxruntime", "numpy", "onnxruntime-qnn", "qnn-sdk", "gguf",
-             "llama-cpp-python")
+             "llama-cpp-python", "onnxruntime-genai")
 THREADS = 2  # onnxruntime intra-op threads
 # The eager reference runs one torch thread: its ops are microseconds, and on a
 # shared 2-core host two OpenMP threads spent ~8 ms per tiny op in barriers
@@ -267,6 +267,9 @@ def run(ctx: StageContext) -> dict:
     if artifact.get("metrics"):
         am = artifact["metrics"]
         out.update({f"artifact_{k}": am[k] for k in ("logits_snr_db", "top1_agreement", "greedy_match", "kl_nats")})
+    for name, peer in (artifact.get("peers") or {}).items():
+        if "metrics" in peer:
+            out.update({f"peer_{name}_{k}": peer["metrics"][k] for k in ("logits_snr_db", "greedy_match")})
     for precision, r in (artifact.get("precisions") or {}).items():
         out.update({f"qnn_{precision}_{k}": r["metrics"][k] for k in ("logits_snr_db", "top1_agreement",
                                                                        "greedy_match")})
@@ -343,39 +346,73 @@ def _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir) ->
         "thresholds": checked,
         "per_prompt": per_prompt,
     }
-    if path == "gguf_q4_0":
-        out["peers"] = _llamacpp_peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir)
+    if path in PEER_PATHS:
+        out["peers"] = _peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir)
+        out["versus_peers"] = {
+            name: {k: round(metrics[k] - p["metrics"][k], 4) for k in ("logits_snr_db", "greedy_match", "top1_agreement")}
+            for name, p in out["peers"].items() if "metrics" in p}
     return out
 
 
-def _llamacpp_peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir) -> dict:
-    """llama.cpp's own Q4_0 and Q4_K_M of the same checkpoint (its converter, then its quantizer:
-    round to nearest, no calibration), measured exactly as the artifact is: what a user of
-    llama.cpp would otherwise run. Reported beside the artifact, not gated; skipped with the
-    reason where llama.cpp is absent."""
+# The CPU 4-bit paths whose users would otherwise pick llama.cpp or onnxruntime-genai.
+PEER_PATHS = ("w4_ort_matmulnbits", "gguf_q4_0")
+
+
+def _peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir) -> dict:
+    """What a user would otherwise run, from the same checkpoint, measured exactly as the
+    artifact is: llama.cpp's own Q4_0 and Q4_K_M (its converter, then its quantizer: round to
+    nearest, no calibration) and onnxruntime-genai's int4 build (its model builder).
+    Reported beside the artifact (`versus_peers`: the artifact's figure minus the peer's),
+    not gated; each one that cannot run here says why in place of its figures."""
     import tempfile
 
-    from pipeline import llamacpp
+    from pipeline import llamacpp, ortgenai
 
-    ok, reason = llamacpp.available()
-    if not ok:
-        return {"skipped": f"llama.cpp peers not run: {reason}"}
-    peers = {}
+    peers: dict[str, dict] = {}
+
+    def measure(name, dec, **kw):
+        metrics, _ = _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, name, **kw)
+        ctx.log(f"{name} vs fp32: SNR {metrics['logits_snr_db']:.1f} dB, top1 {metrics['top1_agreement']:.3f}, "
+                f"KL {metrics['kl_nats']:.4f}, greedy {metrics['greedy_match']}/{len(prompts)}")
+        return _finite_metrics(metrics)
+
+    n_ctx = int(ctx.cfg.export.context_length)
     with tempfile.TemporaryDirectory(prefix="edgekiln-peers-") as tmp:
-        try:
-            with ctx.progress(None, "llama.cpp's own Q4_0 and Q4_K_M of the checkpoint"):
-                files = llamacpp.build_quantized(hf_dir, Path(tmp), {"llamacpp_q4_0": llamacpp.Q4_0,
-                                                                     "llamacpp_q4_k_m": llamacpp.Q4_K_M},
-                                                 threads=THREADS)
-        except llamacpp.LlamaCppUnavailable as err:
-            return {"skipped": f"llama.cpp peers not built: {err}"}
-        for name, f in files.items():
-            dec = llamacpp.LlamaCppDecoder(str(f), threads=THREADS, n_ctx=int(ctx.cfg.export.context_length))
-            metrics, _ = _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, name)
-            ctx.log(f"{name} vs fp32: SNR {metrics['logits_snr_db']:.1f} dB, top1 {metrics['top1_agreement']:.3f}, "
-                    f"KL {metrics['kl_nats']:.4f}, greedy {metrics['greedy_match']}/{len(prompts)}")
-            peers[name] = {"metrics": _finite_metrics(metrics), "bytes": f.stat().st_size}
+        llama_names = ("llamacpp_q4_0", "llamacpp_q4_k_m")
+        ok, reason = llamacpp.available()
+        files = {}
+        if ok:
+            try:
+                with ctx.progress(None, "llama.cpp's own Q4_0 and Q4_K_M of the checkpoint"):
+                    files = llamacpp.build_quantized(hf_dir, Path(tmp) / "gguf",
+                                                     {"llamacpp_q4_0": llamacpp.Q4_0, "llamacpp_q4_k_m": llamacpp.Q4_K_M},
+                                                     threads=THREADS)
+            except llamacpp.LlamaCppUnavailable as err:
+                reason = f"not built: {err}"
+        for name in llama_names:
+            if name not in files:
+                peers[name] = {"skipped": f"llama.cpp peer not run: {reason}"}
+                continue
+            dec = llamacpp.LlamaCppDecoder(str(files[name]), threads=THREADS, n_ctx=n_ctx)
+            peers[name] = {"metrics": measure(name, dec), "bytes": files[name].stat().st_size}
             del dec
+        ok, reason = ortgenai.available()
+        if ok:
+            try:
+                with ctx.progress(None, "onnxruntime-genai's int4 build of the checkpoint"):
+                    model = ortgenai.build_int4(hf_dir, Path(tmp) / "ortgenai")
+                    repair = ortgenai.repair_head(model)
+            except ortgenai.GenaiUnavailable as err:
+                ok, reason = False, str(err)
+        if ok:
+            dec = ortgenai.GenaiDecoder(model, threads=THREADS, n_ctx=n_ctx)
+            # Its generator is deterministic: the fed run's argmaxes say where a free greedy decode
+            # would first diverge (_compare's free_decode=False), so its own loop is not needed.
+            peers["ortgenai_int4"] = {"metrics": measure("ortgenai_int4", dec, free_decode=False),
+                                      "version": ortgenai.version(), "note": repair or ""}
+            del dec
+        else:
+            peers["ortgenai_int4"] = {"skipped": f"onnxruntime-genai peer not run: {reason}"}
     return peers
 
 
