@@ -3,9 +3,9 @@
 Why: a decode step streams every weight once, so with 4 KiB pages it also
 walks a page-table entry (and risks a TLB miss) per 4 KiB of weights; in
 2 MiB pages it does not. Measured here on the ~100M model (benchmarks/
-gqa_speed.py, 11 interleaved passes): ONNX Runtime's GQA graph +6% decode,
-llama.cpp Q4_K_M within noise; nothing on the 5M embedded model, whose
-weights stay in cache.
+gqa_speed.py --huge-pages, 11 interleaved passes): ONNX Runtime's GQA graph
++6% decode at a 32-token prompt and +9% at 512, llama.cpp Q4_K_M -2% and +6%,
+all inside this host's spreads.
 
 Two ways in, both plain Linux / glibc:
 - `hugetlb_env(env)`: for a process about to start. GLIBC_TUNABLES
