@@ -207,6 +207,8 @@ def measure(arm: str, artifact: str, prompt_length: int, decode_tokens: int, war
             context_points: list[int] | None = None, context_decode_tokens: int = 32, n_ctx: int = 0) -> dict:
     import numpy as np
 
+    from pipeline import pages
+
     context_points = list(context_points or [])
     import_runtime(arm)
     mem_before = memory_snapshot()
@@ -270,6 +272,7 @@ def measure(arm: str, artifact: str, prompt_length: int, decode_tokens: int, war
         },
         "context": context,
         "prefill_mode": prefill_mode,
+        "huge_pages_asked": pages.in_use(),
         "pid": os.getpid(),
     }
 

@@ -74,7 +74,6 @@ from typing import Any, Sequence
 import numpy as np
 
 from pipeline import int4_layouts as L
-from pipeline.pages import anon_mappings, collapse_to_huge_pages
 from pipeline.decode_graph import (
     SLIDING,
     ContextFull,
@@ -89,6 +88,7 @@ from pipeline.decode_graph import (
     load_hf_model,
     session_options,
 )
+from pipeline.pages import anon_mappings, collapse_to_huge_pages
 
 IO_FORMAT = "edgekiln-gqa/1"
 FAMILIES = ("gemma3_text", "qwen3", "llama")

@@ -78,17 +78,6 @@ def hugetlb_env(env: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def anon_huge_mib() -> float:
-    """This process's anonymous memory in huge pages (AnonHugePages of smaps_rollup), MiB; nan where unknown."""
-    try:
-        for line in open("/proc/self/smaps_rollup"):
-            if line.startswith("AnonHugePages:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
-
-
 def anon_mappings() -> dict[int, int]:
     """{start: end} of this process's private anonymous read-write mappings (Linux; {} elsewhere)."""
     out = {}
@@ -128,5 +117,5 @@ def collapse_to_huge_pages(before: dict[int, int], min_bytes: int = 4 << 20) -> 
 
 
 def in_use() -> bool:
-    """Whether this process was started with the glibc tunable (benchmark arms record it)."""
+    """Whether this process was started with the glibc tunable (each benchmark arm's pass records it)."""
     return TUNABLE in os.environ.get("GLIBC_TUNABLES", "").split(":")

@@ -348,9 +348,9 @@ def _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir) ->
     }
     if path in PEER_PATHS:
         out["peers"] = _peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir)
-        out["versus_peers"] = {
-            name: {k: round(metrics[k] - p["metrics"][k], 4) for k in ("logits_snr_db", "greedy_match", "top1_agreement")}
-            for name, p in out["peers"].items() if "metrics" in p}
+        figures = ("logits_snr_db", "greedy_match", "top1_agreement")
+        out["versus_peers"] = {name: {k: round(metrics[k] - p["metrics"][k], 4) for k in figures}
+                               for name, p in out["peers"].items() if "metrics" in p}
     return out
 
 
@@ -378,18 +378,16 @@ def _peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir) -> dict:
 
     n_ctx = int(ctx.cfg.export.context_length)
     with tempfile.TemporaryDirectory(prefix="edgekiln-peers-") as tmp:
-        llama_names = ("llamacpp_q4_0", "llamacpp_q4_k_m")
         ok, reason = llamacpp.available()
         files = {}
         if ok:
             try:
                 with ctx.progress(None, "llama.cpp's own Q4_0 and Q4_K_M of the checkpoint"):
-                    files = llamacpp.build_quantized(hf_dir, Path(tmp) / "gguf",
-                                                     {"llamacpp_q4_0": llamacpp.Q4_0, "llamacpp_q4_k_m": llamacpp.Q4_K_M},
-                                                     threads=THREADS)
+                    wanted = {"llamacpp_q4_0": llamacpp.Q4_0, "llamacpp_q4_k_m": llamacpp.Q4_K_M}
+                    files = llamacpp.build_quantized(hf_dir, Path(tmp) / "gguf", wanted, threads=THREADS)
             except llamacpp.LlamaCppUnavailable as err:
                 reason = f"not built: {err}"
-        for name in llama_names:
+        for name in ("llamacpp_q4_0", "llamacpp_q4_k_m"):
             if name not in files:
                 peers[name] = {"skipped": f"llama.cpp peer not run: {reason}"}
                 continue

@@ -45,6 +45,7 @@ def test_first_build_runs_every_stage_and_prints_parity_and_speed(built_repo):
     from pipeline import pages
 
     assert pages_used["applied"] == pages.support()[0], pages_used
+    assert all(p["huge_pages_asked"] == pages_used["applied"] for rs in report["passes"].values() for p in rs)
     if pages_used["applied"]:  # every arm asked for huge pages, and the artifact's runtime got them
         huge = report["memory"][report["artifact_arm"]]["anon_huge_after_run_mib"]
         assert huge["min"] > 0, huge
