@@ -11,7 +11,7 @@ clock), then `--reps` timed runs of reset -> prefill(prompt) -> greedy decode
 of `--decode-tokens` (pipeline.bench_arm._run); the pass's figure is the median
 of its reps. Figures across passes: median [min-max].
 
-Arms (default all three; `--arms` picks, `--arm label=kind:path` adds any):
+Arms (default gqa and llamacpp; `--arms` picks, `--arm label=kind:path` adds any):
 - gqa:       GqaDecoder on the graph built here from the build's untie_head +
              quantize artifacts (accuracy_level 4, max_len --max-len), batched prefill.
 - ort_int4:  decode_graph.OnnxDecoder on artifacts/<build>/pack (token-by-token
@@ -193,7 +193,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--n-ctx", type=int, default=1024)
     p.add_argument("--accuracy-level", type=int, default=4)
-    p.add_argument("--arms", default="gqa,ort_int4,llamacpp")
+    p.add_argument("--arms", default="gqa,llamacpp", help="gqa, ort_int4 (the older exported-step graph: "
+                   "4-bit layers only, so not for a build with an 8-bit head), llamacpp")
     p.add_argument("--arm", action="append", default=[], help="extra arm: label=kind:path")
     p.add_argument("--work", default="/tmp/gqa_work")
     p.add_argument("--rebuild", action="store_true", help="rebuild the GQA graph even if present")

@@ -257,6 +257,9 @@ def _check(c: dict, where) -> None:
             f"{where('quantize.head_group_size')}: quantize.head_group_size={q['head_group_size']} is not "
             f"supported: choose one of {', '.join(map(str, GROUP_SIZES))} or null"
         )
+    if q.get("head_bits") is not None and q["head_bits"] not in (4, 8):  # pipeline/gptq.py LAYER_BITS
+        raise ConfigError(f"{where('quantize.head_bits')}: quantize.head_bits={q['head_bits']} is not "
+                          f"supported: 4, 8 or null")
     if not 0 <= q["damp"] < 1:
         raise ConfigError(f"{where('quantize.damp')}: quantize.damp={q['damp']} must be in [0, 1)")
     precisions = c["pack"]["qnn_precisions"]

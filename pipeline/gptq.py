@@ -67,6 +67,9 @@ FORMAT = "edgekiln-int4/1"
 BITS = 4
 MAXQ = 2**BITS - 1  # 15
 SYM_ZERO = 8
+# A layer may take 8 bits instead (the head, where the ORT MatMulNBits path is
+# used: stages/quantize.py `head_bits`): the same grid with codes 0..255, z = 128.
+LAYER_BITS = (4, 8)
 QUANT_JSON = "quant.json"
 QUANT_TENSORS = "quantized.safetensors"
 METHODS = ("gptq", "rtn")
@@ -84,7 +87,7 @@ class QuantError(ValueError):
 
 @dataclass
 class Quantized:
-    qweight: torch.Tensor  # uint8 [N, K], codes 0..15
+    qweight: torch.Tensor  # uint8 [N, K], codes 0..15 (0..255 for an 8-bit layer)
     scales: torch.Tensor  # float32 [N, K // g]
     zeros: torch.Tensor  # uint8 [N, K // g]
     group_size: int
@@ -122,45 +125,55 @@ def _named(name: str, fn, *args):
         raise QuantError(f"{name}: {e}") from None
 
 
-def _candidates(w: torch.Tensor, sym: bool, scale_search: bool, scale_dtype: str = "fp32"):
+def _grid(bits: int) -> tuple[int, int]:
+    """(maxq, symmetric zero) of the `bits` grid: (15, 8) for 4 bits, (255, 128) for 8."""
+    if bits not in LAYER_BITS:
+        raise QuantError(f"{bits}-bit codes: the grid has {' or '.join(map(str, LAYER_BITS))} bits")
+    return 2**bits - 1, 2 ** (bits - 1)
+
+
+def _candidates(w: torch.Tensor, sym: bool, scale_search: bool, scale_dtype: str = "fp32", bits: int = BITS):
     """(scale [N], zero [N]) candidates for a group w [N, g]; the plain choice first.
 
     Each scale is already rounded to `scale_dtype` (so the asymmetric zero point
-    and everything downstream use the stored value)."""
+    and everything downstream use the stored value). For 4 bits the plain
+    symmetric scale is absmax / 7.5 and the searched ones m * absmax / 7; for
+    8 bits, / 127.5 and / 127."""
     tiny = torch.finfo(torch.float32).tiny
+    maxq, sym_zero = _grid(bits)
     if sym:
         amax = w.abs().amax(dim=1).clamp_min(tiny)
-        zero = torch.full_like(amax, float(SYM_ZERO))
-        yield round_scale(amax / 7.5, scale_dtype), zero
+        zero = torch.full_like(amax, float(sym_zero))
+        yield round_scale(amax / (maxq / 2), scale_dtype), zero
         if scale_search:
             for m in SEARCH_MULTIPLIERS:
-                yield round_scale((amax * (m / 7.0)).clamp_min(tiny), scale_dtype), zero
+                yield round_scale((amax * (m / (sym_zero - 1))).clamp_min(tiny), scale_dtype), zero
     else:
         wmin = w.amin(dim=1).clamp(max=0.0)
         wmax = w.amax(dim=1).clamp(min=0.0)
         for m in (1.0, *SEARCH_MULTIPLIERS[:-1]) if scale_search else (1.0,):
             lo, hi = wmin * m, wmax * m
-            scale = round_scale(((hi - lo) / MAXQ).clamp_min(tiny), scale_dtype)
-            zero = torch.round(-lo / scale).clamp(0, MAXQ)
+            scale = round_scale(((hi - lo) / maxq).clamp_min(tiny), scale_dtype)
+            zero = torch.round(-lo / scale).clamp(0, maxq)
             yield scale, zero
 
 
-def _codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+def _codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int = BITS) -> torch.Tensor:
     """Codes (as float) of w [N] or [N, g] under per-row scale/zero [N]."""
     if w.dim() == 2:
         scale, zero = scale[:, None], zero[:, None]
-    return torch.clamp(torch.round(w / scale) + zero, 0, MAXQ)
+    return torch.clamp(torch.round(w / scale) + zero, 0, 2**bits - 1)
 
 
 def group_params(w: torch.Tensor, weight: torch.Tensor | None, sym: bool, scale_search: bool,
-                 scale_dtype: str = "fp32"):
+                 scale_dtype: str = "fp32", bits: int = BITS):
     """Per-row (scale, zero) of one group w [N, g], chosen to minimize the
     diag(H)-weighted reconstruction error sum_k weight[k] (w - w_q)^2."""
     best_s = best_z = best_err = None
-    for scale, zero in _candidates(w, sym, scale_search, scale_dtype):
+    for scale, zero in _candidates(w, sym, scale_search, scale_dtype, bits):
         if best_s is None and not scale_search:
             return scale, zero
-        deq = (_codes(w, scale, zero) - zero[:, None]) * scale[:, None]
+        deq = (_codes(w, scale, zero, bits) - zero[:, None]) * scale[:, None]
         sq = (deq - w).square()
         err = sq @ weight if weight is not None else sq.sum(dim=1)
         if best_s is None:
@@ -212,10 +225,12 @@ def _diag_weight(h: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def rtn_quantize(w: torch.Tensor, h: torch.Tensor | None = None, *, group_size: int = 128, sym: bool = True,
-                 scale_search: bool = True, scale_dtype: str = "fp32", name: str = "weight") -> Quantized:
+                 scale_search: bool = True, scale_dtype: str = "fp32", bits: int = BITS,
+                 name: str = "weight") -> Quantized:
     """Round-to-nearest on the grid; H (optional) only weights the scale search."""
     _check(w, h, group_size, name)
     _check_scale_dtype(scale_dtype, name)
+    _named(name, _grid, bits)
     w = w.detach().float()
     n, k = w.shape
     d = _diag_weight(h)
@@ -225,8 +240,8 @@ def rtn_quantize(w: torch.Tensor, h: torch.Tensor | None = None, *, group_size: 
     for gi, c0 in enumerate(range(0, k, group_size)):
         wg = w[:, c0 : c0 + group_size]
         s, z = _named(name, group_params, wg, None if d is None else d[c0 : c0 + group_size], sym, scale_search,
-                      scale_dtype)
-        codes[:, c0 : c0 + group_size] = _codes(wg, s, z).to(torch.uint8)
+                      scale_dtype, bits)
+        codes[:, c0 : c0 + group_size] = _codes(wg, s, z, bits).to(torch.uint8)
         scales[:, gi], zeros[:, gi] = s, z.to(torch.uint8)
     return Quantized(codes, scales, zeros, group_size)
 
@@ -249,10 +264,11 @@ def _inverse_hessian_factor(h: torch.Tensor, damp: float, name: str) -> torch.Te
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, *, group_size: int = 128, sym: bool = True,
                   scale_search: bool = True, damp: float = 0.01, block_size: int = 128,
-                  scale_dtype: str = "fp32", name: str = "weight") -> Quantized:
+                  scale_dtype: str = "fp32", bits: int = BITS, name: str = "weight") -> Quantized:
     """GPTQ of one weight [N, K] given its input second moment H [K, K]."""
     _check(w, h, group_size, name)
     _check_scale_dtype(scale_dtype, name)
+    _named(name, _grid, bits)
     w = w.detach().float().clone()
     n, k = w.shape
     h = h.detach().double().clone()
@@ -289,10 +305,10 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, *, group_size: int = 128, sy
                 wg = w1[:, i : i + g] if col + g <= i2 else w[:, col : col + g]
                 # with scale_dtype fp16 the scale is already the stored one, so
                 # the codes and the error fed forward below are against it
-                scale, zero = _named(name, group_params, wg, d[col : col + g], sym, scale_search, scale_dtype)
+                scale, zero = _named(name, group_params, wg, d[col : col + g], sym, scale_search, scale_dtype, bits)
                 scales[:, col // g], zeros[:, col // g] = scale, zero.to(torch.uint8)
             wc = w1[:, i]
-            q = _codes(wc, scale, zero)
+            q = _codes(wc, scale, zero, bits)
             codes[:, col] = q.to(torch.uint8)
             e = (wc - (q - zero) * scale) / u1[i, i]
             w1[:, i:] -= e[:, None] * u1[i, i:][None, :]
@@ -303,15 +319,15 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, *, group_size: int = 128, sy
 
 def quantize_weight(w: torch.Tensor, h: torch.Tensor | None, *, method: str = "gptq", group_size: int = 128,
                     sym: bool = True, scale_search: bool = True, damp: float = 0.01, block_size: int = 128,
-                    scale_dtype: str = "fp32", name: str = "weight") -> Quantized:
+                    scale_dtype: str = "fp32", bits: int = BITS, name: str = "weight") -> Quantized:
     if method == "gptq":
         if h is None:
             raise QuantError(f"{name}: GPTQ needs the layer's calibration Hessian")
         return gptq_quantize(w, h, group_size=group_size, sym=sym, scale_search=scale_search, damp=damp,
-                             block_size=block_size, scale_dtype=scale_dtype, name=name)
+                             block_size=block_size, scale_dtype=scale_dtype, bits=bits, name=name)
     if method == "rtn":
         return rtn_quantize(w, h, group_size=group_size, sym=sym, scale_search=scale_search,
-                            scale_dtype=scale_dtype, name=name)
+                            scale_dtype=scale_dtype, bits=bits, name=name)
     raise QuantError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
 
 
@@ -344,6 +360,11 @@ def quant_meta(folder) -> dict:
 def layer_group_size(meta: dict, name: str) -> int:
     """A layer's group size: the global one unless the layer records its own (fallback)."""
     return int(meta["layers"][name].get("group_size", meta["group_size"]))
+
+
+def layer_bits(meta: dict, name: str) -> int:
+    """A layer's bits: 4 unless the layer records its own (an 8-bit head)."""
+    return int(meta["layers"][name].get("bits", meta["bits"]))
 
 
 def load_quantized(folder) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

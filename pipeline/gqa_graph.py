@@ -48,7 +48,8 @@ The graph (`build_gqa_graph`):
   query_pre_attn_scalar ** -0.5, final logit softcap as Div/Tanh/Mul when set.
 - weights: every quantized linear (lm_head included) is a MatMulNBits built
   from `int4_runtime.read_quant` codes via `int4_layouts.to_matmulnbits` (no
-  second rounding); concatenation along N is exact (codes, scales and zeros
+  second rounding; bits=8 for a layer the quantize stage wrote at 8 bits, the
+  head by default on this path); concatenation along N is exact (codes, scales and zeros
   are per output row); biases, if any, go in as the op's bias input. The
   embedding is an fp32 Gather of the untied checkpoint's table
   (`embedding="head_q4"` reads the head's codes instead, for a tied model:
@@ -65,6 +66,7 @@ three scalar writes and one `run_with_iobinding`.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -211,7 +213,7 @@ class _G:
 
 
 def _nbits(g: _G, x: str, name: str, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]],
-           out: str, accuracy_level: int, biases: list | None = None) -> tuple[str, dict]:
+           out: str, accuracy_level: int, biases: list | None = None, bits: int = 4) -> tuple[str, dict]:
     """MatMulNBits of the concatenation (along N) of `parts` (q, s, z, group) from read_quant.
 
     `biases`: per part an fp32 [N_part] bias or None; any present goes in as the op's bias input.
@@ -225,7 +227,7 @@ def _nbits(g: _G, x: str, name: str, parts: list[tuple[np.ndarray, np.ndarray, n
     z = np.concatenate([p[2] for p in parts], axis=0)
     gs = groups.pop()
     n, k = q.shape
-    b, sc, zp = L.to_matmulnbits(q, s, z, gs)
+    b, sc, zp = L.to_matmulnbits(q, s, z, gs, bits=bits)
     ins = [x, g.init(f"{name}.B", b), g.init(f"{name}.scales", sc)]
     if zp is not None:
         ins.append(g.init(f"{name}.zero_points", zp))
@@ -233,24 +235,29 @@ def _nbits(g: _G, x: str, name: str, parts: list[tuple[np.ndarray, np.ndarray, n
         full = np.concatenate([bb if bb is not None else np.zeros(p[0].shape[0], np.float32)
                                for bb, p in zip(biases, parts)]).astype(np.float32)
         ins += [""] * (5 - len(ins)) + [g.init(f"{name}.bias", full)]  # inputs 3-4: zero_points, g_idx
-    g.node("MatMulNBits", ins, [out], name, domain=MS, K=k, N=n, bits=4, block_size=gs,
+    g.node("MatMulNBits", ins, [out], name, domain=MS, K=k, N=n, bits=int(bits), block_size=gs,
            accuracy_level=int(accuracy_level))
-    return out, {"N": n, "K": k, "block_size": gs, "zero_points": zp is not None,
+    return out, {"N": n, "K": k, "bits": int(bits), "block_size": gs, "zero_points": zp is not None,
                  "bytes": b.nbytes + sc.nbytes + (zp.nbytes if zp is not None else 0)}
 
 
-def _linear(g, x, prefix, names, layers, out, acc, fuse, records, bias_of=lambda name: None):
-    """One fused MatMulNBits for `names` (or one each, concatenated by the caller)."""
+def _linear(g, x, prefix, names, layers, out, acc, fuse, records, bias_of=lambda name: None, widths=None):
+    """One fused MatMulNBits for `names` (or one each, concatenated by the caller).
+    `widths`: {layer: bits} (quant.json's; 4 where absent)."""
     missing = [n for n in names if n not in layers]
     if missing:
         raise GqaGraphError(f"the quantize stage has no codes for {', '.join(missing)}")
+    bits = {n: int((widths or {}).get(n, 4)) for n in names}
     if fuse or len(names) == 1:
-        o, rec = _nbits(g, x, prefix, [layers[n] for n in names], out, acc, [bias_of(n) for n in names])
+        if len(set(bits.values())) != 1:
+            raise GqaGraphError(f"{prefix}: cannot fuse layers of {sorted(set(bits.values()))} bits")
+        o, rec = _nbits(g, x, prefix, [layers[n] for n in names], out, acc, [bias_of(n) for n in names],
+                        bits=bits[names[0]])
         records[prefix] = {**rec, "layers": list(names)}
         return [o]
     outs = []
     for n in names:
-        o, rec = _nbits(g, x, n, [layers[n]], f"{out}.{n.rsplit('.', 1)[-1]}", acc, [bias_of(n)])
+        o, rec = _nbits(g, x, n, [layers[n]], f"{out}.{n.rsplit('.', 1)[-1]}", acc, [bias_of(n)], bits=bits[n])
         records[n] = {**rec, "layers": [n]}
         outs.append(o)
     return outs
@@ -288,7 +295,9 @@ def build_gqa_graph(untied_dir, quant_dir, out_dir, max_len: int, accuracy_level
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta, layers = read_quant(quant_dir)
+    meta, layers = read_quant(quant_dir, bits=(4, 8))  # MatMulNBits takes 8-bit blocks too (an 8-bit head)
+    widths = {n: int(info.get("bits", 4)) for n, info in meta["layers"].items()}
+    linear = functools.partial(_linear, widths=widths)
     model = load_hf_model(untied_dir)
     cfg = _text_config(model.config)
     family = _family(cfg)
@@ -337,6 +346,9 @@ def build_gqa_graph(untied_dir, quant_dir, out_dir, max_len: int, accuracy_level
         h = g.node("Gather", ["embed_tokens", "input_ids"], ["h_0"], "embed", axis=0)  # [1, S, H]
         emb_bytes = int(table.numel() * 4)
     elif opts["embedding"] == "head_q4":
+        if widths.get("lm_head", 4) != 4:
+            raise GqaGraphError("embedding='head_q4' reads the head's 4-bit codes; this head is "
+                                f"{widths['lm_head']}-bit (quantize.head_bits=4 for this option)")
         if not torch.equal(emb.weight.detach(), model.lm_head.weight.detach()):
             raise GqaGraphError("embedding='head_q4' needs the embedding and lm_head to be the same tensor "
                                 "(a tied checkpoint); this one is untied with different weights")
@@ -392,16 +404,16 @@ def build_gqa_graph(untied_dir, quant_dir, out_dir, max_len: int, accuracy_level
         has_qk_norm = hasattr(attn, "q_norm")
         joint_norm = has_qk_norm and opts["qk_norm"] in ("joint", "branchwise")
         if opts["fuse_qkv"] == "qk":
-            qk = _linear(g, x, f"{pre}.self_attn.qk_proj", names[:2], layers, f"{pre}.qk", acc, True, records,
+            qk = linear(g, x, f"{pre}.self_attn.qk_proj", names[:2], layers, f"{pre}.qk", acc, True, records,
                          bias_of)[0]
-            v = _linear(g, x, f"{pre}.self_attn.v_proj", names[2:], layers, f"{pre}.v", acc, True, records,
+            v = linear(g, x, f"{pre}.self_attn.v_proj", names[2:], layers, f"{pre}.v", acc, True, records,
                         bias_of)[0]
             qkv = [qk]
             if not joint_norm:
                 q, k = g.node("Split", [qk, g.const_i64(qkv_sizes[:2])], [f"{pre}.q", f"{pre}.k"],
                               f"{pre}.split_qk_raw", axis=-1)
         else:
-            qkv = _linear(g, x, f"{pre}.self_attn.qkv_proj", names, layers, f"{pre}.qkv", acc,
+            qkv = linear(g, x, f"{pre}.self_attn.qkv_proj", names, layers, f"{pre}.qkv", acc,
                           bool(opts["fuse_qkv"]), records, bias_of)
             if len(qkv) == 1 and joint_norm:
                 qk, v = g.node("Split", [qkv[0], g.const_i64([(nh + nkv) * hd, nkv * hd])],
@@ -453,7 +465,7 @@ def build_gqa_graph(untied_dir, quant_dir, out_dir, max_len: int, accuracy_level
             idx = g.const_i64(-1)  # a scalar index: [1, S, X] -> [1, X]
             a = g.node("Gather", [a, idx], [f"{pre}.attn_last"], f"{pre}.attn_last", axis=1)
             h = g.node("Gather", [h, idx], [f"{pre}.res_last"], f"{pre}.res_last", axis=1)
-        o = _linear(g, a, f"{pre}.self_attn.o_proj", [f"{pre}.self_attn.o_proj"], layers, f"{pre}.o", acc,
+        o = linear(g, a, f"{pre}.self_attn.o_proj", [f"{pre}.self_attn.o_proj"], layers, f"{pre}.o", acc,
                     True, records, bias_of)[0]
         if gemma:
             o = g.node(opts["norm_op"],
@@ -466,7 +478,7 @@ def build_gqa_graph(untied_dir, quant_dir, out_dir, max_len: int, accuracy_level
             mlp_tag = "post_attention_layernorm"
         x, h = norm_into(o, h, g.init(f"{pre}.{mlp_tag}.gamma", gamma(mlp_norm)), f"{pre}.{mlp_tag}")
         names = [f"{pre}.mlp.gate_proj", f"{pre}.mlp.up_proj"]
-        gu = _linear(g, x, f"{pre}.mlp.gate_up_proj", names, layers, f"{pre}.gu", acc, opts["fuse_gate_up"],
+        gu = linear(g, x, f"{pre}.mlp.gate_up_proj", names, layers, f"{pre}.gu", acc, opts["fuse_gate_up"],
                      records, bias_of)
         if len(gu) == 1:
             inter = cfg.intermediate_size
@@ -482,7 +494,7 @@ def build_gqa_graph(untied_dir, quant_dir, out_dir, max_len: int, accuracy_level
         else:
             raise GqaGraphError(f"activation {act_name!r} is not supported by the GQA graph")
         m = g.node("Mul", [act, up], [f"{pre}.gated"], f"{pre}.gated")
-        m = _linear(g, m, f"{pre}.mlp.down_proj", [f"{pre}.mlp.down_proj"], layers, f"{pre}.down", acc, True,
+        m = linear(g, m, f"{pre}.mlp.down_proj", [f"{pre}.mlp.down_proj"], layers, f"{pre}.down", acc, True,
                     records, bias_of)[0]
         if gemma:
             m = g.node(opts["norm_op"],
@@ -497,7 +509,7 @@ def build_gqa_graph(untied_dir, quant_dir, out_dir, max_len: int, accuracy_level
     if opts["last_layer_rows"] != "last":
         xf = g.node("Gather", [xf, g.const_i64(-1)], ["final_last"], "final_last", axis=1)  # [1, H]
     logits_name = "logits" if not getattr(cfg, "final_logit_softcapping", None) else "logits_raw"
-    logits = _linear(g, xf, "lm_head", ["lm_head"], layers, logits_name, acc, True, records, bias_of)[0]  # [1, V]
+    logits = linear(g, xf, "lm_head", ["lm_head"], layers, logits_name, acc, True, records, bias_of)[0]  # [1, V]
     final_cap = getattr(cfg, "final_logit_softcapping", None)
     if final_cap:
         c = g.init("final_softcap", np.asarray(final_cap, np.float32))

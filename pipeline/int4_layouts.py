@@ -71,7 +71,7 @@ def _np(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def _check(qweight, scales, zeros, group_size) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+def _check(qweight, scales, zeros, group_size, bits: int = 4) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
     q = _np(qweight)
     s = _np(scales).astype(np.float32, copy=False)
     z = _np(zeros)
@@ -83,16 +83,17 @@ def _check(qweight, scales, zeros, group_size) -> tuple[np.ndarray, np.ndarray, 
         raise LayoutError(f"group size {g} does not divide K={k}")
     if s.shape != (n, k // g) or z.shape != (n, k // g):
         raise LayoutError(f"scales {s.shape} / zeros {z.shape} must be [N, K/g] = {(n, k // g)}")
-    if q.size and (q.min() < 0 or q.max() > 15):
-        raise LayoutError("codes must lie in 0..15")
-    if z.size and (z.min() < 0 or z.max() > 15):
-        raise LayoutError("zeros must lie in 0..15")
+    maxq = 2 ** int(bits) - 1
+    if q.size and (q.min() < 0 or q.max() > maxq):
+        raise LayoutError(f"codes must lie in 0..{maxq} ({bits}-bit)")
+    if z.size and (z.min() < 0 or z.max() > maxq):
+        raise LayoutError(f"zeros must lie in 0..{maxq} ({bits}-bit)")
     return q.astype(np.uint8, copy=False), s, z.astype(np.uint8, copy=False), n, k
 
 
-def dequant(qweight, scales, zeros, group_size) -> np.ndarray:
+def dequant(qweight, scales, zeros, group_size, bits: int = 4) -> np.ndarray:
     """The fp32 weight [N, K] the codes stand for: (q - z) * s per group."""
-    q, s, z, n, k = _check(qweight, scales, zeros, group_size)
+    q, s, z, n, k = _check(qweight, scales, zeros, group_size, bits)
     g = int(group_size)
     w = q.reshape(n, k // g, g).astype(np.float32) - z[:, :, None].astype(np.float32)
     return (w * s[:, :, None]).reshape(n, k)
@@ -292,25 +293,35 @@ def unpack_rowmajor(packed) -> "torch.Tensor":
 # --------------------------------------------------------------------------
 
 
-def to_matmulnbits(qweight, scales, zeros, group_size, *, sym: bool | None = None):
-    """(B uint8 [N, K/bs, bs/2], scales float32 [N, K/bs], zero_points uint8 [N, ceil(K/bs/2)] or None).
+def to_matmulnbits(qweight, scales, zeros, group_size, *, sym: bool | None = None, bits: int = 4):
+    """(B uint8 [N, K/bs, bs*bits/8], scales float32 [N, K/bs], zero_points uint8 or None).
 
-    zero_points is None when every zero is 8 (ORT's default for 4 bits), or when
-    `sym` is True (then any zero other than 8 is an error).
+    4 bits: two codes a byte (low nibble first), zero_points [N, ceil(K/bs/2)]
+    packed the same way. 8 bits: one code a byte, zero_points [N, K/bs].
+    zero_points is None when every zero is ORT's default (8, or 128 for 8 bits),
+    or when `sym` is True (then any other zero is an error).
     """
-    q, s, z, n, k = _check(qweight, scales, zeros, group_size)
+    if bits not in (4, 8):
+        raise LayoutError(f"MatMulNBits from {bits}-bit codes: 4 or 8")
+    q, s, z, n, k = _check(qweight, scales, zeros, group_size, bits)
     bs = int(group_size)
     if bs < 16 or bs & (bs - 1):
         raise LayoutError(f"MatMulNBits block_size must be a power of two >= 16, got {bs}")
     if k % 2:
         raise LayoutError(f"K={k} must be even")
     blocks = k // bs
-    b = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8).reshape(n, blocks, bs // 2)
-    all8 = bool((z == 8).all())
-    if sym and not all8:
-        raise LayoutError("sym=True but some zero points are not 8")
+    default_zero = 2 ** (bits - 1)
+    if bits == 8:
+        b = q.reshape(n, blocks, bs)
+    else:
+        b = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8).reshape(n, blocks, bs // 2)
+    all_default = bool((z == default_zero).all())
+    if sym and not all_default:
+        raise LayoutError(f"sym=True but some zero points are not {default_zero}")
     zp = None
-    if not all8:
+    if not all_default and bits == 8:
+        zp = z.astype(np.uint8)
+    elif not all_default:
         zz = z if blocks % 2 == 0 else np.concatenate([z, np.zeros((n, 1), np.uint8)], axis=1)
         zp = (zz[:, 0::2] | (zz[:, 1::2] << 4)).astype(np.uint8)
     return np.ascontiguousarray(b), np.ascontiguousarray(s.astype(np.float32)), zp

@@ -46,11 +46,14 @@ class PackError(ValueError):
 # --------------------------------------------------------------------------
 
 
-def read_quant(quant_dir) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, int]]]:
+def read_quant(quant_dir, bits: tuple[int, ...] = (4,)) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, int]]]:
     """(quant.json, {layer: (qweight uint8 [N,K], scales f32 [N,K/g], zeros uint8 [N,K/g], g)}).
 
     g is the layer's own `group_size` when quant.json records one (the quantize
-    stage's `group_fallback: divisor`), else the top-level group size.
+    stage's `group_fallback: divisor`), else the top-level group size. `bits`:
+    the layer widths the caller packs; a layer of another width (an 8-bit head,
+    `quantize.head_bits`) is a PackError naming it, so no 4-bit-only packer
+    ever sees 8-bit codes. A layer's width: quant.json's `bits` for it, else 4.
     """
     from safetensors.numpy import load_file
 
@@ -68,6 +71,10 @@ def read_quant(quant_dir) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, n
     layers = {}
     for name, info in meta["layers"].items():
         g = int(info.get("group_size", g_default))
+        width = int(info.get("bits", 4))
+        if width not in bits:
+            raise PackError(f"layer {name} holds {width}-bit codes; this layout takes "
+                            f"{' or '.join(map(str, bits))}-bit ones (quantize.head_bits=4 writes a 4-bit head)")
         try:
             q, s, z = raw[f"{name}.qweight"], raw[f"{name}.scales"], raw[f"{name}.zeros"]
         except KeyError as err:

@@ -346,7 +346,8 @@ def run(ctx: StageContext) -> dict:
 
     quant_dir = Path(ctx.inputs["quantize"])
     try:
-        meta, layers = read_quant(quant_dir)
+        # ORT's MatMulNBits takes 8-bit blocks too (an 8-bit head); every other layout 4-bit only
+        meta, layers = read_quant(quant_dir, bits=(4, 8) if sel["path"] == "w4_ort_matmulnbits" else (4,))
     except PackError as err:
         raise StageError(f"pack: {err}") from None
     src = Path(ctx.inputs["untie_head"])

@@ -14,7 +14,9 @@ quant_meta read it back):
   "layers": {name: {"in_features", "out_features",
   "weight_rel_mse", "out_rel_err_h"}}, "calibration": {"data_sha256", ...}}.
   A layer quantized under `group_fallback: divisor`, or the head at its own
-  `head_group_size`, also records its own "group_size" (absent otherwise).
+  `head_group_size`, also records its own "group_size" (absent otherwise);
+  the head at 8 bits (`head_bits`) records "bits": 8 (with "head_bits": 8 at
+  the top level), its codes 0..255 with the symmetric zero at 128.
 - quantized.safetensors: per layer L, `L.qweight` uint8 [N, K] (codes 0..15,
   unpacked), `L.scales` float32 [N, K//g], `L.zeros` uint8 [N, K//g] (all 8
   when sym). W[n, k] = (qweight[n, k] - zeros[n, k//g]) * scales[n, k//g].
@@ -38,6 +40,7 @@ from pipeline.context import StageError
 READS = ("quantize", "device", "priority")
 HEAD = "lm_head"
 HEAD_GROUP_SIZE = 32
+HEAD_BITS_ORT = 8
 INPUTS = ("untie_head", "calibrate")
 TOOLCHAIN = ("torch", "numpy", "safetensors")
 
@@ -60,11 +63,14 @@ def _settings(cfg) -> dict:
         "group_fallback": str(q.get("group_fallback", "error")),
         "scale_dtype": str(q.get("scale_dtype", "fp32")),
         "head_group_size": _head_group_size(cfg),
+        "head_bits": _head_bits(cfg),
     }
     if s["method"] not in gptq.METHODS:
         raise StageError(f"quantize.method={s['method']!r} is not known; use {' or '.join(gptq.METHODS)}")
     if s["bits"] != gptq.BITS:
         raise StageError(f"quantize.bits={s['bits']}: only {gptq.BITS}-bit is supported")
+    if s["head_bits"] not in gptq.LAYER_BITS:
+        raise StageError(f"quantize.head_bits={s['head_bits']}: use {' or '.join(map(str, gptq.LAYER_BITS))}")
     if s["group_size"] < 1:
         raise StageError("quantize.group_size must be positive")
     if s["block_size"] < 1:
@@ -79,23 +85,37 @@ def _settings(cfg) -> dict:
     return s
 
 
-def _head_group_size(cfg) -> int:
-    """quantize.head_group_size, or for null: 32 unless the device's weight path needs one group size."""
-    q = cfg.quantize
-    if q.get("head_group_size") is not None:
-        return int(q.head_group_size)
+def _weight_path(cfg) -> str | None:
+    """The device's weight path (pipeline/weight_path.py), or None where the config names no device."""
     from omegaconf import OmegaConf
 
     from pipeline import weight_path
 
     if "device" not in cfg or "priority" not in cfg:
-        return int(q.get("group_size", 128))
+        return None
     try:
-        path = weight_path.select(OmegaConf.to_container(cfg.device, resolve=True), str(cfg.priority.name))["path"]
+        return weight_path.select(OmegaConf.to_container(cfg.device, resolve=True), str(cfg.priority.name))["path"]
     except ValueError:
-        path = None
+        return None
+
+
+def _head_group_size(cfg) -> int:
+    """quantize.head_group_size, or for null: 32 unless the device's weight path needs one group size."""
+    q = cfg.quantize
+    if q.get("head_group_size") is not None:
+        return int(q.head_group_size)
     # vLLM's GPTQ config has one group_size for every layer, the head included
+    path = _weight_path(cfg)
     return int(q.get("group_size", 128)) if path in (None, "w4a8_gptq_vllm") else HEAD_GROUP_SIZE
+
+
+def _head_bits(cfg) -> int:
+    """quantize.head_bits, or for null: 8 where the kernel is ORT's MatMulNBits (which takes 8-bit
+    blocks), 4 for every other kernel (tinygemm, vLLM's GPTQ, GGUF Q4_0: 4-bit codes only)."""
+    q = cfg.quantize
+    if q.get("head_bits") is not None:
+        return int(q.head_bits)
+    return HEAD_BITS_ORT if _weight_path(cfg) == "w4_ort_matmulnbits" else 4
 
 
 def _layer_group_size(name: str, k: int, s: dict) -> int:
@@ -188,10 +208,12 @@ def run(ctx) -> dict:
                     h_cache[key] = hess.get_tensor(key).double()
                 h = h_cache[key]
                 g = group_sizes[name]
+                bits = s["head_bits"] if name == HEAD else s["bits"]
                 try:
                     q = gptq.quantize_weight(
                         w, h, method=s["method"], group_size=g, sym=s["sym"], scale_search=s["scale_search"],
-                        damp=s["damp"], block_size=s["block_size"], scale_dtype=s["scale_dtype"], name=name,
+                        damp=s["damp"], block_size=s["block_size"], scale_dtype=s["scale_dtype"], bits=bits,
+                        name=name,
                     )
                 except gptq.QuantError as e:
                     raise StageError(str(e)) from None
@@ -204,6 +226,8 @@ def run(ctx) -> dict:
                 }
                 if g != s["group_size"]:
                     entry["group_size"] = g
+                if bits != s["bits"]:
+                    entry["bits"] = bits
                 report[name] = entry
                 tensors[f"{name}.qweight"] = q.qweight.contiguous()
                 tensors[f"{name}.scales"] = q.scales.contiguous()
@@ -216,6 +240,7 @@ def run(ctx) -> dict:
         "bits": s["bits"],
         "group_size": s["group_size"],
         **({"head_group_size": s["head_group_size"]} if s["head_group_size"] != s["group_size"] else {}),
+        **({"head_bits": s["head_bits"]} if s["head_bits"] != s["bits"] else {}),
         "sym": s["sym"],
         "method": s["method"],
         "scale_search": s["scale_search"],
@@ -236,6 +261,7 @@ def run(ctx) -> dict:
     wall = time.perf_counter() - t_start
     scale_note = f", {s['scale_dtype']} scales" if s["scale_dtype"] != "fp32" else ""
     head_note = f", head g{s['head_group_size']}" if s["head_group_size"] != s["group_size"] else ""
+    head_note += f", head {s['head_bits']}-bit" if s["head_bits"] != s["bits"] else ""
     ctx.log(f"{len(report)} linears ({s['method']}, g{s['group_size']}{head_note}, {'sym' if s['sym'] else 'asym'}{scale_note}): "
             f"mean out_rel_err_h {sum(out_errs) / len(out_errs):.4g}, worst {worst} "
             f"{report[worst]['out_rel_err_h']:.4g}, {wall:.1f} s")

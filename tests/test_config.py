@@ -58,6 +58,7 @@ def one_line(exc: ConfigError) -> str:
         (["parity.min_greedy_match=13"], ["parity.min_greedy_match", "12 prompts"]),
         (["priority=turbo"], ["unknown priority 'turbo'", "fidelity", "speed"]),
         (["quantize.head_group_size=48"], ["quantize.head_group_size=48", "32, 64, 128, 256"]),
+        (["quantize.head_bits=6"], ["quantize.head_bits=6", "4, 8 or null"]),
         (["device=x86_llamacpp", "pack.gguf_token_embedding=q2_k"], ["pack.gguf_token_embedding", "keep"]),
     ],
 )

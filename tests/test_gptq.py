@@ -96,6 +96,18 @@ def test_codes_scales_zeros(method, sym):
     assert torch.equal(gptq.dequantize(q.qweight, q.scales, q.zeros), deq)  # group size inferred
 
 
+@pytest.mark.parametrize("method", ["gptq", "rtn"])
+def test_eight_bit_codes_are_the_same_grid_with_256_levels(method):
+    w, h = weights(64, 256), correlated_hessian(256)
+    q4 = gptq.quantize_weight(w, h, method=method, group_size=128)
+    q8 = gptq.quantize_weight(w, h, method=method, group_size=128, bits=8)
+    assert 15 < int(q8.qweight.max()) <= 255 and bool((q8.zeros == 128).all())
+    # 16x finer steps: the output error drops by about 16^2
+    assert out_err(w, q8, h) < out_err(w, q4, h) / 50, (out_err(w, q8, h), out_err(w, q4, h))
+    with pytest.raises(gptq.QuantError, match="6-bit"):
+        gptq.quantize_weight(w, h, method=method, group_size=128, bits=6)
+
+
 def test_group_size_must_divide_k():
     w, h = weights(16, 96), correlated_hessian(96)
     with pytest.raises(gptq.QuantError, match="K=96"):
@@ -283,6 +295,45 @@ def test_the_head_gets_its_own_group_size_where_the_kernel_takes_one(device, pri
     cfg = OmegaConf.create({"quantize": {**QCFG, "head_group_size": head_setting},
                             "device": devices.spec_sheet(device), "priority": {"name": priority}})
     assert quantize._settings(cfg)["head_group_size"] == want
+
+
+@pytest.mark.parametrize("device, priority, head_setting, want", [
+    ("x86_avx512", "speed", None, 8),       # ORT MatMulNBits takes 8-bit blocks
+    ("x86_avx2", "speed", None, 4),         # tinygemm: 4-bit only
+    ("xeon_amx", "speed", None, 4),         # vLLM's GPTQ: 4-bit only
+    ("x86_llamacpp", "speed", None, 4),     # GGUF Q4_0
+    ("x86_avx512", "speed", 4, 4),          # an explicit width is taken as it is
+])
+def test_the_head_gets_8_bits_where_the_kernel_takes_them(device, priority, head_setting, want):
+    from pipeline import devices
+    from stages import quantize
+
+    cfg = OmegaConf.create({"quantize": {**QCFG, "head_bits": head_setting},
+                            "device": devices.spec_sheet(device), "priority": {"name": priority}})
+    assert quantize._settings(cfg)["head_bits"] == want
+
+
+def test_an_8_bit_head_is_recorded_and_4_bit_layouts_refuse_it(tiny_untied, calibrated, tmp_path):
+    from pipeline.int4_runtime import PackError, read_quant
+    from stages import quantize
+
+    cal, _ = calibrated
+    metas = {}
+    for bits in (4, 8):
+        out = tmp_path / f"head{bits}"
+        quantize.run(ctx("quantize", out, {"quantize": {**QCFG, "head_group_size": 32, "head_bits": bits}},
+                         {"untie_head": tiny_untied, "calibrate": cal}))
+        metas[bits] = json.loads((out / "quant.json").read_text())
+    meta = metas[8]
+    assert meta["head_bits"] == 8 and meta["layers"]["lm_head"]["bits"] == 8 and "head_bits" not in metas[4]
+    assert "bits" not in meta["layers"]["model.layers.0.mlp.down_proj"]
+    assert gptq.layer_bits(meta, "lm_head") == 8 and gptq.layer_bits(meta, "model.layers.0.mlp.down_proj") == 4
+    head8, head4 = meta["layers"]["lm_head"], metas[4]["layers"]["lm_head"]
+    assert head8["out_rel_err_h"] < head4["out_rel_err_h"] / 50, (head8, head4)
+    with pytest.raises(PackError, match="lm_head holds 8-bit codes"):
+        read_quant(tmp_path / "head8")  # every 4-bit-only layout (tinygemm, GPTQ, GGUF Q4_0) reads this way
+    _, layers = read_quant(tmp_path / "head8", bits=(4, 8))
+    assert int(layers["lm_head"][0].max()) > 15 and int(layers["model.layers.0.mlp.down_proj"][0].max()) <= 15
 
 
 def test_quantize_records_the_heads_own_group_size(tiny_untied, calibrated, tmp_path):

@@ -394,6 +394,33 @@ def test_decode_step_rewrite_fails_on_missing_layer(gemma_build, tmp_path):
 # --------------------------------------------------------------------------
 
 
+def test_matmulnbits_eight_bit_blocks(tmp_path):
+    """An 8-bit layer (the head, quantize.head_bits): one code a byte, zero 128 omitted; ORT computes
+    the dequantized weight's product, and with int8 activations (accuracy level 4) stays close."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(1)
+    q = rng.integers(0, 256, (48, 128)).astype(np.uint8)
+    s = (rng.random((48, 4)).astype(np.float32) + 0.5) * 1e-3
+    z = np.full((48, 4), 128, np.uint8)
+    b, sc, zp = L.to_matmulnbits(q, s, z, 32, bits=8)
+    assert zp is None and b.shape == (48, 4, 32) and np.array_equal(b.reshape(48, 128), q)
+    with pytest.raises(L.LayoutError, match="0..15"):
+        L.to_matmulnbits(q, s, z, 32)  # 8-bit codes never pass as 4-bit ones
+    x = rng.standard_normal((2, 128)).astype(np.float32)
+    ref = x @ L.dequant(q, s, z, 32, bits=8).T
+    for level, close in ((0, lambda y: np.allclose(y, ref, rtol=1e-4, atol=1e-4)), (4, lambda y: snr_db(ref, y) > 35)):
+        node = helper.make_node("MatMulNBits", ["x", "B", "S"], ["y"], domain="com.microsoft", K=128, N=48, bits=8,
+                                block_size=32, accuracy_level=level)
+        g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 128])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 48])],
+                              [numpy_helper.from_array(b, "B"), numpy_helper.from_array(sc, "S")])
+        path = tmp_path / f"q8_{level}.onnx"
+        onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21),
+                                                      helper.make_opsetid("com.microsoft", 1)]), str(path))
+        assert close(_run(path, x)), level
+
+
 def _inputs(root, sym=True):
     return {"untie_head": root / "hf", "quantize": root / f"quant_{'sym' if sym else 'asym'}",
             "export": root / "export"}
