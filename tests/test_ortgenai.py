@@ -30,7 +30,7 @@ def test_absent_package_is_a_skip_reason_not_an_error(monkeypatch):
 def needs_genai(fn):
     """The `optional` marker; skipped with the reason when onnxruntime-genai is absent."""
     ok, reason = ortgenai.available()
-    return pytest.mark.optional(pytest.mark.skipif(not ok, reason=reason)(fn))
+    return pytest.mark.optional(pytest.mark.skipif(not ok, reason=f"onnxruntime-genai: {reason}")(fn))
 
 
 def _qwen3(path):
