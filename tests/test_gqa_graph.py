@@ -458,9 +458,10 @@ def test_embedded_build_matches_dequantized_model(tmp_path):
     out = tmp_path / "gqa"
     build_gqa_graph(EMBEDDED / "untie_head", EMBEDDED / "quantize", out, max_len=160, accuracy_level=0)
     model = load_hf_model(EMBEDDED / "untie_head")
-    _, layers = read_quant(EMBEDDED / "quantize")
+    meta, layers = read_quant(EMBEDDED / "quantize", bits=(4, 8))  # the head is 8-bit by default on this path
     for n, (q, s, z, g) in layers.items():
-        model.get_submodule(n).weight.data = torch.from_numpy(L.dequant(q, s, z, g))
+        bits = int(meta["layers"][n].get("bits", 4))
+        model.get_submodule(n).weight.data = torch.from_numpy(L.dequant(q, s, z, g, bits=bits))
     ids = np.random.default_rng(0).integers(4, 2048, 150).tolist()  # the window is 64
     ref = _steps(TorchReference(model), ids)
     dec = GqaDecoder(out, threads=2)
