@@ -114,3 +114,24 @@ def report_line(config, line: str) -> None:
     with capman.global_and_fixture_disabled():
         tr.write_line("")
         tr.write_line(line)
+
+
+def needs_genai(fn):
+    """The `optional` marker; skipped with the reason when onnxruntime-genai is absent."""
+    from pipeline import ortgenai
+
+    ok, reason = ortgenai.available()
+    return pytest.mark.optional(pytest.mark.skipif(not ok, reason=f"onnxruntime-genai: {reason}")(fn))
+
+
+def save_tiny_qwen3(path: Path) -> Path:
+    """A 2-layer Qwen3 checkpoint (random weights, seed 0) saved at `path`: one onnxruntime-genai's builder takes."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    Qwen3ForCausalLM(cfg).eval().save_pretrained(path)
+    return path

@@ -9,9 +9,9 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from pipeline import ortgenai
+from tests.conftest import needs_genai, save_tiny_qwen3
 
 
 def test_absent_package_is_a_skip_reason_not_an_error(monkeypatch):
@@ -27,28 +27,11 @@ def test_absent_package_is_a_skip_reason_not_an_error(monkeypatch):
     assert not ok and reason.startswith("not installed") and ".[peers]" in reason
 
 
-def needs_genai(fn):
-    """The `optional` marker; skipped with the reason when onnxruntime-genai is absent."""
-    ok, reason = ortgenai.available()
-    return pytest.mark.optional(pytest.mark.skipif(not ok, reason=f"onnxruntime-genai: {reason}")(fn))
-
-
-def _qwen3(path):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    Qwen3ForCausalLM(cfg).eval().save_pretrained(path)
-    return path
-
-
 @needs_genai
 def test_its_int4_build_decodes_close_to_fp32(tmp_path):
     from pipeline.decode_graph import TorchReference, snr_db
 
-    hf = _qwen3(tmp_path / "hf")
+    hf = save_tiny_qwen3(tmp_path / "hf")
     out = ortgenai.build_int4(hf, tmp_path / "genai")
     note = ortgenai.repair_head(out)
     if note:  # 0.18's builder feeds the head the wrong tensor (pipeline/ortgenai.py)

@@ -3,33 +3,21 @@ same checkpoint, measured exactly as the artifact is (stages/verify_parity.py `_
 
 from __future__ import annotations
 
-import pytest
 from omegaconf import OmegaConf
 
 from pipeline import llamacpp, ortgenai
 from pipeline.context import StageContext
 from stages import verify_parity
+from tests.conftest import needs_genai, save_tiny_qwen3
 
 PROMPTS = [[1, 10, 11, 12, 13], [1, 40, 41, 42]]
 DECODE = 6
 
 
-def _qwen3(path):
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    Qwen3ForCausalLM(cfg).eval().save_pretrained(path)
-    return path
-
-
 def _peers(tmp_path):
     from pipeline.decode_graph import TorchReference
 
-    hf = _qwen3(tmp_path / "hf")
+    hf = save_tiny_qwen3(tmp_path / "hf")
     ctx = StageContext(stage="verify_parity", build="t", cfg=OmegaConf.create({"export": {"context_length": 64}}),
                        inputs={}, out=tmp_path / "out")
     teacher = verify_parity._teacher(TorchReference(hf, threads=1), PROMPTS, DECODE, ctx)
@@ -46,8 +34,7 @@ def test_every_peer_that_cannot_run_says_why_in_place_of_its_figures(tmp_path, m
     assert peers["ortgenai_int4"] == {"skipped": "onnxruntime-genai peer not run: not installed (onnxruntime_genai)"}
 
 
-@pytest.mark.optional
-@pytest.mark.skipif(not ortgenai.available()[0], reason=f"onnxruntime-genai: {ortgenai.available()[1]}")
+@needs_genai
 def test_onnxruntime_genai_int4_is_measured_against_the_same_reference(tmp_path, monkeypatch):
     monkeypatch.setattr(llamacpp, "available", lambda: (False, "left out of this test"))
     genai = _peers(tmp_path)["ortgenai_int4"]
