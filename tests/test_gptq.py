@@ -289,12 +289,17 @@ def test_quantize_end_to_end_format(tiny_untied, calibrated, tmp_path):
     ("xeon_amx", "speed", 64, 64),          # an explicit size is taken as it is
 ])
 def test_the_head_gets_its_own_group_size_where_the_kernel_takes_one(device, priority, head_setting, want):
-    from pipeline import devices
-    from stages import quantize
+    assert _quantize_settings(device, priority, head_group_size=head_setting)["head_group_size"] == want
 
-    cfg = OmegaConf.create({"quantize": {**QCFG, "head_group_size": head_setting},
+
+def _quantize_settings(device: str, priority: str, **quantize) -> dict:
+    """The quantize stage's settings for QCFG plus `quantize`, built for `device` at `priority`."""
+    from pipeline import devices
+    from stages import quantize as stage
+
+    cfg = OmegaConf.create({"quantize": {**QCFG, **quantize},
                             "device": devices.spec_sheet(device), "priority": {"name": priority}})
-    assert quantize._settings(cfg)["head_group_size"] == want
+    return stage._settings(cfg)
 
 
 @pytest.mark.parametrize("device, priority, head_setting, want", [
@@ -305,12 +310,7 @@ def test_the_head_gets_its_own_group_size_where_the_kernel_takes_one(device, pri
     ("x86_avx512", "speed", 4, 4),          # an explicit width is taken as it is
 ])
 def test_the_head_gets_8_bits_where_the_kernel_takes_them(device, priority, head_setting, want):
-    from pipeline import devices
-    from stages import quantize
-
-    cfg = OmegaConf.create({"quantize": {**QCFG, "head_bits": head_setting},
-                            "device": devices.spec_sheet(device), "priority": {"name": priority}})
-    assert quantize._settings(cfg)["head_bits"] == want
+    assert _quantize_settings(device, priority, head_bits=head_setting)["head_bits"] == want
 
 
 def test_an_8_bit_head_is_recorded_and_4_bit_layouts_refuse_it(tiny_untied, calibrated, tmp_path):
