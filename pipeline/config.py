@@ -260,6 +260,12 @@ def _check(c: dict, where) -> None:
     if q.get("head_bits") is not None and q["head_bits"] not in (4, 8):  # pipeline/gptq.py LAYER_BITS
         raise ConfigError(f"{where('quantize.head_bits')}: quantize.head_bits={q['head_bits']} is not "
                           f"supported: 4, 8 or null")
+    if q.get("eight_bit_budget") is not None and not 0 <= q["eight_bit_budget"] <= 1:
+        raise ConfigError(f"{where('quantize.eight_bit_budget')}: quantize.eight_bit_budget="
+                          f"{q['eight_bit_budget']} is a fraction of the 4-bit code bytes: 0 to 1, or null")
+    if q.get("sensitivity_windows", 1) < 1:
+        raise ConfigError(f"{where('quantize.sensitivity_windows')}: quantize.sensitivity_windows="
+                          f"{q['sensitivity_windows']} must be at least 1")
     if not 0 <= q["damp"] < 1:
         raise ConfigError(f"{where('quantize.damp')}: quantize.damp={q['damp']} must be in [0, 1)")
     precisions = c["pack"]["qnn_precisions"]

@@ -74,7 +74,8 @@ def read_quant(quant_dir, bits: tuple[int, ...] = (4,)) -> tuple[dict[str, Any],
         width = int(info.get("bits", 4))
         if width not in bits:
             raise PackError(f"layer {name} holds {width}-bit codes; this layout takes "
-                            f"{' or '.join(map(str, bits))}-bit ones (quantize.head_bits=4 writes a 4-bit head)")
+                            f"{' or '.join(map(str, bits))}-bit ones (quantize.head_bits=4 writes a 4-bit head, "
+                            f"quantize.eight_bit_budget=0 4-bit decoder linears)")
         try:
             q, s, z = raw[f"{name}.qweight"], raw[f"{name}.scales"], raw[f"{name}.zeros"]
         except KeyError as err:

@@ -181,6 +181,16 @@ class QuantizeConfig:
     # measured 47.0 dB in PyTorch fp32 against 39.2 for the 4-bit g32 one), else
     # 4 (tinygemm, vLLM's GPTQ and GGUF Q4_0 take 4-bit codes only). 4 or 8.
     head_bits: Optional[int] = None
+    # Extra bytes for 8-bit decoder linears, as a fraction of their 4-bit code
+    # bytes: the units (q/k/v, o, gate/up, down of one layer) whose 4-bit error
+    # costs the logits most per byte, measured on calibration windows
+    # (pipeline/bit_alloc.py). null: 0.04 where the kernel is ONNX Runtime's
+    # MatMulNBits (~100M model: 7.6 -> 10.2 dB, layer 0's attention), 0 for the
+    # kernels that take 4-bit codes only. 0 turns it off.
+    eight_bit_budget: Optional[float] = None
+    # Calibration windows (calibrate.seq_len tokens each) the sensitivities are
+    # measured on: one forward pass over them per unit.
+    sensitivity_windows: int = 4
 
 
 @dataclass

@@ -3,7 +3,9 @@ decoder linear and the output head.
 
 The head is quantized too: left in 16/32-bit it cost more per decode step
 than the whole 4-bit saving on the 1.7B model (field notes); untie_head has
-made it `lm_head.weight`. The algorithm and the grid are in pipeline/gptq.py.
+made it `lm_head.weight`. The algorithm and the grid are in pipeline/gptq.py;
+which decoder linears get 8 bits, where the kernel takes them, in
+pipeline/bit_alloc.py (the model runs the calibration windows once per unit).
 
 Output (the contract the packers read; pipeline.gptq.load_quantized and
 quant_meta read it back):
@@ -16,7 +18,12 @@ quant_meta read it back):
   A layer quantized under `group_fallback: divisor`, or the head at its own
   `head_group_size`, also records its own "group_size" (absent otherwise);
   the head at 8 bits (`head_bits`) records "bits": 8 (with "head_bits": 8 at
-  the top level), its codes 0..255 with the symmetric zero at 128.
+  the top level), its codes 0..255 with the symmetric zero at 128. Decoder
+  linears promoted to 8 bits (`eight_bit_budget`, pipeline/bit_alloc.py)
+  record "bits": 8 the same way, and quant.json an "eight_bit" record: the
+  budget, every unit's extra bytes, its gain (the relative squared error of
+  the calibration logits it removes alone at full precision) and that SNR, the units chosen, and the SNR with every decoder
+  linear at 4 bits and with the choice (absent when the budget is 0).
 - quantized.safetensors: per layer L, `L.qweight` uint8 [N, K] (codes 0..15,
   unpacked), `L.scales` float32 [N, K//g], `L.zeros` uint8 [N, K//g] (all 8
   when sym). W[n, k] = (qweight[n, k] - zeros[n, k//g]) * scales[n, k//g].
@@ -41,8 +48,11 @@ READS = ("quantize", "device", "priority")
 HEAD = "lm_head"
 HEAD_GROUP_SIZE = 32
 HEAD_BITS_ORT = 8
+# extra bytes for 8-bit decoder linears (pipeline/bit_alloc.py), a fraction of the 4-bit code bytes:
+# on the ~100M model 4% holds layer 0's attention, which took the logits from 7.6 to 10.2 dB (README)
+EIGHT_BIT_BUDGET_ORT = 0.04
 INPUTS = ("untie_head", "calibrate")
-TOOLCHAIN = ("torch", "numpy", "safetensors")
+TOOLCHAIN = ("torch", "transformers", "numpy", "safetensors")
 
 FALLBACKS = ("error", "divisor")
 _QUANTIZED_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "zeros")
@@ -64,6 +74,8 @@ def _settings(cfg) -> dict:
         "scale_dtype": str(q.get("scale_dtype", "fp32")),
         "head_group_size": _head_group_size(cfg),
         "head_bits": _head_bits(cfg),
+        "eight_bit_budget": _eight_bit_budget(cfg),
+        "sensitivity_windows": int(q.get("sensitivity_windows", 4)),
     }
     if s["method"] not in gptq.METHODS:
         raise StageError(f"quantize.method={s['method']!r} is not known; use {' or '.join(gptq.METHODS)}")
@@ -71,6 +83,10 @@ def _settings(cfg) -> dict:
         raise StageError(f"quantize.bits={s['bits']}: only {gptq.BITS}-bit is supported")
     if s["head_bits"] not in gptq.LAYER_BITS:
         raise StageError(f"quantize.head_bits={s['head_bits']}: use {' or '.join(map(str, gptq.LAYER_BITS))}")
+    if not 0 <= s["eight_bit_budget"] <= 1:
+        raise StageError(f"quantize.eight_bit_budget={s['eight_bit_budget']}: a fraction of the 4-bit code bytes, 0 to 1")
+    if s["sensitivity_windows"] < 1:
+        raise StageError("quantize.sensitivity_windows must be at least 1")
     if s["group_size"] < 1:
         raise StageError("quantize.group_size must be positive")
     if s["block_size"] < 1:
@@ -118,6 +134,15 @@ def _head_bits(cfg) -> int:
     return HEAD_BITS_ORT if _weight_path(cfg) == "w4_ort_matmulnbits" else 4
 
 
+def _eight_bit_budget(cfg) -> float:
+    """quantize.eight_bit_budget, or for null: EIGHT_BIT_BUDGET_ORT where the kernel is ORT's MatMulNBits
+    (8-bit blocks), 0 for the kernels that take 4-bit codes only."""
+    q = cfg.quantize
+    if q.get("eight_bit_budget") is not None:
+        return float(q.eight_bit_budget)
+    return EIGHT_BIT_BUDGET_ORT if _weight_path(cfg) == "w4_ort_matmulnbits" else 0.0
+
+
 def _layer_group_size(name: str, k: int, s: dict) -> int:
     g = s["head_group_size"] if name == HEAD else s["group_size"]
     if k % g == 0:
@@ -147,6 +172,66 @@ def _weight_map(src: Path) -> dict[str, str]:
     if not weight_map:
         raise StageError(f"no *.safetensors weights in {src}")
     return weight_map
+
+
+def _snr_db(rel_err: float) -> float:
+    import math
+
+    return round(-10 * math.log10(rel_err), 3) if rel_err > 0 else float("inf")
+
+
+def _promote(ctx, s, src: Path, cal_dir: Path, layers: dict, tensors: dict, group_sizes: dict,
+             weight, quantize_layer) -> dict:
+    """The decoder units worth 8 bits under the budget (pipeline/bit_alloc.py), requantized at 8 bits
+    in place of their 4-bit codes; returns quant.json's "eight_bit" record (what was measured, what was
+    chosen, the logits' SNR on the calibration windows before and after)."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pipeline import bit_alloc, gptq
+
+    windows = np.load(cal_dir / "token_ids.npy")
+    if s["sensitivity_windows"] > len(windows):
+        raise StageError(f"quantize.sensitivity_windows={s['sensitivity_windows']}, but calibration holds "
+                         f"{len(windows)} window(s) (calibrate.samples)")
+    windows = windows[: s["sensitivity_windows"]]
+    units = bit_alloc.units(layers, exclude=(HEAD,))
+    budget_bytes = s["eight_bit_budget"] * bit_alloc.code_bytes(layers, exclude=(HEAD,))
+
+    def at_codes(name: str) -> torch.Tensor:
+        return gptq.dequantize(tensors[f"{name}.qweight"], tensors[f"{name}.scales"], tensors[f"{name}.zeros"],
+                               group_sizes[name])
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    with ctx.progress(len(units), f"8-bit candidates ({windows.size} tokens each)") as bar:
+        found = bit_alloc.measure(model, windows, units, list(layers), at_codes, lambda n: weight(n).float(),
+                                  on_unit=lambda u: bar.advance())
+    chosen = bit_alloc.choose(found["gains"], units, budget_bytes)
+    by_key = {u.key: u for u in units}
+    for key in chosen:
+        for name in by_key[key].layers:
+            quantize_layer(name, 8)
+            model.get_submodule(name).weight.data.copy_(at_codes(name))
+    after = found["error"]() if chosen else found["base"]
+    del model
+    record = {
+        "budget": s["eight_bit_budget"],
+        "budget_bytes": int(budget_bytes),
+        "extra_bytes": sum(by_key[k].extra_bytes for k in chosen),
+        "windows": int(len(windows)),
+        "tokens": int(windows.size),
+        "snr_db_all_4bit": _snr_db(found["base"]),
+        "snr_db": _snr_db(after),
+        "chosen": chosen,
+        "units": {u.key: {"layers": u.layers, "extra_bytes": u.extra_bytes, "gain": found["gains"][u.key],
+                          "snr_db_at_full_precision": _snr_db(found["base"] - found["gains"][u.key])}
+                  for u in units},
+    }
+    ctx.log(f"8-bit units by measured sensitivity (budget {s['eight_bit_budget']:.0%} = "
+            f"{budget_bytes / 1e6:.2f} MB): {', '.join(chosen) or 'none'}; calibration logits "
+            f"{record['snr_db_all_4bit']} dB with every decoder linear at 4 bits, {record['snr_db']} dB now")
+    return record
 
 
 def run(ctx) -> dict:
@@ -193,46 +278,53 @@ def run(ctx) -> dict:
 
         hess = stack.enter_context(safe_open(str(cal_dir / "hessians.safetensors"), framework="pt"))
         h_cache: dict[str, torch.Tensor] = {}
+
+        def quantize_layer(name: str, bits: int) -> None:
+            info = layers[name]
+            w = weight(name).float()
+            n_out, k_in = int(info["out_features"]), int(info["in_features"])
+            if tuple(w.shape) != (n_out, k_in):
+                raise StageError(
+                    f"{name}.weight is {list(w.shape)} but calibration saw a [{n_out}, {k_in}] linear: "
+                    f"calibrate and untie_head outputs do not belong together"
+                )
+            key = info["hessian"]
+            if key not in h_cache:
+                h_cache.clear()  # shared H are used by neighbouring layers: keep one
+                h_cache[key] = hess.get_tensor(key).double()
+            h = h_cache[key]
+            g = group_sizes[name]
+            try:
+                q = gptq.quantize_weight(
+                    w, h, method=s["method"], group_size=g, sym=s["sym"], scale_search=s["scale_search"],
+                    damp=s["damp"], block_size=s["block_size"], scale_dtype=s["scale_dtype"], bits=bits,
+                    name=name,
+                )
+            except gptq.QuantError as e:
+                raise StageError(str(e)) from None
+            err = gptq.errors(w, q.dequantize(), h)
+            entry = {
+                "in_features": k_in,
+                "out_features": n_out,
+                "weight_rel_mse": err["weight_rel_mse"],
+                "out_rel_err_h": err["out_rel_err_h"],
+            }
+            if g != s["group_size"]:
+                entry["group_size"] = g
+            if bits != s["bits"]:
+                entry["bits"] = bits
+            report[name] = entry
+            tensors[f"{name}.qweight"] = q.qweight.contiguous()
+            tensors[f"{name}.scales"] = q.scales.contiguous()
+            tensors[f"{name}.zeros"] = q.zeros.contiguous()
+
         with ctx.progress(len(layers), f"{s['method']} int4 g{s['group_size']}") as bar:
-            for name, info in layers.items():
-                w = weight(name).float()
-                n_out, k_in = int(info["out_features"]), int(info["in_features"])
-                if tuple(w.shape) != (n_out, k_in):
-                    raise StageError(
-                        f"{name}.weight is {list(w.shape)} but calibration saw a [{n_out}, {k_in}] linear: "
-                        f"calibrate and untie_head outputs do not belong together"
-                    )
-                key = info["hessian"]
-                if key not in h_cache:
-                    h_cache.clear()  # shared H are used by neighbouring layers: keep one
-                    h_cache[key] = hess.get_tensor(key).double()
-                h = h_cache[key]
-                g = group_sizes[name]
-                bits = s["head_bits"] if name == HEAD else s["bits"]
-                try:
-                    q = gptq.quantize_weight(
-                        w, h, method=s["method"], group_size=g, sym=s["sym"], scale_search=s["scale_search"],
-                        damp=s["damp"], block_size=s["block_size"], scale_dtype=s["scale_dtype"], bits=bits,
-                        name=name,
-                    )
-                except gptq.QuantError as e:
-                    raise StageError(str(e)) from None
-                err = gptq.errors(w, q.dequantize(), h)
-                entry = {
-                    "in_features": k_in,
-                    "out_features": n_out,
-                    "weight_rel_mse": err["weight_rel_mse"],
-                    "out_rel_err_h": err["out_rel_err_h"],
-                }
-                if g != s["group_size"]:
-                    entry["group_size"] = g
-                if bits != s["bits"]:
-                    entry["bits"] = bits
-                report[name] = entry
-                tensors[f"{name}.qweight"] = q.qweight.contiguous()
-                tensors[f"{name}.scales"] = q.scales.contiguous()
-                tensors[f"{name}.zeros"] = q.zeros.contiguous()
+            for name in layers:
+                quantize_layer(name, s["head_bits"] if name == HEAD else s["bits"])
                 bar.advance()
+        eight_bit = None
+        if s["eight_bit_budget"] > 0:
+            eight_bit = _promote(ctx, s, src, cal_dir, layers, tensors, group_sizes, weight, quantize_layer)
 
     save_file(tensors, str(ctx.out / gptq.QUANT_TENSORS), metadata={"format": gptq.FORMAT})
     meta = {
@@ -247,6 +339,7 @@ def run(ctx) -> dict:
         "damp": s["damp"],
         "block_size": s["block_size"],
         **({"scale_dtype": s["scale_dtype"]} if s["scale_dtype"] != "fp32" else {}),
+        **({"eight_bit": eight_bit} if eight_bit is not None else {}),
         "layers": report,
         "calibration": {
             "data_sha256": calibration["data_sha256"],
@@ -262,12 +355,16 @@ def run(ctx) -> dict:
     scale_note = f", {s['scale_dtype']} scales" if s["scale_dtype"] != "fp32" else ""
     head_note = f", head g{s['head_group_size']}" if s["head_group_size"] != s["group_size"] else ""
     head_note += f", head {s['head_bits']}-bit" if s["head_bits"] != s["bits"] else ""
+    if eight_bit is not None:
+        head_note += f", {sum(len(eight_bit['units'][k]['layers']) for k in eight_bit['chosen'])} linear(s) 8-bit"
     ctx.log(f"{len(report)} linears ({s['method']}, g{s['group_size']}{head_note}, {'sym' if s['sym'] else 'asym'}{scale_note}): "
             f"mean out_rel_err_h {sum(out_errs) / len(out_errs):.4g}, worst {worst} "
             f"{report[worst]['out_rel_err_h']:.4g}, {wall:.1f} s")
     return {
         "metrics": {
             "layers": len(report),
+            **({"eight_bit_units": len(eight_bit["chosen"]), "calibration_snr_db": eight_bit["snr_db"]}
+               if eight_bit is not None else {}),
             "mean_out_rel_err": sum(out_errs) / len(out_errs),
             "max_out_rel_err": max(out_errs),
             "seconds": round(wall, 2),

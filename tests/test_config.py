@@ -59,6 +59,8 @@ def one_line(exc: ConfigError) -> str:
         (["priority=turbo"], ["unknown priority 'turbo'", "fidelity", "speed"]),
         (["quantize.head_group_size=48"], ["quantize.head_group_size=48", "32, 64, 128, 256"]),
         (["quantize.head_bits=6"], ["quantize.head_bits=6", "4, 8 or null"]),
+        (["quantize.eight_bit_budget=1.5"], ["quantize.eight_bit_budget=1.5", "0 to 1, or null"]),
+        (["quantize.sensitivity_windows=0"], ["quantize.sensitivity_windows=0", "at least 1"]),
         (["device=x86_llamacpp", "pack.gguf_token_embedding=q2_k"], ["pack.gguf_token_embedding", "keep"]),
     ],
 )

@@ -336,6 +336,63 @@ def test_an_8_bit_head_is_recorded_and_4_bit_layouts_refuse_it(tiny_untied, cali
     assert int(layers["lm_head"][0].max()) > 15 and int(layers["model.layers.0.mlp.down_proj"][0].max()) <= 15
 
 
+@pytest.mark.parametrize("device, setting, want", [
+    ("x86_avx512", None, 0.04),   # ORT MatMulNBits takes 8-bit blocks
+    ("x86_avx2", None, 0.0),      # tinygemm: 4-bit only
+    ("xeon_amx", None, 0.0),      # vLLM's GPTQ: 4-bit only
+    ("x86_llamacpp", None, 0.0),  # GGUF Q4_0
+    ("x86_avx512", 0.1, 0.1),     # an explicit budget is taken as it is
+    ("x86_avx512", 0, 0.0),
+])
+def test_the_8_bit_budget_is_spent_only_where_the_kernel_takes_8_bits(device, setting, want):
+    assert _quantize_settings(device, "speed", eight_bit_budget=setting)["eight_bit_budget"] == want
+
+
+def test_the_8_bit_budget_promotes_whole_units_by_measured_gain(tiny_untied, calibrated, tmp_path):
+    from pipeline import bit_alloc
+    from pipeline.int4_runtime import PackError, read_quant
+    from stages import quantize
+
+    cal, _ = calibrated
+    cal_layers = json.loads((cal / "calibration.json").read_text())["layers"]
+    runs = {}
+    for budget in (0.0, 0.3, 1.0):
+        out = tmp_path / f"b{budget}"
+        runs[budget] = quantize.run(ctx("quantize", out, {"quantize": {**QCFG, "eight_bit_budget": budget}},
+                                        {"untie_head": tiny_untied, "calibrate": cal}))
+        runs[budget] = (runs[budget]["metrics"], json.loads((out / "quant.json").read_text()))
+    metrics, meta = runs[0.0]
+    assert "eight_bit" not in meta and "eight_bit_units" not in metrics
+    assert all("bits" not in e for e in meta["layers"].values())
+    units = {u.key: u for u in bit_alloc.units(cal_layers, exclude=("lm_head",))}
+    for budget in (0.3, 1.0):
+        metrics, meta = runs[budget]
+        rec = meta["eight_bit"]
+        assert set(rec["units"]) == set(units) and rec["windows"] == 4 and rec["tokens"] == 4 * 32
+        assert rec["budget_bytes"] == int(budget * bit_alloc.code_bytes(cal_layers, exclude=("lm_head",)))
+        assert rec["chosen"] and rec["extra_bytes"] == sum(units[k].extra_bytes for k in rec["chosen"])
+        assert rec["extra_bytes"] <= rec["budget_bytes"]
+        eight = {n for k in rec["chosen"] for n in units[k].layers}  # a unit is promoted whole
+        for name, entry in meta["layers"].items():
+            assert entry.get("bits", 4) == (8 if name in eight else 4), name
+            if name in eight:  # requantized at 8 bits: its own error far below the 4-bit run's
+                assert entry["out_rel_err_h"] < runs[0.0][1]["layers"][name]["out_rel_err_h"] / 20, name
+        # the first unit taken is the best measured per byte; and the choice did buy back logits SNR
+        best = max((k for k in units if rec["units"][k]["gain"] > 0),
+                   key=lambda k: rec["units"][k]["gain"] / units[k].extra_bytes)
+        assert best == rec["chosen"][0]
+        assert rec["snr_db"] > rec["snr_db_all_4bit"] and metrics["calibration_snr_db"] == rec["snr_db"]
+        assert metrics["eight_bit_units"] == len(rec["chosen"])
+    assert len(runs[1.0][1]["eight_bit"]["chosen"]) > len(runs[0.3][1]["eight_bit"]["chosen"])
+    assert runs[1.0][1]["eight_bit"]["snr_db"] > runs[0.3][1]["eight_bit"]["snr_db"]
+    with pytest.raises(PackError, match="eight_bit_budget=0"):
+        read_quant(tmp_path / "b0.3")  # a 4-bit-only layout refuses the 8-bit units, naming the setting
+    with pytest.raises(StageError, match="sensitivity_windows=99"):
+        quantize.run(ctx("quantize", tmp_path / "bad", {"quantize": {**QCFG, "eight_bit_budget": 0.1,
+                                                                     "sensitivity_windows": 99}},
+                         {"untie_head": tiny_untied, "calibrate": cal}))
+
+
 def test_quantize_records_the_heads_own_group_size(tiny_untied, calibrated, tmp_path):
     from stages import quantize
 

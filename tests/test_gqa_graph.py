@@ -207,10 +207,17 @@ def test_logits_match_gptq_reference(ckpts, name, sym, acc, min_snr):
         assert (top_ref == top_got).mean() >= 0.9
 
 
-@pytest.mark.parametrize("acc,min_snr", [(0, 90.0), (4, 25.0)])
-def test_an_8_bit_head_is_one_code_a_byte_and_matches_its_dequantized_model(ckpts, tmp_path, acc, min_snr):
-    """quantize.head_bits=8: the head's MatMulNBits takes bits=8 blocks; the graph computes the model
-    holding the 4-bit body and the 8-bit head as dequantized (the reference with that head swapped in)."""
+ATTN0 = tuple(f"model.layers.0.self_attn.{p}_proj" for p in "qkvo")
+
+
+@pytest.mark.parametrize("eight,acc,min_snr", [
+    (("lm_head",), 0, 90.0), (("lm_head",), 4, 25.0),  # quantize.head_bits=8
+    (("lm_head", *ATTN0), 0, 90.0), (("lm_head", *ATTN0), 4, 25.0),  # + a layer's attention (eight_bit_budget)
+])
+def test_8_bit_layers_are_one_code_a_byte_and_match_their_dequantized_model(ckpts, tmp_path, eight, acc, min_snr):
+    """8-bit layers (the head, quantize.head_bits; decoder units, quantize.eight_bit_budget): their
+    MatMulNBits take bits=8 blocks, q/k/v still fused as one; the graph computes the model holding the
+    4-bit and 8-bit layers as dequantized (the reference with the 8-bit weights swapped in)."""
     import shutil
 
     from safetensors.numpy import load_file, save_file
@@ -219,25 +226,29 @@ def test_an_8_bit_head_is_one_code_a_byte_and_matches_its_dequantized_model(ckpt
     quant = tmp_path / "quant8"
     shutil.copytree(ck["quant"], quant)
     tensors = load_file(str(quant / "quantized.safetensors"))
-    ref_model = GptqReference(ck["gptq"]).model
-    w = ref_model.lm_head.weight.detach().numpy()  # the 4-bit head's dequantized weight: a fair 8-bit target
-    n, k = w.shape
-    wg = w.reshape(n, k // GROUP, GROUP)
-    s = (np.abs(wg).max(-1) / 127.0).astype(np.float32)
-    s = np.where(s == 0, 1.0, s).astype(np.float32)
-    q = np.clip(np.round(wg / s[..., None]) + 128, 0, 255).astype(np.uint8).reshape(n, k)
-    z = np.full(s.shape, 128, np.uint8)
-    tensors.update({"lm_head.qweight": q, "lm_head.scales": s, "lm_head.zeros": z})
-    save_file(tensors, str(quant / "quantized.safetensors"))
     meta = json.loads((quant / "quant.json").read_text())
-    meta["layers"]["lm_head"]["bits"] = meta["head_bits"] = 8
+    ref_model = GptqReference(ck["gptq"]).model
+    for name in eight:
+        w = ref_model.get_submodule(name).weight.detach().numpy()  # its 4-bit dequantized weight: a fair target
+        n, k = w.shape
+        wg = w.reshape(n, k // GROUP, GROUP)
+        s = (np.abs(wg).max(-1) / 127.0).astype(np.float32)
+        s = np.where(s == 0, 1.0, s).astype(np.float32)
+        q = np.clip(np.round(wg / s[..., None]) + 128, 0, 255).astype(np.uint8).reshape(n, k)
+        z = np.full(s.shape, 128, np.uint8)
+        tensors.update({f"{name}.qweight": q, f"{name}.scales": s, f"{name}.zeros": z})
+        meta["layers"][name]["bits"] = 8
+        with torch.no_grad():
+            ref_model.get_submodule(name).weight.copy_(torch.from_numpy(L.dequant(q, s, z, GROUP, bits=8)))
+    meta["head_bits"] = 8
+    save_file(tensors, str(quant / "quantized.safetensors"))
     (quant / "quant.json").write_text(json.dumps(meta))
     out = tmp_path / f"gqa8_{acc}"
     facts = build_gqa_graph(ck["hf"], quant, out, max_len=MAX_LEN, accuracy_level=acc)
-    assert facts["matmulnbits"]["lm_head"]["bits"] == 8
-    assert {r["bits"] for name, r in facts["matmulnbits"].items() if name != "lm_head"} == {4}
-    with torch.no_grad():
-        ref_model.lm_head.weight.copy_(torch.from_numpy(L.dequant(q, s, z, GROUP, bits=8)))
+    for rec in facts["matmulnbits"].values():
+        assert rec["bits"] == (8 if set(rec["layers"]) <= set(eight) else 4), rec
+    assert any(len(r["layers"]) == 3 and r["bits"] == (8 if ATTN0[0] in eight else 4)
+               for r in facts["matmulnbits"].values() if ATTN0[0] in r["layers"])  # q/k/v fused either way
     ids = _seq()
     ref, got = _steps(TorchReference(ref_model), ids), _steps(GqaDecoder(out, threads=1), ids)
     assert snr_db(ref, got) > min_snr + 5, snr_db(ref, got)
