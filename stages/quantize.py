@@ -21,9 +21,10 @@ quant_meta read it back):
   the top level), its codes 0..255 with the symmetric zero at 128. Decoder
   linears promoted to 8 bits (`eight_bit_budget`, pipeline/bit_alloc.py)
   record "bits": 8 the same way, and quant.json an "eight_bit" record: the
-  budget, every unit's extra bytes, its gain (the relative squared error of
-  the calibration logits it removes alone at full precision) and that SNR, the units chosen, and the SNR with every decoder
-  linear at 4 bits and with the choice (absent when the budget is 0).
+  budget; every unit's extra bytes, gain (the relative squared error of the
+  calibration logits it removes alone at full precision) and the SNR then;
+  the units chosen; the SNR with every decoder linear at 4 bits and with the
+  choice (absent when the budget is 0).
 - quantized.safetensors: per layer L, `L.qweight` uint8 [N, K] (codes 0..15,
   unpacked), `L.scales` float32 [N, K//g], `L.zeros` uint8 [N, K//g] (all 8
   when sym). W[n, k] = (qweight[n, k] - zeros[n, k//g]) * scales[n, k//g].
@@ -84,7 +85,8 @@ def _settings(cfg) -> dict:
     if s["head_bits"] not in gptq.LAYER_BITS:
         raise StageError(f"quantize.head_bits={s['head_bits']}: use {' or '.join(map(str, gptq.LAYER_BITS))}")
     if not 0 <= s["eight_bit_budget"] <= 1:
-        raise StageError(f"quantize.eight_bit_budget={s['eight_bit_budget']}: a fraction of the 4-bit code bytes, 0 to 1")
+        raise StageError(f"quantize.eight_bit_budget={s['eight_bit_budget']}: "
+                         f"a fraction of the 4-bit code bytes, 0 to 1")
     if s["sensitivity_windows"] < 1:
         raise StageError("quantize.sensitivity_windows must be at least 1")
     if s["group_size"] < 1:
@@ -174,10 +176,11 @@ def _weight_map(src: Path) -> dict[str, str]:
     return weight_map
 
 
-def _snr_db(rel_err: float) -> float:
+def _snr_db(rel_err: float) -> float | None:
+    """-10 log10 of a relative squared error; None for no error at all (JSON has no infinity)."""
     import math
 
-    return round(-10 * math.log10(rel_err), 3) if rel_err > 0 else float("inf")
+    return round(-10 * math.log10(rel_err), 3) if rel_err > 0 else None
 
 
 def _promote(ctx, s, src: Path, cal_dir: Path, layers: dict, tensors: dict, group_sizes: dict,
