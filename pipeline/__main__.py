@@ -83,6 +83,42 @@ def register(cfg: dict) -> Path:
     return path
 
 
+def atomic_dvc_files() -> None:
+    """Make this process's DVC write its YAML files (dvc.lock above all) by rename.
+
+    DVC 3.67 writes them in place (dvc/utils/serialize/_common.py `_dump_data`:
+    open "w+", dump), and dvc.lock is shared by every build of the checkout:
+    when a sweep's worker dies, the launcher tears the other workers down too,
+    and one caught writing dvc.lock left it truncated, every build's record
+    gone (seen in CI). Written by hand because DVC has no option for it: the
+    one function swapped for a temp-file-fsync-rename version, so a kill leaves
+    the previous whole file or the new one. Once per process."""
+    from dvc.utils.serialize import _common
+
+    if getattr(_common._dump_data, "edgekiln_atomic", False):
+        return
+    in_place = _common._dump_data
+
+    def dump_by_rename(path, data, dumper, fs=None, **dumper_args):
+        from dvc.fs import LocalFileSystem
+
+        if fs is not None and not isinstance(fs, LocalFileSystem):
+            return in_place(path, data, dumper, fs=fs, **dumper_args)
+        path = Path(os.fspath(path))
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "w", encoding="utf-8") as fd:
+                dumper(data, fd, **dumper_args)
+                fd.flush()
+                os.fsync(fd.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    dump_by_rename.edgekiln_atomic = True
+    _common._dump_data = dump_by_rename
+
+
 def _run_dvc(args: list[str]) -> int:
     # dvc.yaml's commands say `python`: make it this interpreter (the venv's)
     # without writing a machine-specific path into the cache key.
@@ -90,6 +126,7 @@ def _run_dvc(args: list[str]) -> int:
     os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     from dvc.cli import main as dvc_main
 
+    atomic_dvc_files()
     return dvc_main(args)
 
 

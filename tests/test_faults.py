@@ -633,3 +633,25 @@ def test_another_builds_dvc_run_is_announced(tmp_path):
         holder.join(20)
     assert locks.note_dvc_lock(tmp_path, said.append) is False and len(said) == 1
     FAULTS["concurrent builds"] += 1
+
+
+def test_dvc_files_are_written_by_rename_so_a_failed_write_leaves_the_whole_old_one(tmp_path):
+    """dvc.lock is every build's record in a checkout: a DVC process killed while writing it (a sweep's
+    launcher tears all workers down when one dies) must leave the previous file, never a truncated one."""
+    import yaml
+    from dvc.utils.serialize import modify_yaml
+
+    from pipeline.__main__ import atomic_dvc_files
+
+    lock = tmp_path / "dvc.lock"
+    before = "schema: '2.0'\nstages:\n  a:\n    cmd: x\n"
+    lock.write_text(before)
+    atomic_dvc_files()
+    with pytest.raises(Exception):  # ruamel cannot represent an object(): the dump fails part-way
+        with modify_yaml(lock) as data:
+            data["stages"]["b"] = object()
+    assert lock.read_text() == before
+    assert not list(tmp_path.glob(".dvc.lock.tmp-*"))
+    with modify_yaml(lock) as data:  # DVC's own read-modify-write, through the same function
+        data["stages"]["b"] = {"cmd": "y"}
+    assert yaml.safe_load(lock.read_text())["stages"] == {"a": {"cmd": "x"}, "b": {"cmd": "y"}}
