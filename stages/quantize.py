@@ -74,8 +74,8 @@ def _settings(cfg) -> dict:
         "group_fallback": str(q.get("group_fallback", "error")),
         "scale_dtype": str(q.get("scale_dtype", "fp32")),
         "head_group_size": _head_group_size(cfg),
-        "head_bits": _head_bits(cfg),
-        "eight_bit_budget": _eight_bit_budget(cfg),
+        "head_bits": _by_kernel(cfg, "head_bits", HEAD_BITS_ORT, 4),
+        "eight_bit_budget": _by_kernel(cfg, "eight_bit_budget", EIGHT_BIT_BUDGET_ORT, 0.0),
         "sensitivity_windows": int(q.get("sensitivity_windows", 4)),
     }
     if s["method"] not in gptq.METHODS:
@@ -127,22 +127,14 @@ def _head_group_size(cfg) -> int:
     return int(q.get("group_size", 128)) if path in (None, "w4a8_gptq_vllm") else HEAD_GROUP_SIZE
 
 
-def _head_bits(cfg) -> int:
-    """quantize.head_bits, or for null: 8 where the kernel is ORT's MatMulNBits (which takes 8-bit
-    blocks), 4 for every other kernel (tinygemm, vLLM's GPTQ, GGUF Q4_0: 4-bit codes only)."""
-    q = cfg.quantize
-    if q.get("head_bits") is not None:
-        return int(q.head_bits)
-    return HEAD_BITS_ORT if _weight_path(cfg) == "w4_ort_matmulnbits" else 4
-
-
-def _eight_bit_budget(cfg) -> float:
-    """quantize.eight_bit_budget, or for null: EIGHT_BIT_BUDGET_ORT where the kernel is ORT's MatMulNBits
-    (8-bit blocks), 0 for the kernels that take 4-bit codes only."""
-    q = cfg.quantize
-    if q.get("eight_bit_budget") is not None:
-        return float(q.eight_bit_budget)
-    return EIGHT_BIT_BUDGET_ORT if _weight_path(cfg) == "w4_ort_matmulnbits" else 0.0
+def _by_kernel(cfg, key: str, ort, four_bit_only):
+    """quantize.<key>, or for null: `ort` where the kernel is ORT's MatMulNBits (which takes 8-bit
+    blocks), `four_bit_only` for every other kernel (tinygemm, vLLM's GPTQ, GGUF Q4_0: 4-bit codes only).
+    Used for head_bits (8 / 4) and eight_bit_budget (EIGHT_BIT_BUDGET_ORT / 0)."""
+    value = cfg.quantize.get(key)
+    if value is not None:
+        return type(ort)(value)
+    return ort if _weight_path(cfg) == "w4_ort_matmulnbits" else four_bit_only
 
 
 def _layer_group_size(name: str, k: int, s: dict) -> int:
@@ -190,9 +182,9 @@ def _promote(ctx, s, src: Path, cal_dir: Path, layers: dict, tensors: dict, grou
     chosen, the logits' SNR on the calibration windows before and after)."""
     import numpy as np
     import torch
-    from transformers import AutoModelForCausalLM
 
     from pipeline import bit_alloc, gptq
+    from pipeline.decode_graph import load_hf_model
 
     windows = np.load(cal_dir / "token_ids.npy")
     if s["sensitivity_windows"] > len(windows):
@@ -206,7 +198,7 @@ def _promote(ctx, s, src: Path, cal_dir: Path, layers: dict, tensors: dict, grou
         return gptq.dequantize(tensors[f"{name}.qweight"], tensors[f"{name}.scales"], tensors[f"{name}.zeros"],
                                group_sizes[name])
 
-    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    model = load_hf_model(src)  # fp32, eager attention: the parity stage's reference model
     with ctx.progress(len(units), f"8-bit candidates ({windows.size} tokens each)") as bar:
         found = bit_alloc.measure(model, windows, units, list(layers), at_codes, lambda n: weight(n).float(),
                                   on_unit=lambda u: bar.advance())
