@@ -247,10 +247,10 @@ def _check(c: dict, where) -> None:
     q = c["quantize"]
     if q["bits"] != 4:  # pipeline/gptq.py BITS
         raise ConfigError(f"{where('quantize.bits')}: quantize.bits={q['bits']}: only 4-bit is supported")
-    if q["group_size"] not in GROUP_SIZES:
+    if q.get("group_size") is not None and q["group_size"] not in GROUP_SIZES:
         raise ConfigError(
             f"{where('quantize.group_size')}: quantize.group_size={q['group_size']} is not supported: "
-            f"choose one of {', '.join(map(str, GROUP_SIZES))} (what the 4-bit kernels take)"
+            f"choose one of {', '.join(map(str, GROUP_SIZES))} (what the 4-bit kernels take) or null"
         )
     if q.get("head_group_size") is not None and q["head_group_size"] not in GROUP_SIZES:
         raise ConfigError(

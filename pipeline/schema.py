@@ -157,7 +157,13 @@ class QuantizeConfig:
 
     method: str = "gptq"  # gptq | rtn (round-to-nearest baseline, same grid)
     bits: int = 4  # only 4
-    group_size: int = 128  # must divide every in_features unless group_fallback allows otherwise
+    # The body's group size. null: 256 where the device's kernel is ONNX Runtime's
+    # MatMulNBits, the speed path (its int8 kernel works per block: the ~100M
+    # model decoded 1.39-1.48x llama.cpp Q4_K_M at g256 against 1.19-1.36x at
+    # g128; a layer 256 does not divide takes the largest kernel size that
+    # does), 128 for the other kernels. An int must divide every in_features
+    # unless group_fallback allows otherwise.
+    group_size: Optional[int] = None
     sym: bool = True  # zero point pinned at 8 (the W4A8 kernel's); false: min/max zero point 0..15
     scale_search: bool = True  # per-group scale search weighted by diag(H)
     damp: float = 0.01  # GPTQ dampening, fraction of mean(diag(H))
@@ -184,9 +190,10 @@ class QuantizeConfig:
     # Extra bytes for 8-bit decoder linears, as a fraction of their 4-bit code
     # bytes: the units (q/k/v, o, gate/up, down of one layer) whose 4-bit error
     # costs the logits most per byte, measured on calibration windows
-    # (pipeline/bit_alloc.py). null: 0.04 where the kernel is ONNX Runtime's
-    # MatMulNBits (~100M model: 7.6 -> 10.2 dB, layer 0's attention), 0 for the
-    # kernels that take 4-bit codes only. 0 turns it off.
+    # (pipeline/bit_alloc.py). null: 0.1 where the kernel is ONNX Runtime's
+    # MatMulNBits (~100M model at g256, parity stage: 4% (layer 0's attention)
+    # 9.8 dB, 10% 11.4; llama.cpp Q4_K_M 9.7), 0 for the kernels that take
+    # 4-bit codes only. 0 turns it off.
     eight_bit_budget: Optional[float] = None
     # Calibration windows (calibrate.seq_len tokens each) the sensitivities are
     # measured on: one forward pass over them per unit, 4 units a layer (the

@@ -15,8 +15,10 @@ quant_meta read it back):
   run's quant.json stays byte-identical to the ones before the option],
   "layers": {name: {"in_features", "out_features",
   "weight_rel_mse", "out_rel_err_h"}}, "calibration": {"data_sha256", ...}}.
-  A layer quantized under `group_fallback: divisor`, or the head at its own
-  `head_group_size`, also records its own "group_size" (absent otherwise);
+  A layer quantized under `group_fallback: divisor` (or, with `group_size:
+  null`, one whose K the kernel's default size does not divide), or the head
+  at its own `head_group_size`, also records its own "group_size" (absent
+  otherwise);
   the head at 8 bits (`head_bits`) records "bits": 8 (with "head_bits": 8 at
   the top level), its codes 0..255 with the symmetric zero at 128. Decoder
   linears promoted to 8 bits (`eight_bit_budget`, pipeline/bit_alloc.py)
@@ -49,9 +51,15 @@ READS = ("quantize", "device", "priority")
 HEAD = "lm_head"
 HEAD_GROUP_SIZE = 32
 HEAD_BITS_ORT = 8
+# The body's group size where the kernel is ORT's MatMulNBits (the speed path): its int8-activation
+# kernel does work per block, so 256-weight blocks ran its matmuls 1.1-1.2x faster than 128 for 3%
+# fewer bytes, and the ~100M model's decode went from 1.19-1.36x llama.cpp Q4_K_M to 1.39-1.48x (README).
+GROUP_SIZE_ORT = 256
+GROUP_SIZE = 128  # every other kernel (tinygemm, vLLM's GPTQ)
 # extra bytes for 8-bit decoder linears (pipeline/bit_alloc.py), a fraction of the 4-bit code bytes:
-# on the ~100M model 4% holds layer 0's attention, which took the logits from 7.6 to 10.2 dB (README)
-EIGHT_BIT_BUDGET_ORT = 0.04
+# buys back what the coarser groups cost: on the ~100M model at g256, 4% (layer 0's attention) gave
+# 9.8 dB, 10% (and layer 1's q|k|v, layer 0's down, layer 1's o) 11.4; Q4_K_M 9.7 (README)
+EIGHT_BIT_BUDGET_ORT = 0.1
 INPUTS = ("untie_head", "calibrate")
 TOOLCHAIN = ("torch", "transformers", "numpy", "safetensors")
 
@@ -66,7 +74,11 @@ def _settings(cfg) -> dict:
     s = {
         "method": str(q.get("method", "gptq")),
         "bits": int(q.get("bits", 4)),
-        "group_size": int(q.get("group_size", 128)),
+        "group_size": _by_kernel(cfg, "group_size", GROUP_SIZE_ORT, GROUP_SIZE),
+        # null on the MatMulNBits path: 256 is a preference, not the user's pin: a layer it does not
+        # divide takes the largest size the kernel takes that does (_layer_group_size); the other
+        # kernels keep 128 and its error
+        "group_size_by_kernel": q.get("group_size") is None and _weight_path(cfg) == "w4_ort_matmulnbits",
         "sym": bool(q.get("sym", True)),
         "scale_search": bool(q.get("scale_search", True)),
         "damp": float(q.get("damp", 0.01)),
@@ -124,23 +136,34 @@ def _head_group_size(cfg) -> int:
         return int(q.head_group_size)
     # vLLM's GPTQ config has one group_size for every layer, the head included
     path = _weight_path(cfg)
-    return int(q.get("group_size", 128)) if path in (None, "w4a8_gptq_vllm") else HEAD_GROUP_SIZE
+    if path in (None, "w4a8_gptq_vllm"):
+        return _by_kernel(cfg, "group_size", GROUP_SIZE_ORT, GROUP_SIZE)
+    return HEAD_GROUP_SIZE
 
 
-def _by_kernel(cfg, key: str, ort, four_bit_only):
+def _by_kernel(cfg, key: str, ort, others):
     """quantize.<key>, or for null: `ort` where the kernel is ORT's MatMulNBits (which takes 8-bit
-    blocks), `four_bit_only` for every other kernel (tinygemm, vLLM's GPTQ, GGUF Q4_0: 4-bit codes only).
-    Used for head_bits (8 / 4) and eight_bit_budget (EIGHT_BIT_BUDGET_ORT / 0)."""
+    blocks, and is the speed path), `others` for every other kernel (tinygemm, vLLM's GPTQ, GGUF Q4_0:
+    4-bit codes only). Used for head_bits (8 / 4), eight_bit_budget (EIGHT_BIT_BUDGET_ORT / 0) and
+    group_size (GROUP_SIZE_ORT / GROUP_SIZE)."""
     value = cfg.quantize.get(key)
     if value is not None:
         return type(ort)(value)
-    return ort if _weight_path(cfg) == "w4_ort_matmulnbits" else four_bit_only
+    return ort if _weight_path(cfg) == "w4_ort_matmulnbits" else others
 
 
 def _layer_group_size(name: str, k: int, s: dict) -> int:
     g = s["head_group_size"] if name == HEAD else s["group_size"]
     if k % g == 0:
         return g
+    if name != HEAD and s.get("group_size_by_kernel"):
+        from pipeline.config import GROUP_SIZES
+
+        fits = [d for d in GROUP_SIZES if d <= g and k % d == 0]
+        if fits:
+            return max(fits)
+        raise StageError(f"{name}: in_features K={k} is not a multiple of any group size the 4-bit kernels "
+                         f"take ({', '.join(map(str, GROUP_SIZES))})")
     if s["group_fallback"] == "divisor":
         for d in range(min(g, k) - min(g, k) % 32, 0, -32):
             if k % d == 0:

@@ -292,6 +292,58 @@ def test_the_head_gets_its_own_group_size_where_the_kernel_takes_one(device, pri
     assert _quantize_settings(device, priority, head_group_size=head_setting)["head_group_size"] == want
 
 
+@pytest.mark.parametrize("device, priority, setting, want", [
+    ("x86_avx512", "speed", None, 256),     # ORT MatMulNBits, the speed path: fewer blocks, faster kernel
+    ("x86_avx2", "speed", None, 128),       # tinygemm
+    ("xeon_amx", "speed", None, 128),       # vLLM's GPTQ
+    ("xeon_amx", "fidelity", None, 128),    # tinygemm again
+    ("x86_avx512", "speed", 64, 64),        # an explicit size is taken as it is
+])
+def test_the_body_group_size_follows_the_kernel(device, priority, setting, want):
+    s = _quantize_settings(device, priority, group_size=setting)
+    assert s["group_size"] == want
+    # only the MatMulNBits default is a preference that gives way to a K it does not divide
+    assert s["group_size_by_kernel"] is (setting is None and device == "x86_avx512")
+    if device == "xeon_amx" and priority == "speed":  # vLLM: the head shares the body's size
+        assert s["head_group_size"] == want
+
+
+def test_the_kernels_group_size_gives_way_to_a_k_it_does_not_divide():
+    from stages import quantize
+
+    auto = _quantize_settings("x86_avx512", "speed", group_size=None)
+    assert quantize._layer_group_size("model.layers.0.self_attn.q_proj", 896, auto) == 128  # 7 x 128
+    assert quantize._layer_group_size("model.layers.0.mlp.down_proj", 4864, auto) == 256
+    assert quantize._layer_group_size("model.layers.0.mlp.down_proj", 160, auto) == 32
+    with pytest.raises(StageError, match=r"K=40 .*32, 64, 128, 256"):
+        quantize._layer_group_size("model.layers.0.mlp.down_proj", 40, auto)
+    pinned = _quantize_settings("x86_avx512", "speed", group_size=256)  # the user's own size still fails loudly
+    with pytest.raises(StageError, match=r"group_size=256 does not divide in_features K=896"):
+        quantize._layer_group_size("model.layers.0.self_attn.q_proj", 896, pinned)
+
+
+def test_quantize_records_the_layers_the_kernels_size_does_not_divide(tiny_untied, calibrated, tmp_path):
+    from pipeline import devices
+    from stages import quantize
+
+    cal, _ = calibrated
+    out = tmp_path / "q"
+    cfg = {"quantize": {**QCFG, "group_size": None, "eight_bit_budget": 0},
+           "device": devices.spec_sheet("x86_avx512"), "priority": {"name": "speed"}}
+    quantize.run(ctx("quantize", out, cfg, {"untie_head": tiny_untied, "calibrate": cal}))
+    meta = json.loads((out / "quant.json").read_text())
+    assert meta["group_size"] == 256
+    layers = meta["layers"]
+    assert layers["model.layers.0.mlp.down_proj"]["in_features"] == 256
+    assert "group_size" not in layers["model.layers.0.mlp.down_proj"]  # K=256: the kernel's size
+    assert layers["model.layers.0.self_attn.q_proj"]["in_features"] == 128
+    assert layers["model.layers.0.self_attn.q_proj"]["group_size"] == 128  # K=128: the largest that divides
+    loaded = gptq.load_quantized(out)
+    assert tuple(loaded["model.layers.0.mlp.down_proj"][1].shape)[1] == 1
+    assert tuple(loaded["model.layers.0.self_attn.q_proj"][1].shape)[1] == 1
+    assert gptq.layer_group_size(meta, "model.layers.0.self_attn.q_proj") == 128
+
+
 def _quantize_settings(device: str, priority: str, **quantize) -> dict:
     """The quantize stage's settings for QCFG plus `quantize`, built for `device` at `priority`."""
     from pipeline import devices
@@ -337,7 +389,7 @@ def test_an_8_bit_head_is_recorded_and_4_bit_layouts_refuse_it(tiny_untied, cali
 
 
 @pytest.mark.parametrize("device, setting, want", [
-    ("x86_avx512", None, 0.04),   # ORT MatMulNBits takes 8-bit blocks
+    ("x86_avx512", None, 0.1),    # ORT MatMulNBits takes 8-bit blocks
     ("x86_avx2", None, 0.0),      # tinygemm: 4-bit only
     ("xeon_amx", None, 0.0),      # vLLM's GPTQ: 4-bit only
     ("x86_llamacpp", None, 0.0),  # GGUF Q4_0
