@@ -173,8 +173,9 @@ class QuantizeConfig:
     # with fp16 scales (GGUF Q4_0) holds the weights exactly (pipeline/gguf_q4.py).
     scale_dtype: str = "fp32"  # fp32 | fp16
     # error: a group size that does not divide a layer's K fails the build.
-    # divisor: such a layer uses the largest divisor of K below group_size that
-    # is a multiple of 32, recorded as the layer's own group_size in quant.json.
+    # divisor: such a layer uses the largest size the 4-bit kernels take (32,
+    # 64, 128, 256) below group_size that divides K, recorded as the layer's
+    # own group_size in quant.json.
     group_fallback: str = "error"
     # The output head's group size. null: 32 (finer scales where the logits are
     # made: on the embedded model the head at g32 with the body at g128 measured

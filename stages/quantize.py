@@ -153,22 +153,21 @@ def _by_kernel(cfg, key: str, ort, others):
 
 
 def _layer_group_size(name: str, k: int, s: dict) -> int:
+    """The group size of one linear: the configured one where it divides K; else, under
+    group_fallback=divisor or the kernel's own default (group_size: null), the largest size the
+    4-bit kernels take (config.GROUP_SIZES: powers of two, as MatMulNBits requires) below it
+    that divides K; else an error naming the fix."""
+    from pipeline.config import GROUP_SIZES
+
     g = s["head_group_size"] if name == HEAD else s["group_size"]
     if k % g == 0:
         return g
-    if name != HEAD and s.get("group_size_by_kernel"):
-        from pipeline.config import GROUP_SIZES
-
+    if s["group_fallback"] == "divisor" or (name != HEAD and s.get("group_size_by_kernel")):
         fits = [d for d in GROUP_SIZES if d <= g and k % d == 0]
         if fits:
             return max(fits)
-        raise StageError(f"{name}: in_features K={k} is not a multiple of any group size the 4-bit kernels "
-                         f"take ({', '.join(map(str, GROUP_SIZES))})")
-    if s["group_fallback"] == "divisor":
-        for d in range(min(g, k) - min(g, k) % 32, 0, -32):
-            if k % d == 0:
-                return d
-        raise StageError(f"{name}: in_features K={k} has no divisor <= {g} that is a multiple of 32")
+        raise StageError(f"{name}: in_features K={k} is not a multiple of any group size <= {g} the 4-bit "
+                         f"kernels take ({', '.join(map(str, GROUP_SIZES))})")
     raise StageError(
         f"{name}: quantize.{'head_' if name == HEAD else ''}group_size={g} does not divide in_features K={k} "
         f"(choose a group size that divides it, or quantize.group_fallback=divisor)"

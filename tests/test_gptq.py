@@ -117,8 +117,11 @@ def test_group_size_must_divide_k():
     s = {"group_size": 128, "group_fallback": "error"}
     with pytest.raises(StageError, match=r"model\.layers\.0\.mlp\.down_proj.*K=96"):
         quantize._layer_group_size("model.layers.0.mlp.down_proj", 96, s)
-    assert quantize._layer_group_size("x", 96, {**s, "group_fallback": "divisor"}) == 96
+    # divisor: the largest size a kernel takes (a power of two: MatMulNBits refuses 96)
+    assert quantize._layer_group_size("x", 96, {**s, "group_fallback": "divisor"}) == 32
     assert quantize._layer_group_size("x", 320, {**s, "group_fallback": "divisor"}) == 64
+    with pytest.raises(StageError, match=r"K=48 .*<= 128"):
+        quantize._layer_group_size("x", 48, {**s, "group_fallback": "divisor"})
     assert quantize._layer_group_size("x", 256, s) == 128
 
 
@@ -315,7 +318,7 @@ def test_the_kernels_group_size_gives_way_to_a_k_it_does_not_divide():
     assert quantize._layer_group_size("model.layers.0.self_attn.q_proj", 896, auto) == 128  # 7 x 128
     assert quantize._layer_group_size("model.layers.0.mlp.down_proj", 4864, auto) == 256
     assert quantize._layer_group_size("model.layers.0.mlp.down_proj", 160, auto) == 32
-    with pytest.raises(StageError, match=r"K=40 .*32, 64, 128, 256"):
+    with pytest.raises(StageError, match=r"K=40 .*<= 256 .*32, 64, 128, 256"):
         quantize._layer_group_size("model.layers.0.mlp.down_proj", 40, auto)
     pinned = _quantize_settings("x86_avx512", "speed", group_size=256)  # the user's own size still fails loudly
     with pytest.raises(StageError, match=r"group_size=256 does not divide in_features K=896"):
