@@ -52,8 +52,9 @@ HEAD = "lm_head"
 HEAD_GROUP_SIZE = 32
 HEAD_BITS_ORT = 8
 # The body's group size where the kernel is ORT's MatMulNBits (the speed path): its int8-activation
-# kernel does work per block, so 256-weight blocks ran its matmuls 1.1-1.2x faster than 128 for 3%
-# fewer bytes, and the ~100M model's decode went from 1.19-1.36x llama.cpp Q4_K_M to 1.39-1.48x (README).
+# kernel does work per block, so 256-weight blocks ran its matmuls 1.1-1.24x faster than 128 for 3%
+# fewer bytes; the ~100M model's graph decoded 1.13x faster at g256 than at g128 side by side, and
+# 1.39-1.43x llama.cpp Q4_K_M at 32 in stage runs (g128: 1.19-1.36x; README).
 GROUP_SIZE_ORT = 256
 GROUP_SIZE = 128  # every other kernel (tinygemm, vLLM's GPTQ)
 # extra bytes for 8-bit decoder linears (pipeline/bit_alloc.py), a fraction of the 4-bit code bytes:
@@ -71,10 +72,11 @@ def _settings(cfg) -> dict:
     from pipeline import gptq
 
     q = cfg.quantize
+    group_size = _by_kernel(cfg, "group_size", GROUP_SIZE_ORT, GROUP_SIZE)
     s = {
         "method": str(q.get("method", "gptq")),
         "bits": int(q.get("bits", 4)),
-        "group_size": _by_kernel(cfg, "group_size", GROUP_SIZE_ORT, GROUP_SIZE),
+        "group_size": group_size,
         # null on the MatMulNBits path: 256 is a preference, not the user's pin: a layer it does not
         # divide takes the largest size the kernel takes that does (_layer_group_size); the other
         # kernels keep 128 and its error
@@ -85,7 +87,7 @@ def _settings(cfg) -> dict:
         "block_size": int(q.get("block_size", 128)),
         "group_fallback": str(q.get("group_fallback", "error")),
         "scale_dtype": str(q.get("scale_dtype", "fp32")),
-        "head_group_size": _head_group_size(cfg),
+        "head_group_size": _head_group_size(cfg, group_size),
         "head_bits": _by_kernel(cfg, "head_bits", HEAD_BITS_ORT, 4),
         "eight_bit_budget": _by_kernel(cfg, "eight_bit_budget", EIGHT_BIT_BUDGET_ORT, 0.0),
         "sensitivity_windows": int(q.get("sensitivity_windows", 4)),
@@ -129,16 +131,15 @@ def _weight_path(cfg) -> str | None:
         return None
 
 
-def _head_group_size(cfg) -> int:
-    """quantize.head_group_size, or for null: 32 unless the device's weight path needs one group size."""
+def _head_group_size(cfg, group_size: int) -> int:
+    """quantize.head_group_size, or for null: 32 unless the device's weight path needs one group size
+    (then the body's, `group_size`)."""
     q = cfg.quantize
     if q.get("head_group_size") is not None:
         return int(q.head_group_size)
     # vLLM's GPTQ config has one group_size for every layer, the head included
     path = _weight_path(cfg)
-    if path in (None, "w4a8_gptq_vllm"):
-        return _by_kernel(cfg, "group_size", GROUP_SIZE_ORT, GROUP_SIZE)
-    return HEAD_GROUP_SIZE
+    return group_size if path in (None, "w4a8_gptq_vllm") else HEAD_GROUP_SIZE
 
 
 def _by_kernel(cfg, key: str, ort, others):
