@@ -51,6 +51,7 @@ READS = ("quantize", "device", "priority")
 HEAD = "lm_head"
 HEAD_GROUP_SIZE = 32
 HEAD_BITS_ORT = 8
+ORT_PATH = "w4_ort_matmulnbits"  # the weight path whose kernel (MatMulNBits) the *_ORT defaults are for
 # The body's group size where the kernel is ORT's MatMulNBits (the speed path): its int8-activation
 # kernel does work per block, so 256-weight blocks ran its matmuls 1.1-1.24x faster than 128 for 3%
 # fewer bytes; the ~100M model's graph decoded 1.13x faster at g256 than at g128 side by side, and
@@ -72,7 +73,8 @@ def _settings(cfg) -> dict:
     from pipeline import gptq
 
     q = cfg.quantize
-    group_size = _by_kernel(cfg, "group_size", GROUP_SIZE_ORT, GROUP_SIZE)
+    path = _weight_path(cfg)  # resolved once: every null default below depends on it
+    group_size = _by_kernel(q, path, "group_size", GROUP_SIZE_ORT, GROUP_SIZE)
     s = {
         "method": str(q.get("method", "gptq")),
         "bits": int(q.get("bits", 4)),
@@ -80,16 +82,16 @@ def _settings(cfg) -> dict:
         # null on the MatMulNBits path: 256 is a preference, not the user's pin: a layer it does not
         # divide takes the largest size the kernel takes that does (_layer_group_size); the other
         # kernels keep 128 and its error
-        "group_size_by_kernel": q.get("group_size") is None and _weight_path(cfg) == "w4_ort_matmulnbits",
+        "group_size_by_kernel": q.get("group_size") is None and path == ORT_PATH,
         "sym": bool(q.get("sym", True)),
         "scale_search": bool(q.get("scale_search", True)),
         "damp": float(q.get("damp", 0.01)),
         "block_size": int(q.get("block_size", 128)),
         "group_fallback": str(q.get("group_fallback", "error")),
         "scale_dtype": str(q.get("scale_dtype", "fp32")),
-        "head_group_size": _head_group_size(cfg, group_size),
-        "head_bits": _by_kernel(cfg, "head_bits", HEAD_BITS_ORT, 4),
-        "eight_bit_budget": _by_kernel(cfg, "eight_bit_budget", EIGHT_BIT_BUDGET_ORT, 0.0),
+        "head_group_size": _head_group_size(q, path, group_size),
+        "head_bits": _by_kernel(q, path, "head_bits", HEAD_BITS_ORT, 4),
+        "eight_bit_budget": _by_kernel(q, path, "eight_bit_budget", EIGHT_BIT_BUDGET_ORT, 0.0),
         "sensitivity_windows": int(q.get("sensitivity_windows", 4)),
     }
     if s["method"] not in gptq.METHODS:
@@ -131,26 +133,24 @@ def _weight_path(cfg) -> str | None:
         return None
 
 
-def _head_group_size(cfg, group_size: int) -> int:
-    """quantize.head_group_size, or for null: 32 unless the device's weight path needs one group size
+def _head_group_size(q, path: str | None, group_size: int) -> int:
+    """quantize.head_group_size, or for null: 32 unless the weight path `path` needs one group size
     (then the body's, `group_size`)."""
-    q = cfg.quantize
     if q.get("head_group_size") is not None:
         return int(q.head_group_size)
     # vLLM's GPTQ config has one group_size for every layer, the head included
-    path = _weight_path(cfg)
     return group_size if path in (None, "w4a8_gptq_vllm") else HEAD_GROUP_SIZE
 
 
-def _by_kernel(cfg, key: str, ort, others):
-    """quantize.<key>, or for null: `ort` where the kernel is ORT's MatMulNBits (which takes 8-bit
-    blocks, and is the speed path), `others` for every other kernel (tinygemm, vLLM's GPTQ, GGUF Q4_0:
-    4-bit codes only). Used for head_bits (8 / 4), eight_bit_budget (EIGHT_BIT_BUDGET_ORT / 0) and
+def _by_kernel(q, path: str | None, key: str, ort, others):
+    """quantize.<key> (`q`), or for null: `ort` where the weight path `path` is ORT's MatMulNBits
+    (which takes 8-bit blocks, and is the speed path), `others` for every other kernel (tinygemm,
+    vLLM's GPTQ, GGUF Q4_0: 4-bit codes only). Used for head_bits (8 / 4), eight_bit_budget (EIGHT_BIT_BUDGET_ORT / 0) and
     group_size (GROUP_SIZE_ORT / GROUP_SIZE)."""
-    value = cfg.quantize.get(key)
+    value = q.get(key)
     if value is not None:
         return type(ort)(value)
-    return ort if _weight_path(cfg) == "w4_ort_matmulnbits" else others
+    return ort if path == ORT_PATH else others
 
 
 def _layer_group_size(name: str, k: int, s: dict) -> int:
