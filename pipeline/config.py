@@ -68,6 +68,7 @@ QNN_PRECISIONS = ("fp16", "w8a16", "w4a16")
 GROUP_SIZES = (32, 64, 128, 256)
 # What a model's name may be: it names a folder under artifacts/_models/.
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,79}$")
+MODEL_SOURCES = ("embedded", "hf", "gguf")  # stages/model.py SOURCES
 
 
 class ConfigError(Exception):
@@ -122,6 +123,10 @@ def _translate(exc: Exception, overrides: list[str]) -> ConfigError:
         group, name = m.groups()
         options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
         return ConfigError(f"unknown {group} {name!r}: choose one of {', '.join(options)}")
+    m = re.search(r"Missing mandatory value: ([\w.]+)", text)
+    if m:  # a ??? reached through an interpolation (build.name -> model.name -> model.path)
+        key = m.group(1)
+        return ConfigError(f"{_where(key, overrides)}: {key} is required but not set (???): set {key}=...")
     m = re.search(r"full_key: ([\w.\[\]]+)", text)
     full_key = m.group(1) if m else None
     if "not in" in text and full_key:
@@ -203,8 +208,50 @@ def validate(cfg, overrides: list[str] = (), source: str | None = None) -> dict:
         key = missing[0]
         raise ConfigError(f"{where(key)}: {key} is required but not set (???): set {key}=...")
     resolved = OmegaConf.to_container(strict, resolve=True)
+    _check_model(resolved["model"], where)
+    # A registered build file (source given) holds its derived values already, and
+    # was checked against the model when it was registered.
+    facts = _model_defaults(resolved, where, refuse=source is None)
     _check(resolved, where)
+    if facts is not None:
+        _refuse_unexercised(resolved, facts, where)
     return resolved
+
+
+# The settings whose null default follows the model (pipeline/model_facts.py derive()).
+MODEL_DERIVED = ("export.context_length", "parity.decode_tokens", "calibrate.seq_len", "calibrate.samples",
+                 "calibrate.min_samples", "parity.qnn_prompts")
+
+
+def _model_defaults(c: dict, where, refuse: bool):
+    """Fill the null model-derived settings from the checkpoint's facts (returned
+    when `refuse`: the explicit settings are then checked against them)."""
+    from . import model_facts
+
+    unset = [k for k in MODEL_DERIVED if _get(c, k) is None]
+    if not unset and not refuse:
+        return None
+    try:
+        facts = model_facts.of(c["model"])
+    except model_facts.FactsError as e:
+        key = "model.package" if c["model"].get("package") else "model.path"
+        raise ConfigError(f"{where(key)}: {e}") from None
+    derived = model_facts.derive(facts)
+    for key in unset:
+        section, leaf = key.split(".")
+        c[section][leaf] = derived[key]
+    if "calibrate.min_samples" in unset:  # null: every window asked for
+        c["calibrate"]["min_samples"] = c["calibrate"]["samples"]
+    return facts if refuse else None
+
+
+def _refuse_unexercised(c: dict, facts, where) -> None:
+    """An explicit setting that cannot exercise the model fails here, before any stage."""
+    from . import model_facts
+
+    shortest = min((len(p.encode()) + 1 for p in c["parity"]["prompts"]), default=1)
+    for key, reason in model_facts.refusals(facts, c, shortest):
+        raise ConfigError(f"{where(key)}: {reason}")
 
 
 def _first_nan(d, prefix: str = "") -> str | None:
@@ -307,9 +354,15 @@ def _check(c: dict, where) -> None:
             f"{where('parity.min_greedy_match')}: parity.min_greedy_match={p['min_greedy_match']} "
             f"exceeds the {len(p['prompts'])} prompts"
         )
-    m = c["model"]
-    if m["source"] not in ("embedded", "hf"):
-        raise ConfigError(f"{where('model.source')}: model.source must be 'embedded' or 'hf', not {m['source']!r}")
+    if c["priority"]["name"] not in ("speed", "fidelity"):
+        raise ConfigError(f"{where('priority.name')}: priority must be speed or fidelity")
+
+
+def _check_model(m: dict, where) -> None:
+    """The model section, before anything reads the checkpoint's facts."""
+    if m["source"] not in MODEL_SOURCES:
+        raise ConfigError(f"{where('model.source')}: model.source must be one of {', '.join(MODEL_SOURCES)}, "
+                          f"not {m['source']!r}")
     if not MODEL_NAME.fullmatch(str(m["name"])) or ".." in str(m["name"]):
         raise ConfigError(
             f"{where('model.name')}: model.name {m['name']!r} must match {MODEL_NAME.pattern} "
@@ -317,17 +370,31 @@ def _check(c: dict, where) -> None:
         )
     if m["source"] == "hf":
         _check_model_path(m["path"], where)
-    if c["priority"]["name"] not in ("speed", "fidelity"):
-        raise ConfigError(f"{where('priority.name')}: priority must be speed or fidelity")
+    if m["source"] == "gguf":
+        if m.get("package"):
+            from .model_facts import FactsError, package_module
+
+            try:
+                package_module(str(m["package"]))
+            except FactsError as e:
+                raise ConfigError(f"{where('model.package')}: model {m['name']}: {e}") from None
+        else:
+            if m.get("path") is None:
+                raise ConfigError(f"{where('model.path')}: model.path is not set: source=gguf needs a .gguf file "
+                                  f"(model.path=/abs/FILE.gguf) or model.package")
+            _check_model_path(m["path"], where, kind="file")
+    digest = m.get("sha256")
+    if digest is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", str(digest)):
+        raise ConfigError(f"{where('model.sha256')}: model.sha256 must be 64 hex digits (the file's sha256)")
 
 
-def _check_model_path(raw, where) -> None:
+def _check_model_path(raw, where, kind: str = "directory") -> None:
     """An absolute checkpoint directory outside this repository's artifacts/:
     the model stage reads it, and a path into artifacts/ would read (and key
     on) another build's output, or a folder a stage is writing."""
     text = str(raw)
     if not text.strip():
-        raise ConfigError(f"{where('model.path')}: model.path is empty: give the checkpoint's absolute directory")
+        raise ConfigError(f"{where('model.path')}: model.path is empty: give the checkpoint's absolute {kind}")
     if "\x00" in text:
         raise ConfigError(f"{where('model.path')}: model.path contains a NUL byte")
     try:
@@ -335,9 +402,9 @@ def _check_model_path(raw, where) -> None:
     except RuntimeError:  # ~user that does not exist
         raise ConfigError(f"{where('model.path')}: model.path {raw!r}: cannot expand '~'") from None
     if not path.is_absolute():
-        raise ConfigError(f"{where('model.path')}: model.path must be an absolute directory, got {raw!r}")
+        raise ConfigError(f"{where('model.path')}: model.path must be an absolute {kind}, got {raw!r}")
     if ".." in path.parts:
-        raise ConfigError(f"{where('model.path')}: model.path {raw!r} contains '..': give the plain absolute directory")
+        raise ConfigError(f"{where('model.path')}: model.path {raw!r} contains '..': give the plain absolute {kind}")
     artifacts = (ROOT / "artifacts").resolve()
     try:
         real = path.resolve()

@@ -89,8 +89,10 @@ def _stage_entry(stage, build: str, cfg: dict | None, model_ref: str | None = No
         deps.append(host_file(build))
     for name in decl.inputs:
         deps.append(output_dir(name, build, model_section))
-    if decl.name == "model" and cfg and cfg["model"]["source"] == "hf":
-        deps.append(str(cfg["model"]["path"]))  # an external checkpoint: hashed by DVC
+    if decl.name == "model" and cfg and cfg["model"]["source"] in ("hf", "gguf") and cfg["model"].get("path"):
+        # An external checkpoint (folder or GGUF file): hashed by DVC. A model
+        # package's file is pinned by model.sha256 in the params instead.
+        deps.append(str(cfg["model"]["path"]))
     entry = {"cmd": cmd}
     if params:
         entry["params"] = params

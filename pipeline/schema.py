@@ -48,9 +48,18 @@ class DeviceConfig:
 class ModelConfig:
     """Which checkpoint to build. `embedded` is trained by the project itself."""
 
+    # Names its folder under artifacts/_models/ and the build (build.name). The
+    # hf and gguf presets derive it from model.path (model_name_from_path), so two
+    # checkpoints built for one device get two builds, not one overwriting the other.
     name: str = MISSING
-    source: str = MISSING  # embedded | hf
-    path: Optional[str] = MISSING  # local checkpoint directory (source=hf); null for embedded
+    source: str = MISSING  # embedded | hf | gguf
+    # hf: a local checkpoint directory; gguf: a .gguf file; null for embedded
+    # and for a model package.
+    path: Optional[str] = MISSING
+    # gguf: an installed Python package that ships the GGUF file (conf/model/
+    # gemma3_270m.yaml), found by its module; `sha256` pins the assembled file.
+    package: Optional[str] = None
+    sha256: Optional[str] = None
     trust_remote_code: bool = False  # never on unless the user says so
     dtype: str = "float32"
     # Training recipe of the embedded model (ignored for source=hf).
@@ -70,7 +79,9 @@ class ExportConfig:
 
     # KV capacity of full-attention layers, in tokens: the longest context the
     # exported graph serves. Sliding layers hold window-1 entries whatever this is.
-    context_length: int = 256
+    # null: derived from the model (pipeline/model_facts.py: 256, or twice its
+    # largest sliding window rounded up to a power of two, within its positions).
+    context_length: Optional[int] = None
     opset: int = 21  # the notes: opset 21 exports and runs on ORT CPU and QNN
     # A modest mask constant: -1e9 ruins 16-bit activation scales (field notes).
     mask_value: float = -100.0
@@ -92,8 +103,9 @@ class ParityConfig:
 
     prompts: list[str] = field(default_factory=list)
     # Tokens of greedy decode per prompt; must pass the sliding window so the
-    # ring/window path is exercised.
-    decode_tokens: int = 48
+    # ring/window path is exercised. null: the model's largest window + 16
+    # (80 for a model without sliding layers); pipeline/model_facts.py.
+    decode_tokens: Optional[int] = None
     min_logits_snr_db: float = 100.0
     min_top1_agreement: float = 1.0
     min_top5_agreement: float = 1.0
@@ -103,8 +115,9 @@ class ParityConfig:
     # entry cannot pass parity.
     artifact: dict[str, FidelityThresholds] = field(default_factory=dict)
     # Phone builds: the context binaries run on the HTP backend's x86 emulation
-    # (tenths of a second per step), over the first qnn_prompts prompts.
-    qnn_prompts: int = 4
+    # (seconds per step on a real model), over the first qnn_prompts prompts.
+    # null: 4, or 1 where a prompt's run passes 128 steps (a large window).
+    qnn_prompts: Optional[int] = None
 
 
 @dataclass
@@ -144,10 +157,12 @@ class CalibrateConfig:
     """Calibration data for GPTQ: windows of the embedded corpus's held-out split."""
 
     dataset: str = "stdlib_docstrings_heldout"  # the only dataset so far
-    samples: int = 64  # windows of seq_len tokens
-    seq_len: int = 128
-    # Fewer windows than this is a failure, never a silent shortfall.
-    min_samples: int = 64
+    # null: derived from the model (pipeline/model_facts.py): seq_len past its
+    # largest sliding window (at least 128), samples for ~8k tokens (at least 16).
+    samples: Optional[int] = None  # windows of seq_len tokens
+    seq_len: Optional[int] = None
+    # Fewer windows than this is a failure, never a silent shortfall. null: samples.
+    min_samples: Optional[int] = None
     seed: int = 0  # which held-out windows are drawn
 
 
@@ -264,5 +279,23 @@ SCHEMA_NAME = "edgekiln_schema"
 def register() -> None:
     """Register the schema in Hydra's ConfigStore (idempotent)."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
     ConfigStore.instance().store(name=SCHEMA_NAME, node=BuildConfig)
+    if not OmegaConf.has_resolver("model_name_from_path"):
+        OmegaConf.register_new_resolver("model_name_from_path", model_name_from_path)
+
+
+def model_name_from_path(path) -> str:
+    """A checkpoint's model name: its file or folder name, as a build name may
+    spell it, plus 6 hex digits of its absolute path, so that two checkpoints of
+    the same name in different places are different builds too."""
+    import hashlib
+    import re
+    from pathlib import PurePath
+
+    text = str(path)
+    stem = PurePath(text).name
+    stem = stem[: -len(".gguf")] if stem.lower().endswith(".gguf") else stem
+    stem = re.sub(r"[^a-z0-9_.-]+", "-", stem.lower()).strip("-._")[:40] or "model"
+    return f"{stem}-{hashlib.sha256(text.encode()).hexdigest()[:6]}"

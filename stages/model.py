@@ -11,6 +11,10 @@ Two sources (conf/model/<name>.yaml):
 - `hf`: a local checkpoint directory, validated (architecture, safetensors
   only, no custom code unless allowed, every tensor present with the shape its
   config.json implies, not already quantized) and copied.
+- `gguf`: a GGUF file (`model.path`), or the one a model package ships
+  (`model.package`, e.g. conf/model/gemma3_270m.yaml: the package's chunks
+  assembled and checked against `model.sha256`), dequantized to fp32
+  (pipeline/gguf_checkpoint.py) and then validated as an `hf` folder is.
 
 Either way `ctx.out` ends up loadable by `AutoModelForCausalLM.from_pretrained`
 and `AutoTokenizer.from_pretrained`, with weights in `*.safetensors` only.
@@ -26,15 +30,18 @@ import shutil
 import time
 from pathlib import Path
 
-from pipeline import corpus
+from pipeline import corpus, gguf_checkpoint, model_facts
 from pipeline.context import StageError
+from pipeline.manifest import sha256_file
 
 READS = ("model",)
 INPUTS = ()
-TOOLCHAIN = ("torch", "transformers", "sentencepiece", "safetensors", "tokenizers")
+TOOLCHAIN = ("torch", "transformers", "sentencepiece", "safetensors", "tokenizers", "gguf", "accelerate")
+MEMORY_KEYS = ("model.dtype", "model.train.batch_size", "model.train.seq_len")  # the settings that size its memory (named when the kernel kills it)
 # One model stage per distinct `model` section, shared by every build of it.
 SCOPE = "model"
 
+SOURCES = ("embedded", "hf", "gguf")
 # Families whose decode step, KV layout and 4-bit paths the later stages know.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
 
@@ -77,8 +84,8 @@ _TOKENIZER_FILES = (
 
 def run(ctx) -> dict:
     source = ctx.cfg.model.source
-    if source not in ("embedded", "hf"):
-        raise StageError(f"model.source={source!r} is not known; use 'embedded' or 'hf'")
+    if source not in SOURCES:
+        raise StageError(f"model.source={source!r} is not known; use one of {', '.join(SOURCES)}")
     from transformers.utils import logging as hf_logging
 
     # transformers' own tqdm bars (shard writing, weight loading) would
@@ -86,7 +93,7 @@ def run(ctx) -> dict:
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        return _run_embedded(ctx) if source == "embedded" else _run_hf(ctx)
+        return {"embedded": _run_embedded, "hf": _run_hf, "gguf": _run_gguf}[source](ctx)
     finally:
         if bars:
             hf_logging.enable_progress_bar()
@@ -632,3 +639,75 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         os.link(src, dst)
     except OSError:
         shutil.copy2(src, dst)
+
+
+# --------------------------------------------------------------------------
+# source: gguf
+# --------------------------------------------------------------------------
+
+
+def _run_gguf(ctx) -> dict:
+    import tempfile
+
+    m = ctx.cfg.model
+    out = Path(ctx.out)
+    want = str(m.get("sha256") or "").lower() or None
+    # The assembled file is a build intermediate: beside the output, on its filesystem, removed after.
+    with tempfile.TemporaryDirectory(prefix=".gguf-", dir=out.parent) as work:
+        if m.get("package"):
+            try:
+                module = model_facts.package_module(str(m.package))
+            except model_facts.FactsError as e:
+                raise StageError(str(e)) from None
+            t0 = time.perf_counter()
+            with ctx.progress(None, f"assembling {m.package}'s chunks"):
+                try:
+                    gguf_file = Path(module.assemble(Path(work) / module.MODEL_NAME))
+                except (OSError, ValueError) as e:
+                    raise StageError(f"model package {m.package}: its chunks do not assemble: {e}") from None
+            ctx.log(f"{m.package}: {gguf_file.name}, {gguf_file.stat().st_size / 1e6:.0f} MB "
+                    f"in {time.perf_counter() - t0:.1f} s")
+        else:
+            if not m.get("path"):
+                raise StageError("model.path is not set: source=gguf needs a GGUF file (model.path=/abs/FILE.gguf) "
+                                 "or model.package")
+            gguf_file = Path(str(m.path)).expanduser()
+            if not gguf_file.is_file():
+                raise StageError(f"model.path {gguf_file} is not a file (point it at the .gguf file)")
+        digest, size = sha256_file(gguf_file), gguf_file.stat().st_size
+        if want and digest != want:
+            raise StageError(f"{gguf_file.name}: sha256 {digest[:12]}... is not model.sha256 {want[:12]}...: "
+                             f"a different or damaged file")
+        t0 = time.perf_counter()
+        with ctx.progress(None, f"dequantizing {gguf_file.name} to fp32"):
+            try:
+                facts = gguf_checkpoint.dequantize(gguf_file, out)
+            except (gguf_checkpoint.GgufError, model_facts.FactsError) as e:
+                raise StageError(str(e)) from None
+        seconds = time.perf_counter() - t0
+    # The written folder must pass exactly what a user's own checkpoint folder must.
+    shapes = _safetensors_shapes(out, _weight_files(out))
+    config, n_params = _check_tensors(out, shapes, False)
+    _check_tokenizer(out, config, False)
+    _check_bos(out, config, facts["add_bos_token"])
+    arch = config.architectures[0]
+    ctx.log(f"{arch} from {gguf_file.name} ({facts['gguf_name']}): {n_params:,} parameters, "
+            f"dequantized in {seconds:.0f} s; BOS {'added' if facts['add_bos_token'] else 'not used'}")
+    return {
+        "metrics": {"parameters": n_params},
+        "model": _model_facts(config, n_params),
+        "gguf": {**facts, "sha256": digest, "bytes": size},
+    }
+
+
+def _check_bos(out: Path, config, add_bos: bool) -> None:
+    """The tokenizer adds BOS exactly when the GGUF says so (Gemma without it generates garbage)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = tok("The", add_special_tokens=True)["input_ids"]
+    bos = getattr(config, "bos_token_id", None)
+    if add_bos and (bos is None or not ids or ids[0] != bos):
+        raise StageError(f"the converted tokenizer does not add BOS ({bos}) though the GGUF says "
+                         f"tokenizer.ggml.add_bos_token=true")
+
