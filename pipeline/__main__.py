@@ -177,7 +177,8 @@ def build(name: str, model: dict, say) -> int:
 
 
 def summary(name: str) -> None:
-    """The build's parity and speed, read back from its artifacts' manifests."""
+    """The build's parity and speed, read back from its artifacts' manifests,
+    then each stage's cost as its manifest recorded it."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -198,6 +199,38 @@ def summary(name: str) -> None:
         for k, v in (result.get("summary") or result.get("metrics") or {}).items():
             table.add_row(stage, escape(k), escape(f"{v:.4g}" if isinstance(v, float) else str(v)))
     console.print(table)
+
+    import yaml
+
+    from .layout import params_file
+
+    try:  # the shared model's folder is named by the build's model section
+        model = (yaml.safe_load((ROOT / params_file(name)).read_text()) or {}).get("model")
+    except (OSError, yaml.YAMLError):
+        model = None
+    # When each stage last ran, not this build: one DVC restored or found up to
+    # date shows the run that made its output (which it was is not known here).
+    cost = Table(title=f"build {name}: each stage's cost, as recorded when it ran", show_lines=False)
+    cost.add_column("stage")
+    cost.add_column("ran at")
+    cost.add_column("seconds", justify="right")
+    cost.add_column("peak resident", justify="right")
+    cost.add_column("largest subprocess", justify="right")  # "-": none, or not recorded
+    mib = lambda b: f"{b / 2**20:,.0f} MiB" if isinstance(b, (int, float)) else "-"  # noqa: E731
+    for stage in STAGES:
+        if declaration(stage).scope == "model" and not model:
+            continue
+        try:
+            mf = ROOT / output_dir(stage, name, model) / "manifest.json"
+            t = json.loads(mf.read_text()).get("timings") or {}
+        except (OSError, ValueError, KeyError):
+            continue  # not built (yet), or unreadable: verify says which when a stage reads it
+        secs = t.get("seconds")
+        cost.add_row(stage, escape(str(t.get("started", "-"))),
+                     f"{secs:,.1f}" if isinstance(secs, (int, float)) else "-",
+                     mib(t.get("peak_rss_bytes")), mib(t.get("peak_rss_children_bytes") or None))
+    if cost.row_count:
+        console.print(cost)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,12 @@ the content hashes of its inputs) and what is in it (every file's sha256 and
 size). A stage reads an input only after `verify` has re-hashed every file
 against the input's manifest: a modified, truncated, missing or extra file is
 refused by name before anything uses it.
+
+`timings` is what the run cost, never part of either hash (the content hash
+covers the files, the config hash the key): {"started", "seconds",
+"cpu_seconds", "peak_rss_bytes", "peak_rss_children_bytes"} (the kernel's
+peak of the stage's process and the largest of its subprocesses' peaks:
+pipeline/run_stage.py `_cost`). Older manifests have only the first two.
 """
 
 from __future__ import annotations

@@ -8,6 +8,14 @@ artifact against its manifest first, writes into a temporary sibling folder
 and renames it into place only on success, with the manifest. A failed or
 killed stage leaves nothing where a reader looks, and DVC never records a
 failed stage, so a failure is never cached as a result.
+
+The stage's work runs in a child process (this module re-executed with
+`--supervised-by=PID`) that the command's own process supervises: it samples
+the child's process tree's resident memory, forwards SIGINT/SIGTERM/SIGHUP,
+and, when the kernel kills the child (SIGKILL: out of memory, most likely),
+ends with one line naming the stage, the memory it had reached and the
+settings that bound it, where DVC alone says only "exited with -9". Every
+manifest records the stage's cost in `timings` (see `_cost`).
 """
 
 from __future__ import annotations
@@ -15,7 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
+import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -152,7 +163,7 @@ def run(stage: str, build: str | None = None, model: str | None = None) -> Path:
             build=ctx.build,
             key=key,
             result=result,
-            timings={"started": started, "seconds": round(time.perf_counter() - t0, 3)},
+            timings={"started": started, "seconds": round(time.perf_counter() - t0, 3), **_cost()},
         )
         old = final.parent / f".{final.name}.old-{os.getpid()}"
         if final.exists():
@@ -174,6 +185,30 @@ def run(stage: str, build: str | None = None, model: str | None = None) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _maxrss_bytes(ru) -> int:
+    return ru.ru_maxrss if sys.platform == "darwin" else ru.ru_maxrss * 1024  # KiB on Linux
+
+
+def _cost() -> dict:
+    """The stage process's cost so far, for the manifest's `timings` (never hashed:
+    the content hash covers the files, the config hash the key).
+
+    The kernel's own high-water marks (getrusage), not the supervisor's 0.2 s
+    samples, which can miss a short spike: peak_rss_bytes is this process's peak
+    resident set; peak_rss_children_bytes is the largest peak of any one of the
+    subprocesses it waited for (llama.cpp's converter, onnxruntime-genai's
+    builder...): the kernel keeps their max, not their sum, so two that ran at
+    once may together have held more. cpu_seconds is user + system time, both.
+    """
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {
+        "peak_rss_bytes": _maxrss_bytes(me),
+        "peak_rss_children_bytes": _maxrss_bytes(kids),
+        "cpu_seconds": round(me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime, 3),
+    }
 
 
 def _toolchain_line(err: ImportError) -> str | None:
@@ -249,8 +284,7 @@ def _quiet_libraries() -> None:
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
 
 
-def main(argv: list[str] | None = None) -> int:
-    _quiet_libraries()
+def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, str]:
     parser = argparse.ArgumentParser(
         prog="python -m pipeline.run_stage",
         description="Run one stage of one build (what dvc.yaml's commands call).",
@@ -260,7 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--build", help="a registered build (builds/NAME.yaml) or 'exp' (params.yaml)")
     group.add_argument("--model", help="a model id (builds/_models/ID.yaml)")
     args = parser.parse_args(argv)
-    label = f"{args.stage} [{args.build or args.model or 'host'}]"
+    return args, f"{args.stage} [{args.build or args.model or 'host'}]"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the stage in this process (what the supervised child does)."""
+    _quiet_libraries()
+    args, label = _parse(argv)
     try:
         scope = declaration(args.stage).scope
         if scope == "build" and not args.build:
@@ -293,5 +333,265 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------
+# Supervision: the stage runs in a child; this process watches its memory
+
+CHILD_FLAG = "--supervised-by"
+SAMPLE_SECONDS = 0.2
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_PR_SET_PDEATHSIG = 1
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of `pid`: the kernel's list where it keeps one, else a scan of /proc."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    found, listed = [], False
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                found += [int(c) for c in f.read().split()]
+            listed = True
+        except (OSError, ValueError):
+            break
+    if listed:
+        return found
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # The name field (in parentheses) may hold spaces: the ppid is the 2nd field after it.
+        if int(stat.rpartition(")")[2].split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def _tree_rss(root: int) -> int:
+    """Resident bytes of `root` and its descendants now (0 where /proc is absent)."""
+    total, todo, seen = 0, [root], set()
+    page = os.sysconf("SC_PAGE_SIZE")
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                total += int(f.read().split()[1]) * page
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        todo += _children(pid)
+    return total
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def _memory_limit() -> str:
+    """'this host has 24 GiB' (and the cgroup's limit where one is below it)."""
+    total = 0
+    try:
+        with open("/proc/meminfo") as f:
+            total = next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemTotal:"))
+    except (OSError, StopIteration, ValueError):
+        pass
+    limits = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                path = path.lstrip("/")
+                if controllers == "":
+                    limits += [f"/sys/fs/cgroup/{path}/memory.max", "/sys/fs/cgroup/memory.max"]
+                elif "memory" in controllers.split(","):
+                    limits += [f"/sys/fs/cgroup/memory/{path}/memory.limit_in_bytes",
+                               "/sys/fs/cgroup/memory/memory.limit_in_bytes"]
+    except (OSError, ValueError):
+        pass
+    cap = None
+    for p in limits:
+        try:
+            v = int(Path(p).read_text().strip())
+        except (OSError, ValueError):  # absent, or "max"
+            continue
+        if (not total or v < total) and (cap is None or v < cap):
+            cap = v
+    host = f"this host has {_size(total)}" if total else "this host's memory is unknown"
+    return host + (f", its cgroup may use {_size(cap)}" if cap else "")
+
+
+def _setting(params: dict, dotted: str):
+    node = params
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise KeyError(dotted)
+        node = node[part]
+    return node
+
+
+def _params_seen(stage: str, build: str | None, model: str | None) -> tuple[dict, dict | None]:
+    """stage_params, or, where the probe's facts cannot be read, the build's config
+    itself: MEMORY_KEYS name plain sections, which the stage sees whole."""
+    try:
+        return stage_params(stage, build, model)
+    except Exception:  # noqa: BLE001
+        if build is None:
+            raise
+        full = load_build_file(ROOT / params_file(build))
+        return full, full["model"]
+
+
+def _bound_by(stage: str, build: str | None, model: str | None) -> str:
+    """What sizes the stage: its MEMORY_KEYS settings as the stage saw them, and
+    the model's parameter count where its manifest has it. Best effort: this runs
+    after a kill, and a config it cannot read only shortens the line."""
+    try:
+        keys = tuple(getattr(declaration(stage).module, "MEMORY_KEYS", ()))
+        params, model_section = _params_seen(stage, build, model)
+    except Exception:  # noqa: BLE001 - the child reported, or will report, a broken config
+        return ""
+    shown = []
+    for key in keys:
+        try:
+            value = _setting(params, key)
+        except KeyError:
+            continue
+        shown.append(f"{key}={value if isinstance(value, str) else json.dumps(value)}")
+    size = ""
+    if model_section is not None and stage != "model":
+        try:
+            folder = ROOT / output_dir("model", build, model_section)
+            n = json.loads((folder / manifest.NAME).read_text())["result"]["model"]["parameters"]
+            size = f"the model's {int(n) / 1e6:.1f}M parameters"
+        except Exception:  # noqa: BLE001 - not built yet, or an older manifest
+            pass
+    if not shown and not size:
+        return ""
+    return "; its size is bound by " + " and ".join(filter(None, [", ".join(shown), size])) + ": lower them"
+
+
+def _remove_child_leftovers(stage: str, build: str | None, model: str | None, pid: int) -> None:
+    """What a killed child left: its temp folder goes; a previous output it had
+    moved aside and not yet replaced goes back (whole, under its own manifest)."""
+    try:
+        _, model_section = _params_seen(stage, build, model)
+        final = ROOT / output_dir(stage, build, model_section)
+    except Exception:  # noqa: BLE001 - the next run's _remove_stale cleans up instead
+        return
+    old = final.parent / f".{final.name}.old-{pid}"
+    if old.exists() and not final.exists():
+        try:
+            os.rename(old, final)
+        except OSError:
+            pass
+    for left in (final.parent / f".{final.name}.tmp-{pid}", old):
+        shutil.rmtree(left, ignore_errors=True)
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+def supervise(argv: list[str] | None = None, child: list[str] | None = None) -> int:
+    """Run the stage in a child process (`child`, default this module) and watch it.
+
+    A subprocess re-exec, not a fork: the child starts clean of this process's
+    state, and forking after torch or onnxruntime have started threads is not
+    safe. The child has its own process group, so a terminal's Ctrl-C reaches it
+    once, forwarded from here, not twice; it dies with this process (PDEATHSIG),
+    so killing the command never leaves a stage running. Exit codes pass through;
+    a child killed by a signal is reported here in one line.
+    """
+    args, label = _parse(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = [*(child or [sys.executable, "-m", "pipeline.run_stage"]), f"{CHILD_FLAG}={os.getpid()}", *argv]
+    proc = subprocess.Popen(cmd, process_group=0)
+    forwarded: list[int] = []
+
+    def forward(sig, _frame):
+        forwarded.append(sig)
+        try:
+            os.kill(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    before = {s: signal.signal(s, forward) for s in FORWARDED}
+    try:
+        try:
+            watch = os.pidfd_open(proc.pid)  # wakes the moment the child exits
+        except (AttributeError, OSError):
+            watch = None
+        sampled = 0
+        try:
+            while True:
+                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                if pid:
+                    break
+                sampled = max(sampled, _tree_rss(proc.pid))
+                if watch is not None:
+                    import select
+
+                    select.select([watch], [], [], SAMPLE_SECONDS)
+                else:
+                    time.sleep(SAMPLE_SECONDS)
+        finally:
+            if watch is not None:
+                os.close(watch)
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    rc = proc.returncode = os.waitstatus_to_exitcode(status)
+    if rc >= 0:
+        return rc
+    sig = -rc
+    _remove_child_leftovers(args.stage, args.build, args.model, proc.pid)
+    # The kernel's peak of the child (and its waited-for subprocesses) is exact,
+    # but can come out low once the OOM reaper has freed pages; the samples see
+    # the whole tree at once but can miss a spike: the larger is the better figure.
+    reached = _size(max(sampled, _maxrss_bytes(usage)))
+    if sig == signal.SIGKILL:
+        print(f"error: {label}: killed by the kernel (SIGKILL, most likely out of memory) at {reached} "
+              f"resident ({_memory_limit()}){_bound_by(args.stage, args.build, args.model)}", file=sys.stderr)
+        return 1
+    if sig in forwarded:
+        print(f"error: {label}: stopped by {_signal_name(sig)}; nothing was written", file=sys.stderr)
+        return 128 + sig
+    print(f"error: {label}: the stage's process died of {_signal_name(sig)} at {reached} resident "
+          f"(a crash in native code: torch, onnxruntime or a converter); nothing was written", file=sys.stderr)
+    return 1
+
+
+def _as_child(parent: int, argv: list[str]) -> int:
+    """The supervised child: die with the supervisor, then run the stage here."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: an orphan runs on, as before supervision
+        pass
+    if os.getppid() != parent:  # the supervisor died before prctl took effect
+        return 1
+    return main(argv)
+
+
+def entry(argv: list[str] | None = None) -> int:
+    """The command line: supervise, or (with the internal flag) be the child."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0].startswith(f"{CHILD_FLAG}="):
+        return _as_child(int(argv[0].partition("=")[2]), argv[1:])
+    return supervise(argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

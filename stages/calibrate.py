@@ -39,6 +39,7 @@ from pipeline.context import StageError
 READS = ("calibrate",)
 INPUTS = ("untie_head",)
 TOOLCHAIN = ("torch", "transformers", "numpy", "safetensors")
+MEMORY_KEYS = ("calibrate.samples", "calibrate.seq_len")  # the settings that size its memory (named when the kernel kills it)
 
 DATASETS = ("stdlib_docstrings_heldout",)
 HEAD = "lm_head"

@@ -41,6 +41,7 @@ import yaml
 READS = ("device", "export", "host")
 INPUTS = ("untie_head", "pack", "compile_qnn")
 TOOLCHAIN = ("pyyaml", "onnxruntime")
+MEMORY_KEYS = ("export.context_length",)  # the settings that size its memory (named when the kernel kills it)
 SWEEP_PROMPT, SWEEP_DECODE, SWEEP_ROUNDS = 32, 48, 5
 # MatMulNBits accuracy levels measured beside the deployed one: 1 (fp32 math; 2
 # and 3 fall back to it on CPUs without fp16/bf16 arithmetic) and 4 (int8).

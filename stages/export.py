@@ -14,6 +14,7 @@ from pipeline.context import StageContext, StageError
 READS = ("export",)
 INPUTS = ("untie_head",)
 TOOLCHAIN = ("torch", "transformers", "onnx", "onnxscript", "onnxruntime")
+MEMORY_KEYS = ("export.context_length",)  # the settings that size its memory (named when the kernel kills it)
 
 MIN_OPSET = 18  # the dynamo exporter's floor
 

@@ -51,6 +51,7 @@ from pipeline.context import StageContext, StageError
 READS = ("pack", "device", "priority")
 INPUTS = ("untie_head", "calibrate", "quantize", "export")
 TOOLCHAIN = ("torch", "onnx", "onnxruntime", "safetensors", "numpy", "gguf", "llama.cpp-converter")
+MEMORY_KEYS = ("pack.qnn_calibration_sequences",)  # the settings that size its memory (named when the kernel kills it)
 
 GPTQ_DIR = "gptq"
 GPTQ_GROUP_SIZES = (32, 64, 128)  # vLLM's gptq_marlin/CPU check (-1 aside)

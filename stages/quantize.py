@@ -64,6 +64,7 @@ GROUP_SIZE = 128  # every other kernel (tinygemm, vLLM's GPTQ)
 EIGHT_BIT_BUDGET_ORT = 0.1
 INPUTS = ("untie_head", "calibrate")
 TOOLCHAIN = ("torch", "transformers", "numpy", "safetensors")
+MEMORY_KEYS = ("quantize.sensitivity_windows",)  # the settings that size its memory (named when the kernel kills it)
 
 FALLBACKS = ("error", "divisor")
 _QUANTIZED_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "zeros")

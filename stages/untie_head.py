@@ -19,6 +19,7 @@ import shutil
 READS = ("model",)
 INPUTS = ("model",)
 TOOLCHAIN = ("safetensors", "torch")
+MEMORY_KEYS = ("model.dtype",)  # the settings that size its memory (named when the kernel kills it)
 
 HEAD = "lm_head.weight"
 HEAD_SHARD = "model-lm_head.safetensors"

@@ -36,6 +36,7 @@ READS = ("parity", "export")
 INPUTS = ("untie_head", "export", "pack", "compile_qnn")
 TOOLCHAIN = ("torch", "transformers", "onnxruntime", "numpy", "onnxruntime-qnn", "qnn-sdk", "gguf",
              "llama-cpp-python", "onnxruntime-genai")
+MEMORY_KEYS = ("export.context_length", "parity.decode_tokens")  # the settings that size its memory (named when the kernel kills it)
 THREADS = 2  # onnxruntime intra-op threads
 # The eager reference runs one torch thread: its ops are microseconds, and on a
 # shared 2-core host two OpenMP threads spent ~8 ms per tiny op in barriers
