@@ -3,13 +3,25 @@
 Per prompt (tokenized with the checkpoint's tokenizer, BOS prepended when the
 model uses one):
 
-1. The reference (TorchReference: eager HF fp32 with its own cache) decodes the
-   prompt and `parity.decode_tokens` greedy tokens (teacher sequence).
-2. The ONNX decoder (OnnxDecoder) is fed the SAME sequence (prompt + the
-   reference's continuation); logits are compared at every step, i.e. after
+1. The reference (TorchReference: eager HF fp32 with its own cache) takes the
+   prompt in one forward and decodes `parity.decode_tokens` greedy tokens one
+   cached step at a time (teacher sequence). It keeps each fed token's final
+   hidden state, not its logits (decode_graph.ReferenceRun).
+2. Every decoder (the fp32 ONNX graph, the packed artifact, the peers, the
+   context binaries) is fed the SAME sequence (prompt + the reference's
+   continuation), i.e. teacher-forced; logits are compared at every step, after
    every fed token: len(prompt) + decode_tokens steps per prompt.
-3. The ONNX decoder runs its own free greedy decode of decode_tokens tokens;
-   the prompt counts toward greedy_match when it equals the reference's.
+3. The greedy outcome is read off that fed run (_compare): a decoder's free
+   greedy continuation equals the reference's exactly when its argmax is the
+   reference's next token at every decode step; the prompt then counts toward
+   greedy_match.
+
+Memory and time are bounded by streaming: the steps are compared CHUNK at a
+time, the reference's rows recomputed from its hidden states for each chunk,
+and every figure kept as a running sum (or a per-step float), so no more than
+CHUNK steps' full-vocabulary logits exist at once (Gemma 3 270M, vocabulary
+262,144 x 12 prompts x ~530 steps, held every step's logits as float64 and was
+killed at 24 GB). report.json's "seconds" says how long each part took.
 
 Figures:
 - logits_snr_db: 10*log10(sum ref^2 / sum (ref-onnx)^2) over all steps of all
@@ -28,6 +40,8 @@ from __future__ import annotations
 
 import json
 import math
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from pipeline.context import StageContext, StageError
@@ -42,6 +56,12 @@ THREADS = 2  # onnxruntime intra-op threads
 # shared 2-core host two OpenMP threads spent ~8 ms per tiny op in barriers
 # (measured: 115 ms/step at 2 threads vs ~5 ms at 1 on the embedded model).
 REF_THREADS = 1
+# Steps whose full-vocabulary logits are held at once, a side (float64): memory is
+# O(CHUNK x vocab) whatever the step count (Gemma 3: 16 x 262,144 x 8 B = 32 MiB a side,
+# a few times that with the softmax temporaries), and each chunk's reference rows are one
+# [CHUNK, hidden] x [hidden, vocab] product, the head's weights read once per chunk
+# rather than once per step.
+CHUNK = 16
 
 
 def _prompt_ids(tokenizer, text: str, bos_id, model_type: str) -> list[int]:
@@ -71,109 +91,172 @@ def _finite_metrics(metrics: dict) -> dict:
     return {k: _finite(v) if isinstance(v, float) else v for k, v in metrics.items()}
 
 
-def _kl(r, o):
-    """Mean KL(ref || test) in nats over steps, from logits."""
-    import numpy as np
-
-    lr = r - r.max(-1, keepdims=True)
-    lo = o - o.max(-1, keepdims=True)
-    lr = lr - np.log(np.exp(lr).sum(-1, keepdims=True))
-    lo = lo - np.log(np.exp(lo).sum(-1, keepdims=True))
-    return float(np.mean(np.sum(np.exp(lr) * (lr - lo), axis=-1)))
+@contextmanager
+def _timed(seconds: dict | None, key: str):
+    """Wall seconds of the block, into seconds[key] (report.json's "seconds")."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        if seconds is not None:
+            seconds[key] = round(time.perf_counter() - t0, 2)
 
 
 def _teacher(ref, encoded, decode_tokens, ctx):
-    """The reference's greedy continuation of each prompt and its logits at every step."""
+    """The reference's greedy run of each prompt (decode_graph.ReferenceRun: the continuation
+    and each step's final hidden state; _compare recomputes the logits as it compares)."""
+    total = sum(len(ids) + decode_tokens for ids in encoded)
+    with ctx.progress(total, "parity: eager fp32 reference") as bar:
+        return [ref.greedy_run(ids, decode_tokens, progress=bar.advance) for ids in encoded]
+
+
+def _step_snr(sig, err) -> float:
+    """decode_graph.snr_db from its two sums."""
+    if err == 0.0:
+        return math.inf
+    return 10.0 * math.log10(sig / err) if sig > 0 else -math.inf
+
+
+def _log_softmax(x):
+    """(log-softmax, softmax) of rows of logits."""
     import numpy as np
 
-    out = []
-    with ctx.progress(len(encoded), "parity: eager fp32 reference") as bar:
-        for ids in encoded:
-            ref.reset()
-            r_logits = [ref.step(t) for t in ids]
-            cont = []
-            for _ in range(decode_tokens):
-                tok = int(np.argmax(r_logits[-1]))
-                cont.append(tok)
-                r_logits.append(ref.step(tok))
-            out.append((np.stack(r_logits).astype(np.float64), cont))
-            bar.advance()
-    return out
+    x = x - x.max(-1, keepdims=True)
+    p = np.exp(x)
+    total = p.sum(-1, keepdims=True)
+    x -= np.log(total)
+    p /= total
+    return x, p
 
 
-def _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, what: str, free_decode: bool = True):
-    """Feed `dec` the reference's greedy sequence, compare logits at every step,
-    then let `dec` decode freely and count identical greedy continuations.
-
-    free_decode=False reads the greedy outcome off the fed run instead: a
-    deterministic decoder's free continuation equals the reference's exactly
-    when, at every decode step, its argmax is the reference's next token (by
-    induction its inputs are then the fed ones), so the first step where they
-    differ is the free decode's first divergence. Used where steps are dear
-    (the HTP emulation), it halves the steps and changes no figure."""
+def _rows(r, o) -> dict:
+    """Per-step figures of a chunk of steps (rows of float64 logits, reference and test).
+    Each step's figures are those of the old whole-run formulas on its row; the in-place
+    steps keep the temporaries to a few chunk-sized arrays."""
     import numpy as np
 
-    from pipeline.decode_graph import snr_db
+    d = r - o
+    err = np.einsum("ij,ij->i", d, d)
+    del d
+    t5r = np.argpartition(-r, 5, axis=-1)[:, :5]
+    t5o = np.argpartition(-o, 5, axis=-1)[:, :5]
+    top_r, top_o = r.argmax(-1), o.argmax(-1)
+    lr, pr = _log_softmax(r)
+    lo, _ = _log_softmax(o)
+    lr -= lo
+    del lo
+    lr *= pr  # KL(ref || test) terms, nats
+    return {
+        "sig": np.einsum("ij,ij->i", r, r),
+        "err": err,
+        "argmax": top_o,
+        "top1": top_r == top_o,
+        # The five indices of a row are distinct: matches counted pairwise are |set & set|.
+        "overlap": (t5r[:, :, None] == t5o[:, None, :]).any(-1).sum(-1),
+        "kl": lr.sum(-1),
+    }
 
+
+class _Sums:
+    """Running sums of the figures over steps: one prompt's, or every prompt's."""
+
+    def __init__(self):
+        self.steps = 0
+        self.sig = self.err = self.kl = 0.0
+        self.top1 = self.top5 = self.overlap = 0
+
+    def add(self, rows: dict) -> None:
+        self.steps += len(rows["sig"])
+        self.sig += float(rows["sig"].sum())
+        self.err += float(rows["err"].sum())
+        self.kl += float(rows["kl"].sum())
+        self.top1 += int(rows["top1"].sum())
+        self.top5 += int((rows["overlap"] == 5).sum())
+        self.overlap += int(rows["overlap"].sum())
+
+    def merge(self, other: "_Sums") -> None:
+        for k in ("steps", "sig", "err", "kl", "top1", "top5", "overlap"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
+    def snr_db(self) -> float:
+        return _step_snr(self.sig, self.err)
+
+
+def _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, what: str, free_decode: bool = False):
+    """Feed `dec` the reference's greedy sequence and compare logits at every step,
+    CHUNK steps at a time (the figures kept as running sums: see the module docstring).
+
+    The greedy outcome is read off the fed run: a deterministic decoder's free
+    continuation equals the reference's exactly when, at every decode step, its
+    argmax is the reference's next token (by induction its inputs are then the
+    fed ones), so the first step where they differ is the free decode's first
+    divergence. That holds for every decoder here (each steps one token at a
+    time, as its own generate_greedy does) and halves the steps; free_decode=True
+    still runs `dec`'s own greedy loop after the fed run."""
+    import numpy as np
+
+    total = _Sums()
     per_prompt = []
-    all_ref, all_onnx = [], []
-    with ctx.progress(len(prompts), f"parity: {what}") as bar:
-        for text, ids, (r, cont) in zip(prompts, encoded, teacher):
+    n_steps = sum(len(ids) + decode_tokens for ids in encoded)
+    with ctx.progress(n_steps, f"parity: {what}") as bar:
+        for text, ids, run in zip(prompts, encoded, teacher):
+            cont = run.continuation
+            seq = list(ids) + list(cont)
+            if run.steps != len(seq):
+                raise StageError(f"parity: the reference run has {run.steps} steps, the prompt {len(seq)}")
             dec.reset()
-            o = np.stack([dec.step(t) for t in ids + cont]).astype(np.float64)
-            step_snr = [snr_db(a, b) for a, b in zip(r, o)]
-            top1 = r.argmax(-1) == o.argmax(-1)
-            t5r = np.argpartition(-r, 5, axis=-1)[:, :5]
-            t5o = np.argpartition(-o, 5, axis=-1)[:, :5]
-            overlap = np.array([len(set(a) & set(b)) for a, b in zip(t5r, t5o)])
+            sums = _Sums()
+            step_snr, picks = [], []
+            for start in range(0, len(seq), CHUNK):
+                stop = min(start + CHUNK, len(seq))
+                o = np.stack([dec.step(t) for t in seq[start:stop]]).astype(np.float64)
+                rows = _rows(run.logits(start, stop), o)
+                del o
+                sums.add(rows)
+                step_snr += [_step_snr(a, b) for a, b in zip(rows["sig"].tolist(), rows["err"].tolist())]
+                picks += rows["argmax"].tolist()
+                bar.advance(stop - start)
             if free_decode:
                 free = dec.generate_greedy(ids, decode_tokens)
                 first_div = next((k for k, (a, b) in enumerate(zip(cont, free)) if a != b), None)
             else:
-                picks = o[len(ids) - 1: len(ids) - 1 + decode_tokens].argmax(-1)
-                first_div = next((k for k, (a, b) in enumerate(zip(cont, picks)) if a != int(b)), None)
+                picks = picks[len(ids) - 1: len(ids) - 1 + decode_tokens]
+                first_div = next((k for k, (a, b) in enumerate(zip(cont, picks)) if a != b), None)
                 free = cont if first_div is None else None
             per_prompt.append({
                 "prompt": text,
                 "prompt_tokens": len(ids),
                 "steps": len(ids) + decode_tokens,
-                "logits_snr_db": _finite(snr_db(r, o)),
+                "logits_snr_db": _finite(sums.snr_db()),
                 "worst_step_snr_db": _finite(min(step_snr)),
-                "top1_agreement": float(top1.mean()),
-                "top5_agreement": float((overlap == 5).mean()),
-                "top5_overlap": float(overlap.mean() / 5),
+                "top1_agreement": sums.top1 / sums.steps,
+                "top5_agreement": sums.top5 / sums.steps,
+                "top5_overlap": sums.overlap / sums.steps / 5,
                 "greedy_match": free == cont,
                 "greedy_first_divergence": first_div,
                 "step_snr_db": [round(x, 2) if math.isfinite(x) else _finite(x) for x in step_snr],
                 "reference_continuation": cont,
             })
-            all_ref.append(r)
-            all_onnx.append(o)
-            bar.advance()
+            total.merge(sums)
 
-    r = np.concatenate(all_ref)
-    o = np.concatenate(all_onnx)
-    steps = int(r.shape[0])
-    n_steps = np.array([p["steps"] for p in per_prompt])
     metrics = {
-        "logits_snr_db": snr_db(r, o),
+        "logits_snr_db": total.snr_db(),
         "worst_step_snr_db": min(float(p["worst_step_snr_db"]) for p in per_prompt),
-        "top1_agreement": float(np.sum([p["top1_agreement"] * s for p, s in zip(per_prompt, n_steps)]) / steps),
-        "top5_agreement": float(np.sum([p["top5_agreement"] * s for p, s in zip(per_prompt, n_steps)]) / steps),
-        "top5_overlap": float(np.sum([p["top5_overlap"] * s for p, s in zip(per_prompt, n_steps)]) / steps),
+        "top1_agreement": total.top1 / total.steps,
+        "top5_agreement": total.top5 / total.steps,
+        "top5_overlap": total.overlap / total.steps / 5,
         "greedy_match": int(sum(p["greedy_match"] for p in per_prompt)),
         "prompts": len(prompts),
-        "steps": steps,
-        "kl_nats": _kl(r, o),
+        "steps": total.steps,
+        "kl_nats": total.kl / total.steps,
     }
     return metrics, per_prompt
 
 
 def run(ctx: StageContext) -> dict:
-    import numpy as np
     from transformers import AutoTokenizer
 
-    from pipeline.decode_graph import OnnxDecoder, TorchReference, snr_db
+    from pipeline.decode_graph import DecodeGraphError, OnnxDecoder, TorchReference
 
     pc = ctx.cfg.parity
     hf_dir = Path(ctx.inputs["untie_head"])
@@ -220,8 +303,14 @@ def run(ctx: StageContext) -> dict:
     if ref.vocab_size != dec.vocab_size:
         raise StageError(f"vocab mismatch: checkpoint {ref.vocab_size}, export {dec.vocab_size}: rerun export")
 
-    teacher = _teacher(ref, encoded, decode_tokens, ctx)
-    metrics, per_prompt = _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, "fp32 ONNX graph")
+    seconds: dict[str, float] = {}
+    with _timed(seconds, "reference"):
+        try:
+            teacher = _teacher(ref, encoded, decode_tokens, ctx)
+        except DecodeGraphError as err:
+            raise StageError(f"verify_parity: {err}") from None
+    with _timed(seconds, "fp32_onnx"):
+        metrics, per_prompt = _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, "fp32 ONNX graph")
     thresholds = {
         "logits_snr_db": float(pc.min_logits_snr_db),
         "top1_agreement": float(pc.min_top1_agreement),
@@ -239,7 +328,7 @@ def run(ctx: StageContext) -> dict:
                     f"top1 {p['top1_agreement']:.3f} greedy {p['greedy_match']}")
         raise StageError("parity failed: " + "; ".join(failures))
 
-    artifact = _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir)
+    artifact = _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds)
 
     report = {
         "passed": True,
@@ -252,14 +341,21 @@ def run(ctx: StageContext) -> dict:
             "top1_agreement": "fraction of steps with the same argmax",
             "top5_agreement": "fraction of steps with identical top-5 token sets (order ignored)",
             "top5_overlap": "mean |top5(ref) & top5(onnx)| / 5 (not gated)",
-            "greedy_match": "prompts whose free greedy continuations (decode_tokens) are identical",
+            "greedy_match": ("prompts whose free greedy continuations (decode_tokens) are identical, read off the "
+                             "fed run: they are iff the argmax is the reference's next token at every decode step"),
             "steps": "per prompt: prompt tokens + decode_tokens; ONNX fed the reference's tokens",
+            "seconds": "wall seconds of each part: the reference's greedy runs, then each decoder's fed run "
+                       "with its figures (and a peer's build, where one is built)",
         },
         "decode_tokens": decode_tokens,
         "context_length": context_length,
         "sliding_window": window,
         "threads": {"onnxruntime": THREADS, "torch": REF_THREADS},
-        "reference": "transformers eager fp32, own DynamicCache",
+        "reference": ("transformers eager fp32, own DynamicCache: the prompt in one forward, then its greedy "
+                      "continuation one cached step at a time; each step's logits recomputed from its final hidden "
+                      "state (lm_head, final softcap) as compared. Every decoder is teacher-forced: fed the "
+                      "reference's tokens, its greedy outcome read off that fed run"),
+        "seconds": seconds,
         "per_prompt": per_prompt,
     }
     (Path(ctx.out) / "report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -323,12 +419,12 @@ def _artifact_decoder(path: str, pack_dir: Path, hf_dir: Path, context_length: i
     raise StageError(f"no runtime for weight path {path!r}")
 
 
-def _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir) -> dict:
+def _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds=None) -> dict:
     pack_dir = Path(ctx.inputs["pack"])
     sel = json.loads((pack_dir / "weight_path.json").read_text())
     path = sel["path"]
     if path == "qnn_graph":
-        return _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens)
+        return _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds)
     if path not in ARTIFACT_RUNTIMES:
         ctx.log(f"weight path {path}: no packed 4-bit artifact to compare (the fp32 graph is the artifact here)")
         return {"path": path, "applies": False}
@@ -336,7 +432,8 @@ def _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir) ->
     if limits is None:
         raise StageError(f"parity.artifact has no thresholds for weight path {path}: add parity.artifact.{path}")
     dec, note, runtime = _artifact_decoder(path, pack_dir, hf_dir, int(ctx.cfg.export.context_length))
-    metrics, per_prompt = _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, path)
+    with _timed(seconds, path):
+        metrics, per_prompt = _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, path)
     checked = _gate(ctx, path, limits, metrics, len(prompts), note)
     out = {
         "path": path,
@@ -348,7 +445,7 @@ def _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir) ->
         "per_prompt": per_prompt,
     }
     if path in PEER_PATHS:
-        out["peers"] = _peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir)
+        out["peers"] = _peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds)
         figures = ("logits_snr_db", "greedy_match", "top1_agreement")
         out["versus_peers"] = {name: {k: round(metrics[k] - p["metrics"][k], 4) for k in figures}
                                for name, p in out["peers"].items() if "metrics" in p}
@@ -359,7 +456,7 @@ def _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir) ->
 PEER_PATHS = ("w4_ort_matmulnbits", "gguf_q4_0")
 
 
-def _peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir) -> dict:
+def _peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds=None) -> dict:
     """What a user would otherwise run, from the same checkpoint, measured exactly as the
     artifact is: llama.cpp's own Q4_0 and Q4_K_M (its converter, then its quantizer: round to
     nearest, no calibration) and onnxruntime-genai's int4 build (its model builder).
@@ -371,8 +468,9 @@ def _peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir) -> dict:
 
     peers: dict[str, dict] = {}
 
-    def measure(name, dec, **kw):
-        metrics, _ = _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, name, **kw)
+    def measure(name, dec):
+        with _timed(seconds, name):
+            metrics, _ = _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, name)
         ctx.log(f"{name} vs fp32: SNR {metrics['logits_snr_db']:.1f} dB, top1 {metrics['top1_agreement']:.3f}, "
                 f"KL {metrics['kl_nats']:.4f}, greedy {metrics['greedy_match']}/{len(prompts)}")
         return _finite_metrics(metrics)
@@ -383,7 +481,8 @@ def _peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir) -> dict:
         files = {}
         if ok:
             try:
-                with ctx.progress(None, "llama.cpp's own Q4_0 and Q4_K_M of the checkpoint"):
+                with ctx.progress(None, "llama.cpp's own Q4_0 and Q4_K_M of the checkpoint"), \
+                        _timed(seconds, "llamacpp_build"):
                     wanted = {"llamacpp_q4_0": llamacpp.Q4_0, "llamacpp_q4_k_m": llamacpp.Q4_K_M}
                     files = llamacpp.build_quantized(hf_dir, Path(tmp) / "gguf", wanted, threads=THREADS)
             except llamacpp.LlamaCppUnavailable as err:
@@ -398,16 +497,15 @@ def _peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir) -> dict:
         ok, reason = ortgenai.available()
         if ok:
             try:
-                with ctx.progress(None, "onnxruntime-genai's int4 build of the checkpoint"):
+                with ctx.progress(None, "onnxruntime-genai's int4 build of the checkpoint"), \
+                        _timed(seconds, "ortgenai_build"):
                     model = ortgenai.build_int4(hf_dir, Path(tmp) / "ortgenai")
                     repair = ortgenai.repair_head(model)
             except ortgenai.GenaiUnavailable as err:
                 ok, reason = False, str(err)
         if ok:
             dec = ortgenai.GenaiDecoder(model, threads=THREADS, n_ctx=n_ctx)
-            # Its generator is deterministic: the fed run's argmaxes say where a free greedy decode
-            # would first diverge (_compare's free_decode=False), so its own loop is not needed.
-            peers["ortgenai_int4"] = {"metrics": measure("ortgenai_int4", dec, free_decode=False),
+            peers["ortgenai_int4"] = {"metrics": measure("ortgenai_int4", dec),
                                       "version": ortgenai.version(), "note": repair or ""}
             del dec
         else:
@@ -435,7 +533,7 @@ def _gate(ctx, name: str, limits, metrics: dict, n_prompts: int, note: str = "")
     return {k: want for k, _, want in checks}
 
 
-def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens) -> dict:
+def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None) -> dict:
     """Each compiled context binary, run on the HTP backend, against the eager
     fp32 model over the first parity.qnn_prompts prompts (the emulation costs
     tenths of a second per step); gated by parity.artifact.qnn_<precision>."""
@@ -461,8 +559,9 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens) -> dict:
             raise StageError(f"verify_parity: the {precision} context binary does not load on the HTP "
                              f"backend: {str(err).strip().splitlines()[-1][:300]}") from None
         dec = OnnxDecoder(comp, session=session)
-        metrics, per_prompt = _compare(sub[0], dec, sub[1], sub[2], decode_tokens, ctx,
-                                       f"{precision} context binary on the HTP backend", free_decode=False)
+        with _timed(seconds, name):
+            metrics, per_prompt = _compare(sub[0], dec, sub[1], sub[2], decode_tokens, ctx,
+                                           f"{precision} context binary on the HTP backend")
         checked = _gate(ctx, name, limits, metrics, n)
         results[precision] = {
             "metrics": _finite_metrics(metrics),

@@ -1,0 +1,273 @@
+"""verify_parity in bounded memory: the figures streamed CHUNK steps at a time equal
+the concatenate-everything formulas, the reference's recomputed logits equal its
+step-by-step ones, and peak memory does not grow with steps x vocabulary."""
+
+from __future__ import annotations
+
+import math
+import tracemalloc
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pipeline.decode_graph import DecodeGraphError, ReferenceRun, TorchReference, _Greedy, snr_db  # noqa: E402
+from stages import verify_parity  # noqa: E402
+
+
+class _Bar:
+    def __init__(self, log):
+        self.log = log
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def advance(self, n: int = 1, **_):
+        self.log.append(n)
+
+
+class _Ctx:
+    """The one StageContext method _teacher / _compare use; records every bar's advances."""
+
+    def __init__(self):
+        self.bars = []
+
+    def progress(self, total, description):
+        self.bars.append((total, description, []))
+        return _Bar(self.bars[-1][2])
+
+
+# --------------------------------------------------------------------------
+# A fake reference (numpy head) and a fake decoder: the reference's logits plus noise
+# --------------------------------------------------------------------------
+
+
+def _fake_teacher(prompts, decode, hidden_dim, vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((hidden_dim, vocab)).astype(np.float32)
+
+    def head(h):
+        return np.asarray(h, dtype=np.float32) @ w
+
+    runs = []
+    for ids in prompts:
+        hid = rng.standard_normal((len(ids) + decode, hidden_dim)).astype(np.float32)
+        picks = head(hid[len(ids) - 1: len(ids) - 1 + decode]).argmax(-1)
+        runs.append(ReferenceRun(ids, [int(t) for t in picks], hid, head))
+    return runs
+
+
+class _FakeDecoder(_Greedy):
+    """Steps of the prompt starting with token k: the reference's row plus noise[k] x a fixed
+    N(0, 1) vector rolled by the position (a scale of 0, or an exact step, gives the row
+    itself), and at flips[k] = j the argmax of decode step j moved to another token."""
+
+    def __init__(self, runs, noise, flips=None, exact_steps=()):
+        self.runs = {run.prompt[0]: (k, run) for k, run in enumerate(runs)}
+        self.noise, self.flips, self.exact = noise, flips or {}, set(exact_steps)
+        vocab = runs[0].logits(0, 1).shape[1]
+        self.base = np.random.default_rng(1).standard_normal(vocab).astype(np.float32)
+        self.reset()
+
+    def reset(self):
+        self.first, self.position = None, 0
+
+    def step(self, token_id):
+        if self.first is None:
+            self.first = int(token_id)
+        k, run = self.runs[self.first]
+        p = self.position
+        row = run.head(run.hidden[p:p + 1])[0]
+        if (k, p) not in self.exact:
+            row = row + np.float32(self.noise[k]) * np.roll(self.base, 7919 * (p + 1) + k)
+        j = self.flips.get(k)
+        if j is not None and p == len(run.prompt) - 1 + j:
+            row[(int(row.argmax()) + 1) % row.shape[0]] = row.max() + 1.0
+        self.position = p + 1
+        return row
+
+
+def _old_figures(runs, dec):
+    """The pre-streaming formulas: every step's logits of every prompt concatenated."""
+    rs, os_ = [], []
+    for run in runs:
+        dec.reset()
+        seq = run.prompt + run.continuation
+        rs.append(run.logits(0, run.steps))
+        os_.append(np.stack([dec.step(t) for t in seq]).astype(np.float64))
+    r, o = np.concatenate(rs), np.concatenate(os_)
+    t5r = np.argpartition(-r, 5, axis=-1)[:, :5]
+    t5o = np.argpartition(-o, 5, axis=-1)[:, :5]
+    overlap = np.array([len(set(a) & set(b)) for a, b in zip(t5r, t5o)])
+    lr = r - r.max(-1, keepdims=True)
+    lo = o - o.max(-1, keepdims=True)
+    lr = lr - np.log(np.exp(lr).sum(-1, keepdims=True))
+    lo = lo - np.log(np.exp(lo).sum(-1, keepdims=True))
+    per_step = [[snr_db(a, b) for a, b in zip(x, y)] for x, y in zip(rs, os_)]
+    first_div = []
+    for run, y in zip(runs, os_):
+        picks = y[len(run.prompt) - 1: len(run.prompt) - 1 + len(run.continuation)].argmax(-1)
+        first_div.append(next((k for k, (a, b) in enumerate(zip(run.continuation, picks)) if a != int(b)), None))
+    return {
+        "logits_snr_db": snr_db(r, o),
+        "worst_step_snr_db": min(min(s) for s in per_step),
+        "top1_agreement": float((r.argmax(-1) == o.argmax(-1)).mean()),
+        "top5_agreement": float((overlap == 5).mean()),
+        "top5_overlap": float(overlap.mean() / 5),
+        "kl_nats": float(np.mean(np.sum(np.exp(lr) * (lr - lo), axis=-1))),
+        "steps": int(r.shape[0]),
+    }, [(snr_db(x, y), s, d) for x, y, s, d in zip(rs, os_, per_step, first_div)]
+
+
+PROMPTS = [[3, 10, 11, 12, 13], [4, 40, 41], [5, 60, 61, 62, 63, 64, 65]]
+DECODE = 30
+
+
+@pytest.mark.parametrize("chunk", [1, 7, verify_parity.CHUNK])
+def test_streamed_figures_equal_the_concatenated_formulas(monkeypatch, chunk):
+    monkeypatch.setattr(verify_parity, "CHUNK", chunk)
+    runs = _fake_teacher(PROMPTS, DECODE, hidden_dim=8, vocab=300)
+    # Prompt 0 matches, prompt 1 diverges at decode step 4, prompt 2's noise moves some argmaxes
+    # and its first step is exact (an infinite step SNR).
+    dec = _FakeDecoder(runs, noise=[0.01, 0.01, 1.0], flips={1: 4}, exact_steps=[(2, 0)])
+    texts = [f"p{k}" for k in range(len(PROMPTS))]
+    ctx = _Ctx()
+    metrics, per_prompt = verify_parity._compare(runs, dec, texts, PROMPTS, DECODE, ctx, "fake")
+    want, want_per = _old_figures(runs, dec)
+
+    for k, v in want.items():
+        assert metrics[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
+    assert metrics["prompts"] == 3
+    assert [p["greedy_first_divergence"] for p in per_prompt] == [d for _, _, d in want_per]
+    assert [p["greedy_first_divergence"] for p in per_prompt][:2] == [None, 4]
+    assert metrics["greedy_match"] == sum(p["greedy_match"] for p in per_prompt) >= 1
+    assert [p["greedy_match"] for p in per_prompt] == [d is None for _, _, d in want_per]
+    for p, (snr, steps, _) in zip(per_prompt, want_per):
+        assert p["logits_snr_db"] == pytest.approx(snr, rel=1e-9)
+        assert float(p["worst_step_snr_db"]) == pytest.approx(min(steps), rel=1e-9)
+        assert p["step_snr_db"] == [round(x, 2) if math.isfinite(x) else "inf" for x in steps]
+    assert per_prompt[2]["step_snr_db"][0] == "inf"
+    assert 0 < metrics["top1_agreement"] < 1 and 0 < metrics["kl_nats"]
+
+    # The greedy outcome read off the fed run is the one a free greedy decode gives.
+    _, free = verify_parity._compare(runs, dec, texts, PROMPTS, DECODE, _Ctx(), "fake", free_decode=True)
+    assert [(p["greedy_match"], p["greedy_first_divergence"]) for p in free] == \
+        [(p["greedy_match"], p["greedy_first_divergence"]) for p in per_prompt]
+
+    # The bar counts steps, advancing at least once a chunk.
+    (total, _, advances), = ctx.bars
+    assert total == sum(advances) == metrics["steps"]
+    assert len(advances) == sum(math.ceil((len(ids) + DECODE) / chunk) for ids in PROMPTS)
+
+
+def _peak_of_compare(steps, vocab):
+    runs = _fake_teacher([[7, 8]], steps - 2, hidden_dim=4, vocab=vocab)
+    dec = _FakeDecoder(runs, noise=[0.1])
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        metrics, _ = verify_parity._compare(runs, dec, ["p"], [[7, 8]], steps - 2, _Ctx(), "fake")
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert metrics["steps"] == steps
+    return peak
+
+
+def test_peak_memory_does_not_grow_with_steps_times_vocabulary():
+    vocab = 100_000
+    short, long = _peak_of_compare(50, vocab), _peak_of_compare(400, vocab)
+    row = vocab * 8  # one step's float64 logits
+    # Eight times the steps: the old concatenation held 2 x 400 rows (640 MB) here.
+    assert long < 1.25 * short, (short, long)
+    assert long < 12 * verify_parity.CHUNK * row, (long, row)
+
+
+# --------------------------------------------------------------------------
+# The real reference: recomputed logits against its own step-by-step ones
+# --------------------------------------------------------------------------
+
+WINDOW = 8
+
+
+def _gemma3_softcap():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=WINDOW,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"], max_position_embeddings=256,
+        query_pre_attn_scalar=32, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        final_logit_softcapping=0.5,  # small enough that the cap bends these random-init logits
+    )
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+def _qwen3(cls=None):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    return (cls or Qwen3ForCausalLM)(cfg).eval()
+
+
+# The first prompt runs past the 8-token window in its one-forward prefill.
+REAL_PROMPTS = [[1, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29], [1, 50]]
+REAL_DECODE = 12
+
+
+@pytest.mark.parametrize("build", [_gemma3_softcap, _qwen3], ids=["gemma3_softcap", "qwen3"])
+def test_reference_logits_recomputed_from_hidden_states_match_its_steps(build, one_torch_thread):
+    model = build()
+    seq = torch.tensor([REAL_PROMPTS[0] + list(range(30, 40))])
+    with torch.inference_mode():
+        own = model(input_ids=seq).logits[0].numpy()
+        hidden = model.model(input_ids=seq).last_hidden_state[0]
+        plain = model.lm_head(hidden).numpy()
+    ref = TorchReference(model)
+    assert np.array_equal(ref.head(hidden), own)  # HF's head, softcap included, reproduced exactly
+    if getattr(model.config, "final_logit_softcapping", None):
+        assert not np.allclose(plain, own, atol=1e-3)  # ... and the softcap is exercised
+
+    ctx = _Ctx()
+    teacher = verify_parity._teacher(ref, REAL_PROMPTS, REAL_DECODE, ctx)
+    (total, _, advances), = ctx.bars
+    assert total == sum(advances) == sum(len(p) + REAL_DECODE for p in REAL_PROMPTS)
+    stepped = TorchReference(build())
+    for ids, run in zip(REAL_PROMPTS, teacher):
+        assert tuple(run.hidden.shape) == (len(ids) + REAL_DECODE, model.config.hidden_size)
+        stepped.reset()
+        logits = [stepped.step(t) for t in ids]
+        cont = []
+        for _ in range(REAL_DECODE):
+            cont.append(int(np.argmax(logits[-1])))
+            logits.append(stepped.step(cont[-1]))
+        assert run.continuation == cont
+        assert snr_db(np.stack(logits), run.logits(0, run.steps)) > 100
+
+    # The same model as the decoder, through _compare: the streamed figures of a match.
+    metrics, per_prompt = verify_parity._compare(teacher, TorchReference(build()), ["a", "b"], REAL_PROMPTS,
+                                                 REAL_DECODE, _Ctx(), "itself")
+    assert metrics["logits_snr_db"] > 100 and metrics["top1_agreement"] == 1.0
+    assert metrics["greedy_match"] == 2 and metrics["kl_nats"] < 1e-9
+
+
+def test_a_head_the_reference_cannot_recompute_is_refused(one_torch_thread):
+    from transformers import Qwen3ForCausalLM
+
+    class Scaled(Qwen3ForCausalLM):  # logits scaled after the head, as Granite / Cohere do
+        def forward(self, *args, **kw):
+            out = super().forward(*args, **kw)
+            out.logits = out.logits * 2.0
+            return out
+
+    with pytest.raises(DecodeGraphError, match="cannot recompute"):
+        TorchReference(_qwen3(Scaled)).greedy_run([1, 5], 3)
