@@ -29,7 +29,7 @@ LIMITS = {
     "benchmark.warmup_tokens": (0, 1024),
     "benchmark.threads": (0, 1024),
     "parity.decode_tokens": (1, 131072),
-    "parity.min_greedy_match": (0, 10_000),
+    "parity.max_prompts": (1, 10_000),
     "parity.qnn_prompts": (1, 10_000),
     "device.cores": (0, 4096),
     "device.threads": (0, 4096),
@@ -220,7 +220,7 @@ def validate(cfg, overrides: list[str] = (), source: str | None = None) -> dict:
 
 # The settings whose null default follows the model (pipeline/model_facts.py derive()).
 MODEL_DERIVED = ("export.context_length", "parity.decode_tokens", "calibrate.seq_len", "calibrate.samples",
-                 "calibrate.min_samples", "parity.qnn_prompts")
+                 "calibrate.min_samples", "parity.qnn_prompts", "parity.max_prompts")
 
 
 def _model_defaults(c: dict, where, refuse: bool):
@@ -349,10 +349,14 @@ def _check(c: dict, where) -> None:
     p = c["parity"]
     if not p["prompts"]:
         raise ConfigError(f"{where('parity.prompts')}: parity.prompts is empty: parity needs prompts")
-    if p["min_greedy_match"] > len(p["prompts"]):
+    run = min(len(p["prompts"]), p["max_prompts"])
+    if p["min_greedy_match"] is not None and p["min_greedy_match"] < 0:
+        raise ConfigError(f"{where('parity.min_greedy_match')}: parity.min_greedy_match={p['min_greedy_match']} "
+                          f"must be at least 0 (or null: every prompt run)")
+    if p["min_greedy_match"] is not None and p["min_greedy_match"] > run:
         raise ConfigError(
             f"{where('parity.min_greedy_match')}: parity.min_greedy_match={p['min_greedy_match']} "
-            f"exceeds the {len(p['prompts'])} prompts"
+            f"exceeds the {run} prompts parity runs (parity.max_prompts={p['max_prompts']})"
         )
     if c["priority"]["name"] not in ("speed", "fidelity"):
         raise ConfigError(f"{where('priority.name')}: priority must be speed or fidelity")

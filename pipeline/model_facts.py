@@ -40,6 +40,9 @@ MIN_CALIBRATION_SAMPLES = 16
 # 4 prompts x 85 steps x 2 precisions ran 32 minutes): past a 128-token run,
 # one prompt that leaves the window is what the phone gate measures.
 QNN_PROMPTS_SHORT, QNN_PROMPTS_LONG, QNN_LONG_RUN = 4, 1, 128
+# Parity's steps over all prompts (each prompt + decode_tokens): the embedded
+# model's 12 prompts x ~88 steps; a 512-token window gets 2 prompts past it.
+PARITY_STEPS, PROMPT_TOKENS = 1024, 8
 
 
 class FactsError(ValueError):
@@ -228,6 +231,7 @@ def derive(facts: ModelFacts) -> dict[str, int]:
         "calibrate.samples": samples,
         "calibrate.min_samples": samples,
         "parity.qnn_prompts": QNN_PROMPTS_SHORT if decode <= QNN_LONG_RUN else QNN_PROMPTS_LONG,
+        "parity.max_prompts": max(1, -(-PARITY_STEPS // (decode + PROMPT_TOKENS))),
     }
 
 

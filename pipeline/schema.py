@@ -109,7 +109,12 @@ class ParityConfig:
     min_logits_snr_db: float = 100.0
     min_top1_agreement: float = 1.0
     min_top5_agreement: float = 1.0
-    min_greedy_match: int = 12  # prompts whose greedy continuation is identical
+    # Prompts whose greedy continuation is identical. null: every prompt run.
+    min_greedy_match: Optional[int] = None
+    # Parity runs the first max_prompts prompts. null: derived from the model
+    # (pipeline/model_facts.py): as many as keep ~1000 steps (all 12 on the
+    # embedded model; 2 for a 512-token window, each run past it).
+    max_prompts: Optional[int] = None
     # The packed 4-bit artifact against the same fp32 eager model, per weight
     # path (keys as pipeline/weight_path.py names them). A path without an
     # entry cannot pass parity.

@@ -35,6 +35,8 @@ def test_embedded_defaults_unchanged():
     assert c["parity"]["decode_tokens"] == 80
     assert (c["calibrate"]["seq_len"], c["calibrate"]["samples"], c["calibrate"]["min_samples"]) == (128, 64, 64)
     assert c["parity"]["qnn_prompts"] == 4
+    assert c["parity"]["max_prompts"] == 12 == len(c["parity"]["prompts"])
+    assert c["parity"]["min_greedy_match"] is None  # every prompt run
 
 
 def test_embedded_fallbacks_match_the_recipe():
@@ -51,6 +53,7 @@ def test_large_window_derives_past_it(tmp_path):
     assert c["parity"]["decode_tokens"] == 528 > 512
     assert c["calibrate"]["seq_len"] == 528 and c["calibrate"]["samples"] == 16 == c["calibrate"]["min_samples"]
     assert c["parity"]["qnn_prompts"] == 1
+    assert c["parity"]["max_prompts"] == 2  # ~1000 steps: two prompts, each past the window
 
 
 def test_no_window_and_unused_window(tmp_path):
