@@ -170,11 +170,16 @@ def group_params(w: torch.Tensor, weight: torch.Tensor | None, sym: bool, scale_
     """Per-row (scale, zero) of one group w [N, g], chosen to minimize the
     diag(H)-weighted reconstruction error sum_k weight[k] (w - w_q)^2."""
     best_s = best_z = best_err = None
+    maxq = 2**bits - 1
+    buf = torch.empty_like(w)
     for scale, zero in _candidates(w, sym, scale_search, scale_dtype, bits):
         if best_s is None and not scale_search:
             return scale, zero
-        deq = (_codes(w, scale, zero, bits) - zero[:, None]) * scale[:, None]
-        sq = (deq - w).square()
+        # (clamp(round(w / s) + z, 0, maxq) - z) * s - w, squared: _codes and the dequantization, the same
+        # operations in the same order (so the same floats), in one buffer instead of eight new tensors
+        # (the scale search was ~70% of GPTQ's time on Gemma 3's 262144-row head)
+        s, z = scale[:, None], zero[:, None]
+        sq = torch.div(w, s, out=buf).round_().add_(z).clamp_(0, maxq).sub_(z).mul_(s).sub_(w).square_()
         err = sq @ weight if weight is not None else sq.sum(dim=1)
         if best_s is None:
             best_s, best_z, best_err = scale.clone(), zero.clone(), err
@@ -291,7 +296,25 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, *, group_size: int = 128, sy
     codes = torch.empty(n, k, dtype=torch.uint8)
     scales = torch.empty(n, k // g, dtype=torch.float32)
     zeros = torch.empty(n, k // g, dtype=torch.uint8)
+    # Rows are independent in GPTQ (the error of a column feeds forward along its own row), so a tall weight
+    # is done a slab of rows at a time: the same arithmetic row by row, on a block that stays in cache.
+    # Gemma 3 270M's head, 262144 x 640 at 8 bits g32 on this 2-core host: 40.5 s whole, 18.3 s in slabs
+    # with the in-place scale search (group_params) and updates below.
+    for r1 in range(0, n, ROW_SLAB):
+        r2 = min(r1 + ROW_SLAB, n)
+        _gptq_rows(w[r1:r2], u, d, codes[r1:r2], scales[r1:r2], zeros[r1:r2], g, block_size, sym, scale_search,
+                   scale_dtype, bits, name)
+    return Quantized(codes, scales, zeros, g)
+
+
+ROW_SLAB = 8192  # rows of a weight GPTQ updates together (gptq_quantize)
+
+
+def _gptq_rows(w, u, d, codes, scales, zeros, g, block_size, sym, scale_search, scale_dtype, bits, name) -> None:
+    """GPTQ's column loop on the rows `w` (updated in place), writing their codes, scales and zeros."""
+    k = w.shape[1]
     scale = zero = None
+    tmp = torch.empty(w.shape[0], block_size, dtype=w.dtype)
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
         w1 = w[:, i1:i2].clone()
@@ -311,10 +334,10 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, *, group_size: int = 128, sy
             q = _codes(wc, scale, zero, bits)
             codes[:, col] = q.to(torch.uint8)
             e = (wc - (q - zero) * scale) / u1[i, i]
-            w1[:, i:] -= e[:, None] * u1[i, i:][None, :]
+            # w1[:, i:] -= e u1[i, i:], the product made in a reused buffer (the same floats)
+            w1[:, i:].sub_(torch.mul(e[:, None], u1[i, i:][None, :], out=tmp[:, : i2 - col]))
             err1[:, i] = e
         w[:, i2:] -= err1 @ u[i1:i2, i2:]
-    return Quantized(codes, scales, zeros, g)
 
 
 def quantize_weight(w: torch.Tensor, h: torch.Tensor | None, *, method: str = "gptq", group_size: int = 128,

@@ -5,7 +5,8 @@ The head is quantized too: left in 16/32-bit it cost more per decode step
 than the whole 4-bit saving on the 1.7B model (field notes); untie_head has
 made it `lm_head.weight`. The algorithm and the grid are in pipeline/gptq.py;
 which decoder linears get 8 bits, where the kernel takes them, in
-pipeline/bit_alloc.py (the model runs the calibration windows once per unit).
+pipeline/bit_alloc.py (each unit's effect on the calibration logits, measured
+from the final hidden states and the head's Grams, the layers below it replayed).
 
 Output (the contract the packers read; pipeline.gptq.load_quantized and
 quant_meta read it back):
@@ -16,9 +17,12 @@ quant_meta read it back):
   "layers": {name: {"in_features", "out_features",
   "weight_rel_mse", "out_rel_err_h"}}, "calibration": {"data_sha256", ...}}.
   A layer quantized under `group_fallback: divisor` (or, with `group_size:
-  null`, one whose K the kernel's default size does not divide), or the head
-  at its own `head_group_size`, also records its own "group_size" (absent
-  otherwise);
+  null` on a kernel that takes a size per layer, one whose K the kernel's
+  default size does not divide), or the head at its own `head_group_size`,
+  also records its own "group_size" (absent otherwise). Where the kernel takes
+  one size for every layer (vLLM's GPTQ) and its default does not divide
+  every K, "group_size" is the largest size that does and "group_size_default"
+  the kernel's (absent otherwise);
   the head at 8 bits (`head_bits`) records "bits": 8 (with "head_bits": 8 at
   the top level), its codes 0..255 with the symmetric zero at 128. Decoder
   linears promoted to 8 bits (`eight_bit_budget`, pipeline/bit_alloc.py)
@@ -58,10 +62,22 @@ ORT_PATH = "w4_ort_matmulnbits"  # the weight path whose kernel (MatMulNBits) th
 # 1.39-1.43x llama.cpp Q4_K_M at 32 in stage runs (g128: 1.19-1.36x; README).
 GROUP_SIZE_ORT = 256
 GROUP_SIZE = 128  # every other kernel (tinygemm, vLLM's GPTQ)
+# Weight paths whose kernel takes a group size per layer: MatMulNBits (a block size per node), tinygemm (per
+# packed layer), and the paths that run no 4-bit codes of ours (the phone's QNN graph is calibrated from
+# the float export; model_dtype runs the checkpoint's dtype), so the codes need only be valid.
+PER_LAYER_PATHS = (ORT_PATH, "w4a16_tinygemm", "qnn_graph", "model_dtype")
+# vLLM's GPTQ config holds one group size (it fuses q/k/v and gate/up: stages/pack.py _write_gptq); no device
+# (a config without one) is treated the same, as the size every kernel can take
+ONE_GROUP_PATHS = (None, "w4a8_gptq_vllm")
+# GGUF Q4_0 is 32-weight blocks (conf/quantize/q4_0.yaml pins group_size: 32): no other size to fall back to
+FIXED_GROUP_PATHS = ("gguf_q4_0",)
 # extra bytes for 8-bit decoder linears (pipeline/bit_alloc.py), a fraction of the 4-bit code bytes:
 # buys back what the coarser groups cost: on the ~100M model at g256, 4% (layer 0's attention) gave
 # 9.8 dB, 10% (and layer 1's q|k|v, layer 0's down, layer 1's o) 11.4; Q4_K_M 9.7 (README)
 EIGHT_BIT_BUDGET_ORT = 0.1
+# quantize.sensitivity_windows: null: the calibration windows making about this many tokens (at least one):
+# the 4 windows x 128 tokens the 8-bit choice was tuned on (README); Gemma 3 270M's 528-token windows: 1.
+SENSITIVITY_TOKENS = 512
 INPUTS = ("untie_head", "calibrate")
 TOOLCHAIN = ("torch", "transformers", "numpy", "safetensors")
 MEMORY_KEYS = ("quantize.sensitivity_windows",)  # the settings that size its memory (named when the kernel kills it)
@@ -80,10 +96,15 @@ def _settings(cfg) -> dict:
         "method": str(q.get("method", "gptq")),
         "bits": int(q.get("bits", 4)),
         "group_size": group_size,
-        # null on the MatMulNBits path: 256 is a preference, not the user's pin: a layer it does not
-        # divide takes the largest size the kernel takes that does (_layer_group_size); the other
-        # kernels keep 128 and its error
-        "group_size_by_kernel": q.get("group_size") is None and path == ORT_PATH,
+        # null is the kernel's preference, not the user's pin: where the kernel takes a group size per
+        # layer (PER_LAYER_PATHS), a layer it does not divide takes the largest size the kernel takes that
+        # does (_layer_group_size); where it takes one for every layer (vLLM's GPTQ, or no device known),
+        # the model gets the largest that divides every K (_model_group_size). An explicit size errors.
+        "group_size_by_kernel": q.get("group_size") is None and path in PER_LAYER_PATHS,
+        "group_size_model_wide": q.get("group_size") is None and path not in PER_LAYER_PATHS
+        and path not in FIXED_GROUP_PATHS,
+        # the head's size is the body's where the kernel takes one size (null head_group_size there)
+        "head_follows_body": q.get("head_group_size") is None and path in ONE_GROUP_PATHS,
         "sym": bool(q.get("sym", True)),
         "scale_search": bool(q.get("scale_search", True)),
         "damp": float(q.get("damp", 0.01)),
@@ -93,7 +114,8 @@ def _settings(cfg) -> dict:
         "head_group_size": _head_group_size(q, path, group_size),
         "head_bits": _by_kernel(q, path, "head_bits", HEAD_BITS_ORT, 4),
         "eight_bit_budget": _by_kernel(q, path, "eight_bit_budget", EIGHT_BIT_BUDGET_ORT, 0.0),
-        "sensitivity_windows": int(q.get("sensitivity_windows", 4)),
+        # null: enough windows for SENSITIVITY_TOKENS tokens (_promote); an int: that many windows
+        "sensitivity_windows": _optional_int(q.get("sensitivity_windows", 4)),
     }
     if s["method"] not in gptq.METHODS:
         raise StageError(f"quantize.method={s['method']!r} is not known; use {' or '.join(gptq.METHODS)}")
@@ -104,7 +126,7 @@ def _settings(cfg) -> dict:
     if not 0 <= s["eight_bit_budget"] <= 1:
         raise StageError(f"quantize.eight_bit_budget={s['eight_bit_budget']}: "
                          f"a fraction of the 4-bit code bytes, 0 to 1")
-    if s["sensitivity_windows"] < 1:
+    if s["sensitivity_windows"] is not None and s["sensitivity_windows"] < 1:
         raise StageError("quantize.sensitivity_windows must be at least 1")
     if s["group_size"] < 1:
         raise StageError("quantize.group_size must be positive")
@@ -118,6 +140,10 @@ def _settings(cfg) -> dict:
     if s["group_fallback"] not in FALLBACKS:
         raise StageError(f"quantize.group_fallback={s['group_fallback']!r}; use {' or '.join(FALLBACKS)}")
     return s
+
+
+def _optional_int(value) -> int | None:
+    return None if value is None else int(value)
 
 
 def _weight_path(cfg) -> str | None:
@@ -140,7 +166,7 @@ def _head_group_size(q, path: str | None, group_size: int) -> int:
     if q.get("head_group_size") is not None:
         return int(q.head_group_size)
     # vLLM's GPTQ config has one group_size for every layer, the head included
-    return group_size if path in (None, "w4a8_gptq_vllm") else HEAD_GROUP_SIZE
+    return group_size if path in ONE_GROUP_PATHS else HEAD_GROUP_SIZE
 
 
 def _by_kernel(q, path: str | None, key: str, ort, others):
@@ -174,6 +200,23 @@ def _layer_group_size(name: str, k: int, s: dict) -> int:
         f"{name}: quantize.{'head_' if name == HEAD else ''}group_size={g} does not divide in_features K={k} "
         f"(choose a group size that divides it, or quantize.group_fallback=divisor)"
     )
+
+
+def _model_group_size(layers: dict, s: dict) -> int:
+    """For a kernel that takes one group size for every layer (vLLM's GPTQ) under group_size: null: the
+    kernel's size where it divides every linear's K (the head's too, which shares it), else the largest
+    size the kernels take below it that does; an error where none does."""
+    from pipeline.config import GROUP_SIZES
+
+    g = s["group_size"]
+    ks = sorted({int(info["in_features"]) for name, info in layers.items()
+                 if name != HEAD or s.get("head_follows_body")})
+    fits = [d for d in GROUP_SIZES if d <= g and all(k % d == 0 for k in ks)]
+    if not fits:
+        raise StageError(f"no group size <= {g} the 4-bit kernels take ({', '.join(map(str, GROUP_SIZES))}) "
+                         f"divides every in_features K of the model ({', '.join(map(str, ks))}), and this "
+                         f"device's kernel takes one group size for every layer")
+    return max(fits)
 
 
 def _weight_map(src: Path) -> dict[str, str]:
@@ -211,10 +254,13 @@ def _promote(ctx, s, src: Path, cal_dir: Path, layers: dict, tensors: dict, grou
     from pipeline.decode_graph import load_hf_model
 
     windows = np.load(cal_dir / "token_ids.npy")
-    if s["sensitivity_windows"] > len(windows):
-        raise StageError(f"quantize.sensitivity_windows={s['sensitivity_windows']}, but calibration holds "
+    count = s["sensitivity_windows"]
+    if count is None:
+        count = min(len(windows), max(1, round(SENSITIVITY_TOKENS / windows.shape[1])))
+    if count > len(windows):
+        raise StageError(f"quantize.sensitivity_windows={count}, but calibration holds "
                          f"{len(windows)} window(s) (calibrate.samples)")
-    windows = windows[: s["sensitivity_windows"]]
+    windows = windows[:count]
     units = bit_alloc.units(layers, exclude=(HEAD,))
     budget_bytes = s["eight_bit_budget"] * bit_alloc.code_bytes(layers, exclude=(HEAD,))
 
@@ -232,7 +278,8 @@ def _promote(ctx, s, src: Path, cal_dir: Path, layers: dict, tensors: dict, grou
         for name in by_key[key].layers:
             quantize_layer(name, 8)
             model.get_submodule(name).weight.data.copy_(at_codes(name))
-    after = found["error"]() if chosen else found["base"]
+    changed = [name for key in chosen for name in by_key[key].layers]
+    after = found["error"](changed=changed) if chosen else found["base"]
     del model
     record = {
         "budget": s["eight_bit_budget"],
@@ -240,6 +287,7 @@ def _promote(ctx, s, src: Path, cal_dir: Path, layers: dict, tensors: dict, grou
         "extra_bytes": sum(by_key[k].extra_bytes for k in chosen),
         "windows": int(len(windows)),
         "tokens": int(windows.size),
+        "measured_by": found["method"],
         "snr_db_all_4bit": _snr_db(found["base"]),
         "snr_db": _snr_db(after),
         "chosen": chosen,
@@ -282,6 +330,14 @@ def run(ctx) -> dict:
     if missing:
         raise StageError(f"{len(missing)} calibrated linear(s) have no weight in the checkpoint, e.g. {missing[0]}.weight")
 
+    group_size_default = s["group_size"]
+    if s["group_size_model_wide"]:
+        s["group_size"] = _model_group_size(layers, s)
+        if s["head_follows_body"]:
+            s["head_group_size"] = s["group_size"]
+        if s["group_size"] != group_size_default:
+            ctx.log(f"group size {s['group_size']} for every layer: the kernel's {group_size_default} does not "
+                    f"divide every in_features K, and it takes one group size for the whole model")
     group_sizes = {name: _layer_group_size(name, int(info["in_features"]), s) for name, info in layers.items()}
 
     tensors: dict[str, torch.Tensor] = {}
@@ -350,6 +406,8 @@ def run(ctx) -> dict:
         "format": gptq.FORMAT,
         "bits": s["bits"],
         "group_size": s["group_size"],
+        # the kernel's default size, recorded where the whole model had to take a smaller one
+        **({"group_size_default": group_size_default} if s["group_size"] != group_size_default else {}),
         **({"head_group_size": s["head_group_size"]} if s["head_group_size"] != s["group_size"] else {}),
         **({"head_bits": s["head_bits"]} if s["head_bits"] != s["bits"] else {}),
         "sym": s["sym"],

@@ -77,3 +77,73 @@ def test_measure_finds_the_unit_whose_codes_hurt_most_and_leaves_the_codes_in():
         assert torch.equal(model.get_submodule(n).weight, codes[n])
     assert found["error"]() == pytest.approx(found["base"])
     assert bit_alloc.choose(found["gains"], units, 512) == ["b"]
+
+
+def _tiny_gemma3(**overrides):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32,
+                           sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                           max_position_embeddings=64, tie_word_embeddings=False, **overrides)
+    model = Gemma3ForCausalLM(cfg).eval()
+    model.config._attn_implementation = "eager"
+    return model
+
+
+def _gemma_units(model):
+    layers = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            leaf = name.rsplit(".", 1)[-1]
+            shared = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gu", "up_proj": "gu"}
+            key = name.rsplit(".", 1)[0] + "." + shared.get(leaf, leaf)
+            layers[name] = {"hessian": key, "in_features": mod.in_features, "out_features": mod.out_features}
+    return layers
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_the_head_gram_measure_is_the_logits_error_and_falls_back_where_it_is_not(softcap):
+    """HeadError (the final hidden states through the head's Grams, the layers below a unit replayed) gives
+    LogitsError's numbers; a softcapped head is not a linear map of the hidden state: the logits are used."""
+    model = _tiny_gemma3(final_logit_softcapping=softcap)
+    layers = _gemma_units(model)
+    units = bit_alloc.units(layers, exclude=("lm_head",))
+    names = list(layers)
+    full = {n: model.get_submodule(n).weight.detach().clone() for n in names}
+    gen = torch.Generator().manual_seed(1)
+    codes = {n: w + 0.05 * w.std() * torch.randn(w.shape, generator=gen) for n, w in full.items()}
+    windows = torch.randint(0, 300, (2, 20), generator=gen)
+    found = {}
+    for exact in (True, False):
+        for n in names:
+            model.get_submodule(n).weight.data.copy_(full[n])
+        found[exact] = bit_alloc.measure(model, windows, units, names, codes.__getitem__, full.__getitem__,
+                                         exact_logits=exact)
+    assert found[True]["method"] == "logits"
+    assert found[False]["method"] == ("logits" if softcap else "head_gram+prefix_replay")
+    assert found[False]["base"] == pytest.approx(found[True]["base"], rel=1e-5)
+    for u in units:
+        assert found[False]["gains"][u.key] == pytest.approx(found[True]["gains"][u.key], rel=1e-3, abs=1e-6 * found[True]["base"])
+    assert len({u.key for u in units}) == 12 and any(found[True]["gains"][u.key] > 0 for u in units)
+    # the final choice's error, measured from its lowest changed layer up, is a full run's
+    last = [u for u in units if ".layers.2." in u.key][0]
+    for n in last.layers:
+        model.get_submodule(n).weight.data.copy_(full[n])
+    assert found[False]["error"](changed=last.layers) == pytest.approx(found[False]["error"](), rel=1e-6)
+    assert found[False]["error"]() == pytest.approx(found[True]["base"] - found[True]["gains"][last.key], rel=1e-4)
+
+
+def test_the_prefix_replay_is_turned_off_when_the_replayed_run_differs():
+    model = _tiny_gemma3()
+    layers = _gemma_units(model)
+    names = list(layers)
+    full = {n: model.get_submodule(n).weight.detach().clone() for n in names}
+    windows = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(2))
+    err = bit_alloc.HeadError.of(model, windows)
+    err.set_head(full["lm_head"] * 1.01)
+    err.base()
+    err.cache[0][0] = err.cache[0][0] + 1.0  # a cache that does not reproduce the run
+    err.check_replay()
+    assert not err.reuse_prefix

@@ -305,8 +305,11 @@ def test_the_head_gets_its_own_group_size_where_the_kernel_takes_one(device, pri
 def test_the_body_group_size_follows_the_kernel(device, priority, setting, want):
     s = _quantize_settings(device, priority, group_size=setting)
     assert s["group_size"] == want
-    # only the MatMulNBits default is a preference that gives way to a K it does not divide
-    assert s["group_size_by_kernel"] is (setting is None and device == "x86_avx512")
+    # the null default is a preference that gives way to a K it does not divide: per layer where the kernel
+    # takes a size per layer, for the whole model where it takes one (vLLM's GPTQ: xeon_amx at speed)
+    one_size = device == "xeon_amx" and priority == "speed"
+    assert s["group_size_by_kernel"] is (setting is None and not one_size)
+    assert s["group_size_model_wide"] is (setting is None and one_size)
     if device == "xeon_amx" and priority == "speed":  # vLLM: the head shares the body's size
         assert s["head_group_size"] == want
 
@@ -491,3 +494,108 @@ def test_heldout_split_is_the_tail_and_never_empty():
     assert len(held) == 50 and train + held == list(range(1000))
     with pytest.raises(corpus.CorpusError):
         corpus.heldout_split([1, 2, 3], 0.05)  # int(3 * 0.05) == 0: no held-out part
+
+
+# --------------------------------------------------------------------------
+# the null group size's fallback on every weight path (a hidden size of 576, as SmolLM's)
+# --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def k576(tiny_untied, tmp_path_factory):
+    """A 2-layer Llama checkpoint (random weights, the tiny model's tokenizer) whose q/k/v/o/gate/up and head
+    read K=576 (SmolLM-135M's hidden size: 128 does not divide it), down K=256."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from stages import calibrate, untie_head
+
+    root = tmp_path_factory.mktemp("k576")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=576, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=128,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(root / "model")
+    for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(tiny_untied / f, root / "model" / f)
+    untie_head.run(ctx("untie_head", root / "untied", {"model": {}}, {"model": root / "model"}))
+    calibrate.run(ctx("calibrate", root / "cal", {"calibrate": CAL}, {"untie_head": root / "untied"}))
+    return root / "untied", root / "cal"
+
+
+@pytest.mark.parametrize("device, priority, path, body, down, head", [
+    ("galaxy_s25", "speed", "qnn_graph", 64, 128, 32),       # the phone: sizes per layer, the head its own 32
+    ("x86_avx2", "speed", "w4a16_tinygemm", 64, 128, 32),    # tinygemm: per layer
+    ("xeon_amx", "speed", "w4a8_gptq_vllm", 64, 64, 64),     # vLLM's GPTQ: one size, dividing every K
+    ("x86_avx512", "speed", "w4_ort_matmulnbits", 64, 256, 32),  # MatMulNBits, as before
+])
+def test_a_k_576_model_quantizes_with_the_null_group_size_on_every_weight_path(k576, tmp_path, device, priority,
+                                                                                path, body, down, head):
+    from pipeline import devices, weight_path
+    from stages import quantize
+
+    spec = devices.spec_sheet(device)
+    assert weight_path.select(spec, priority)["path"] == path
+    untied, cal = k576
+    out = tmp_path / "q"
+    cfg = {"quantize": {**QCFG, "group_size": None, "eight_bit_budget": 0},
+           "device": spec, "priority": {"name": priority}}
+    quantize.run(ctx("quantize", out, cfg, {"untie_head": untied, "calibrate": cal}))
+    meta = json.loads((out / "quant.json").read_text())
+    sizes = {name: gptq.layer_group_size(meta, name) for name in meta["layers"]}
+    assert meta["layers"]["model.layers.0.self_attn.q_proj"]["in_features"] == 576
+    assert meta["layers"]["model.layers.0.mlp.down_proj"]["in_features"] == 256
+    for name, g in sizes.items():
+        k = meta["layers"][name]["in_features"]
+        want = head if name == "lm_head" else down if k == 256 else body
+        assert g == want, (name, k, g)
+    loaded = gptq.load_quantized(out)
+    assert tuple(loaded["model.layers.1.mlp.up_proj"][1].shape) == (256, 576 // body)
+    if path == "w4a8_gptq_vllm":  # one size for the model, recorded as the model's, the kernel's default beside it
+        assert meta["group_size"] == 64 and meta["group_size_default"] == 128
+        assert all("group_size" not in e for e in meta["layers"].values()) and "head_group_size" not in meta
+    else:  # the kernel's size stays the model's; the layers it does not divide record their own
+        assert meta["group_size"] == (256 if path == "w4_ort_matmulnbits" else 128)
+        assert "group_size_default" not in meta
+        assert meta["layers"]["model.layers.0.self_attn.q_proj"]["group_size"] == 64
+
+
+@pytest.mark.parametrize("device", ["galaxy_s25", "x86_avx2", "xeon_amx", "x86_avx512"])
+def test_an_explicit_group_size_that_does_not_divide_k_still_fails(k576, tmp_path, device):
+    from pipeline import devices
+    from stages import quantize
+
+    untied, cal = k576
+    cfg = {"quantize": {**QCFG, "group_size": 128, "eight_bit_budget": 0},
+           "device": devices.spec_sheet(device), "priority": {"name": "speed"}}
+    with pytest.raises(StageError, match=r"group_size=128 does not divide in_features K=576"):
+        quantize.run(ctx("quantize", tmp_path / "q", cfg, {"untie_head": untied, "calibrate": cal}))
+
+
+def test_the_model_wide_size_is_the_largest_dividing_every_k():
+    from stages import quantize
+
+    s = _quantize_settings("xeon_amx", "speed", group_size=None)
+    assert s["group_size_model_wide"] and s["head_follows_body"] and not s["group_size_by_kernel"]
+    layers = {"a": {"in_features": 576}, "b": {"in_features": 1536}, "lm_head": {"in_features": 576}}
+    assert quantize._model_group_size(layers, s) == 64
+    assert quantize._model_group_size({"a": {"in_features": 896}, "b": {"in_features": 4864}}, s) == 128
+    assert quantize._model_group_size({"a": {"in_features": 160}}, s) == 32
+    with pytest.raises(StageError, match=r"no group size <= 128 .* divides every in_features K .*40"):
+        quantize._model_group_size({"a": {"in_features": 40}}, s)
+    pinned = _quantize_settings("xeon_amx", "speed", group_size=128)
+    assert not pinned["group_size_model_wide"] and not pinned["group_size_by_kernel"]
+
+
+def test_the_null_sensitivity_windows_take_about_512_tokens_measured_from_the_hidden_states(tiny_untied, calibrated,
+                                                                                             tmp_path):
+    from stages import quantize
+
+    cal, _ = calibrated  # 16 windows x 32 tokens
+    out = tmp_path / "q"
+    quantize.run(ctx("quantize", out, {"quantize": {**QCFG, "eight_bit_budget": 0.3, "sensitivity_windows": None}},
+                     {"untie_head": tiny_untied, "calibrate": cal}))
+    rec = json.loads((out / "quant.json").read_text())["eight_bit"]
+    assert rec["windows"] == quantize.SENSITIVITY_TOKENS // 32 == 16 and rec["tokens"] == 512
+    assert rec["measured_by"] == "head_gram+prefix_replay"
+    assert rec["chosen"] and rec["snr_db"] > rec["snr_db_all_4bit"]
