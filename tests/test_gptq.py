@@ -125,6 +125,14 @@ def test_group_size_must_divide_k():
     assert quantize._layer_group_size("x", 256, s) == 128
 
 
+def test_row_slabs_give_the_same_codes(monkeypatch):
+    w, h = weights(300, 128), correlated_hessian(128)
+    whole = gptq.gptq_quantize(w, h, group_size=32, bits=8)
+    monkeypatch.setattr(gptq, "ROW_SLAB", 64)  # 300 rows: four slabs of 64 and one of 44
+    slabs = gptq.gptq_quantize(w, h, group_size=32, bits=8)
+    assert torch.equal(whole.qweight, slabs.qweight) and torch.equal(whole.scales, slabs.scales)
+
+
 def test_dead_columns_and_block_group_nesting():
     w, h = weights(32, 256), correlated_hessian(256)
     h[5, :] = 0
