@@ -56,6 +56,7 @@ CHOICES = {
     "calibrate.dataset": ("stdlib_docstrings_heldout",),  # stages/calibrate.py DATASETS
     "pack.tinygemm_prefill": ("dequant_packed", "deinterleave_once"),  # pipeline/int4_runtime.py PREFILL_MODES
     "benchmark.llamacpp": ("auto", "off"),
+    "parity.peers": ("auto", "off"),
     "benchmark.ortgenai": ("auto", "off"),
     "benchmark.huge_pages": ("auto", "off"),
     "quantize.scale_dtype": ("fp32", "fp16"),  # pipeline/gptq.py SCALE_DTYPES
@@ -310,7 +311,7 @@ def _check(c: dict, where) -> None:
     if q.get("eight_bit_budget") is not None and not 0 <= q["eight_bit_budget"] <= 1:
         raise ConfigError(f"{where('quantize.eight_bit_budget')}: quantize.eight_bit_budget="
                           f"{q['eight_bit_budget']} is a fraction of the 4-bit code bytes: 0 to 1, or null")
-    if q.get("sensitivity_windows", 1) < 1:
+    if q.get("sensitivity_windows") is not None and q["sensitivity_windows"] < 1:
         raise ConfigError(f"{where('quantize.sensitivity_windows')}: quantize.sensitivity_windows="
                           f"{q['sensitivity_windows']} must be at least 1")
     if not 0 <= q["damp"] < 1:

@@ -115,6 +115,10 @@ class ParityConfig:
     # (pipeline/model_facts.py): as many as keep ~1000 steps (all 12 on the
     # embedded model; 2 for a 512-token window, each run past it).
     max_prompts: Optional[int] = None
+    # llama.cpp's Q4_0 / Q4_K_M and onnxruntime-genai's int4 build of the same
+    # checkpoint, measured beside the artifact on the CPU 4-bit paths: auto runs
+    # each one that is installed (saying why one is skipped); off runs none.
+    peers: str = "auto"  # auto | off
     # The packed 4-bit artifact against the same fp32 eager model, per weight
     # path (keys as pipeline/weight_path.py names them). A path without an
     # entry cannot pass parity.
@@ -220,7 +224,9 @@ class QuantizeConfig:
     # measured on: one forward pass over them per unit, 4 units a layer (the
     # ~100M model: 32 passes over 512 tokens, ~50 s here; fewer windows for a
     # large model on a small host).
-    sensitivity_windows: int = 4
+    # null: as many windows as make ~512 tokens (the 4 x 128 the choice was
+    # tuned on): 4 on the embedded model, 1 for Gemma 3's 528-token windows.
+    sensitivity_windows: Optional[int] = None
 
 
 @dataclass

@@ -447,7 +447,9 @@ def _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, se
         "thresholds": checked,
         "per_prompt": per_prompt,
     }
-    if path in PEER_PATHS:
+    if path in PEER_PATHS and str(ctx.cfg.parity.get("peers", "auto")) == "off":
+        out["peers"] = {name: {"skipped": "not run: parity.peers=off"} for name in PEERS}
+    elif path in PEER_PATHS:
         out["peers"] = _peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds)
         figures = ("logits_snr_db", "greedy_match", "top1_agreement")
         out["versus_peers"] = {name: {k: round(metrics[k] - p["metrics"][k], 4) for k in figures}
@@ -457,6 +459,7 @@ def _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, se
 
 # The CPU 4-bit paths whose users would otherwise pick llama.cpp or onnxruntime-genai.
 PEER_PATHS = ("w4_ort_matmulnbits", "gguf_q4_0")
+PEERS = ("llamacpp_q4_0", "llamacpp_q4_k_m", "ortgenai_int4")
 
 
 def _peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds=None) -> dict:
