@@ -67,8 +67,11 @@ three scalar writes and one `run_with_iobinding`.
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import math
+import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -185,19 +188,157 @@ def _rope_caches(hf_model, max_len: int) -> dict[str, tuple[np.ndarray, np.ndarr
 # --------------------------------------------------------------------------
 
 
+# Initializers are never held as TensorProtos. On Gemma 3 270M (a 920 MB graph, 671 MB of it the fp32
+# embedding) the pack stage peaked at 6.46 GiB resident when they were: per tensor a numpy copy and its
+# raw bytes, make_graph's and make_model's copies of the list, SerializeToString's buffer, and the
+# checker's own serialization and parse of the in-memory model. Now each initializer is encoded once,
+# straight from its array (the embedding in row chunks), into a spill file next to the output as it is
+# built, and model.onnx is assembled from the node skeleton and that file (`_write_model`): the same
+# bytes (sha256), peak 2.12 GiB, of which building takes 1.31 and onnx.checker's read + parse of the
+# finished file the rest (measured: see build_gqa_graph).
+_SPILL = ".gqa_initializers.tmp"
+_SPILL_EXT = ".gqa_initializers_ext.tmp"
+_CHUNK_BYTES = 16 << 20
+# dtypes numpy_helper.from_array writes as plain little-endian raw_data (tobytes), which `_G.init`
+# then encodes itself; any other (strings, 4-bit, ...) goes through from_array.
+_RAW_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float16, np.float64, np.int8, np.uint8, np.int16,
+                                               np.uint16, np.int32, np.uint32, np.int64, np.uint64, np.bool_))
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _read_varint(buf, i: int) -> tuple[int, int]:
+    shift = value = 0
+    while True:
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, i
+        shift += 7
+
+
+def _split_fields(buf: bytes, number: int) -> tuple[bytes, bytes]:
+    """(the fields numbered below `number`, those above) of a serialized message, which holds no
+    field `number`. Protobuf writes a message's fields in field-number order, so that is a cut."""
+    i, cut = 0, None
+    while i < len(buf):
+        start = i
+        tag, i = _read_varint(buf, i)
+        field, wire = tag >> 3, tag & 7
+        if wire == 0:
+            _, i = _read_varint(buf, i)
+        elif wire == 1:
+            i += 8
+        elif wire == 2:
+            n, i = _read_varint(buf, i)
+            i += n
+        elif wire == 5:
+            i += 4
+        else:
+            raise GqaGraphError(f"serialized message: wire type {wire} of field {field}")
+        if field == number or (field < number and cut is not None):
+            raise GqaGraphError(f"serialized message: field {field} where field {number} goes")
+        if field > number and cut is None:
+            cut = start
+    cut = len(buf) if cut is None else cut
+    return buf[:cut], buf[cut:]
+
+
+def _records(path: Path):
+    """The serialized TensorProtos of a spill file of GraphProto.initializer (field 5) records."""
+    with open(path, "rb") as f:
+        while True:
+            tag = f.read(1)
+            if not tag:
+                return
+            n = shift = 0
+            while True:
+                b = f.read(1)[0]
+                n |= (b & 0x7F) << shift
+                shift += 7
+                if not b & 0x80:
+                    break
+            yield f.read(n)
+
+
 class _G:
-    def __init__(self):
-        self.nodes, self.inits, self._names = [], [], set()
+    """Nodes in memory; initializers streamed, each as GraphProto field 5 (`initializer`) bytes, to
+    `spill` (removed by `discard`)."""
+
+    def __init__(self, spill):
+        self.nodes, self._names = [], set()
         self._consts: dict[tuple, str] = {}
+        self.init_bytes = 0  # the initializers' data bytes
+        self.spill = Path(spill)
+        self._f = open(self.spill, "wb")
 
     def init(self, name: str, arr: np.ndarray) -> str:
+        arr = np.asarray(arr)
+        if arr.dtype in _RAW_DTYPES and sys.byteorder == "little":
+            return self.init_chunks(name, arr.shape, arr.dtype, [arr])
         from onnx import numpy_helper
 
+        self._claim(name)
+        t = numpy_helper.from_array(np.array(arr, order="C"), name)  # keeps 0-d
+        self._record(t.SerializeToString())
+        self.init_bytes += arr.nbytes
+        return name
+
+    def init_chunks(self, name: str, shape, dtype, chunks) -> str:
+        """The tensor `shape` / `dtype` whose C-order bytes are those of `chunks` (arrays) one after
+        another: the bytes numpy_helper.from_array(full array, name).SerializeToString() gives (dims,
+        data_type, name, raw_data: fields 1, 2, 8, 9 in that order), without the full array."""
+        from onnx import TensorProto, helper
+
+        dtype = np.dtype(dtype)
+        if dtype not in _RAW_DTYPES or sys.byteorder != "little":
+            raise GqaGraphError(f"{name}: {dtype} is not written as raw little-endian data")
+        self._claim(name)
+        head = TensorProto()
+        head.dims.extend(int(d) for d in shape)
+        if name:
+            head.name = name
+        head.data_type = helper.np_dtype_to_tensor_dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        prefix = head.SerializeToString() + b"\x4a" + _varint(nbytes)  # field 9 (raw_data), length-delimited
+        self._f.write(b"\x2a" + _varint(len(prefix) + nbytes) + prefix)
+        written = 0
+        for c in chunks:
+            c = np.ascontiguousarray(c, dtype=dtype).reshape(-1)
+            self._f.write(c.view(np.uint8))
+            written += c.nbytes
+        if written != nbytes:
+            raise GqaGraphError(f"{name}: {written} bytes written for a tensor of {nbytes}")
+        self.init_bytes += nbytes
+        return name
+
+    def _claim(self, name: str) -> None:
         if name in self._names:
             raise GqaGraphError(f"duplicate initializer {name}")
         self._names.add(name)
-        self.inits.append(numpy_helper.from_array(np.array(arr, order="C"), name))  # keeps 0-d
-        return name
+
+    def _record(self, tensor_bytes: bytes) -> None:
+        self._f.write(b"\x2a" + _varint(len(tensor_bytes)) + tensor_bytes)
+
+    def finish(self) -> Path:
+        self._f.close()
+        return self.spill
+
+    def discard(self) -> None:
+        self._f.close()
+        for p in (self.spill, self.spill.with_name(_SPILL_EXT)):
+            p.unlink(missing_ok=True)
 
     def const_i64(self, values) -> str:
         key = ("i64", tuple(np.atleast_1d(values).tolist()), np.ndim(values))
@@ -212,6 +353,45 @@ class _G:
         return outs[0] if len(outs) == 1 else outs
 
 
+def _write_model(model, g: _G, path: Path, external: bool, data_name: str, size_threshold: int = 1024) -> None:
+    """Write `model` (a ModelProto whose graph has no initializers) with g's initializers to `path`: the
+    bytes onnx.save_model(model with them, path, save_as_external_data=external,
+    all_tensors_to_one_file=True, location=data_name, size_threshold) writes, one tensor in memory at a
+    time. Protobuf writes fields in number order, so the file is the model's fields below 7 (graph),
+    the graph's tag and length, its fields below 5 (node, name), the initializers, its fields above 5
+    (input, output, ...), then the model's fields above 7 (opset_import, ...)."""
+    from onnx import ModelProto, TensorProto
+    from onnx import external_data_helper as edh
+
+    inits = g.finish()
+    if external:  # what convert_model_to_external_data + write_external_data_tensors do, tensor by tensor
+        ext = inits.with_name(_SPILL_EXT)
+        with open(ext, "wb") as out:
+            for rec in _records(inits):
+                t = TensorProto.FromString(rec)
+                del rec
+                if t.HasField("raw_data") and sys.getsizeof(t.raw_data) >= size_threshold:
+                    edh.set_external_data(t, data_name)
+                    edh.save_external_data(t, str(path.parent))
+                    t.ClearField("raw_data")
+                b = t.SerializeToString()
+                out.write(b"\x2a" + _varint(len(b)) + b)
+        inits.unlink()
+        inits = ext
+    graph_head, graph_tail = _split_fields(model.graph.SerializeToString(), 5)
+    shell = ModelProto()
+    shell.CopyFrom(model)
+    shell.ClearField("graph")
+    model_head, model_tail = _split_fields(shell.SerializeToString(), 7)
+    graph_len = len(graph_head) + inits.stat().st_size + len(graph_tail)
+    with open(path, "wb") as f:
+        f.write(model_head + b"\x3a" + _varint(graph_len) + graph_head)  # field 7, length-delimited
+        with open(inits, "rb") as src:
+            shutil.copyfileobj(src, f, _CHUNK_BYTES)
+        f.write(graph_tail + model_tail)
+    inits.unlink()
+
+
 def _nbits(g: _G, x: str, name: str, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]],
            out: str, accuracy_level: int, biases: list | None = None, bits: int = 4) -> tuple[str, dict]:
     """MatMulNBits of the concatenation (along N) of `parts` (q, s, z, group) from read_quant.
@@ -222,9 +402,9 @@ def _nbits(g: _G, x: str, name: str, parts: list[tuple[np.ndarray, np.ndarray, n
     ks = {p[0].shape[1] for p in parts}
     if len(groups) != 1 or len(ks) != 1:
         raise GqaGraphError(f"{name}: cannot fuse layers with group sizes {sorted(groups)} / K {sorted(ks)}")
-    q = np.concatenate([p[0] for p in parts], axis=0)
-    s = np.concatenate([p[1] for p in parts], axis=0)
-    z = np.concatenate([p[2] for p in parts], axis=0)
+    # one part: its own arrays (np.concatenate would copy them: the head's codes are 168 MB on Gemma 3)
+    q, s, z = ((parts[0][0], parts[0][1], parts[0][2]) if len(parts) == 1 else
+               (np.concatenate([p[i] for p in parts], axis=0) for i in range(3)))
     gs = groups.pop()
     n, k = q.shape
     b, sc, zp = L.to_matmulnbits(q, s, z, gs, bits=bits)
@@ -243,7 +423,8 @@ def _nbits(g: _G, x: str, name: str, parts: list[tuple[np.ndarray, np.ndarray, n
 
 def _linear(g, x, prefix, names, layers, out, acc, fuse, records, bias_of=lambda name: None, widths=None):
     """One fused MatMulNBits for `names` (or one each, concatenated by the caller).
-    `widths`: {layer: bits} (quant.json's; 4 where absent)."""
+    `widths`: {layer: bits} (quant.json's; 4 where absent). Each layer's codes leave `layers` once
+    packed (their memory goes as the graph is built)."""
     missing = [n for n in names if n not in layers]
     if missing:
         raise GqaGraphError(f"the quantize stage has no codes for {', '.join(missing)}")
@@ -254,11 +435,14 @@ def _linear(g, x, prefix, names, layers, out, acc, fuse, records, bias_of=lambda
         o, rec = _nbits(g, x, prefix, [layers[n] for n in names], out, acc, [bias_of(n) for n in names],
                         bits=bits[names[0]])
         records[prefix] = {**rec, "layers": list(names)}
+        for n in names:
+            del layers[n]
         return [o]
     outs = []
     for n in names:
         o, rec = _nbits(g, x, n, [layers[n]], f"{out}.{n.rsplit('.', 1)[-1]}", acc, [bias_of(n)], bits=bits[n])
         records[n] = {**rec, "layers": [n]}
+        del layers[n]
         outs.append(o)
     return outs
 
@@ -279,23 +463,41 @@ def build_gqa_graph(untied_dir, quant_dir, out_dir, max_len: int, accuracy_level
     activations, the fast CPU path; 0 = fp32). `options` override
     DEFAULT_OPTIONS. Returns node/op counts, bytes (file, weights by kind, KV),
     the per-layer plan and the MatMulNBits records (which layers each fuses).
+
+    Memory: the initializers stream to disk as they are built (`_G`), each
+    layer's codes are dropped once packed, and the HF model (its mapped
+    weights) is released before the file is checked. Gemma 3 270M (920 MB
+    graph, pack stage run alone, ru_maxrss): 6.46 GiB before that, 2.12 GiB
+    after: 1.31 GiB while building (the quantize codes, the embedding's mapped
+    pages, 16 MB row chunks), then onnx.checker reading and parsing the file
+    (~1.8x its size on a 0.48 GiB base).
     """
-    import onnx
-    import torch
-    from onnx import TensorProto, helper
-
-    from pipeline.int4_runtime import read_quant
-
     opts = {**DEFAULT_OPTIONS, **options}
     unknown = set(opts) - set(DEFAULT_OPTIONS)
     if unknown:
         raise GqaGraphError(f"unknown build options {sorted(unknown)}")
     if max_len < 1:
         raise GqaGraphError(f"max_len must be >= 1, got {max_len}")
-    t0 = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    g = _G(out_dir / _SPILL)
+    try:
+        return _build(g, untied_dir, quant_dir, out_dir, max_len, accuracy_level, opts)
+    finally:
+        g.discard()
+
+
+def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_level: int,
+           opts: dict[str, Any]) -> dict[str, Any]:
+    import onnx
+    import torch
+    from onnx import TensorProto, helper
+
+    from pipeline.int4_runtime import read_quant
+
+    t0 = time.perf_counter()
     meta, layers = read_quant(quant_dir, bits=(4, 8))  # MatMulNBits takes 8-bit blocks too (an 8-bit head)
+    quantized = set(layers)  # `_linear` takes each layer's codes out of `layers` once packed
     widths = {n: int(info.get("bits", 4)) for n, info in meta["layers"].items()}
     linear = functools.partial(_linear, widths=widths)
     model = load_hf_model(untied_dir)
@@ -331,7 +533,6 @@ def build_gqa_graph(untied_dir, quant_dir, out_dir, max_len: int, accuracy_level
         v = w(norm.weight)
         return (1.0 + v).astype(np.float32) if gemma else v
 
-    g = _G()
     records: dict[str, Any] = {}
     S = "S"
     # Embedding (scaled in the weight dtype, as HF's Gemma3TextScaledWordEmbedding does).
@@ -340,9 +541,16 @@ def build_gqa_graph(untied_dir, quant_dir, out_dir, max_len: int, accuracy_level
     scale = getattr(emb, "embed_scale", None)
     scale_f = float(scale.to(emb.weight.dtype).to(torch.float32)) if scale is not None else 1.0
     if opts["embedding"] == "fp32":
-        if scale is not None:
-            table = table * scale.to(emb.weight.dtype).to(torch.float32)
-        g.init("embed_tokens", table.numpy())
+        # scaled and written a row chunk at a time: no second [V, H] fp32 table (671 MB on Gemma 3)
+        mul = scale.to(emb.weight.dtype).to(torch.float32) if scale is not None else None
+        step = max(1, _CHUNK_BYTES // max(1, table[0].numel() * 4))
+
+        def rows():
+            for r in range(0, table.shape[0], step):
+                c = table[r:r + step]
+                yield (c * mul if mul is not None else c).numpy()
+
+        g.init_chunks("embed_tokens", tuple(table.shape), np.float32, rows())
         h = g.node("Gather", ["embed_tokens", "input_ids"], ["h_0"], "embed", axis=0)  # [1, S, H]
         emb_bytes = int(table.numel() * 4)
     elif opts["embedding"] == "head_q4":
@@ -526,28 +734,29 @@ def build_gqa_graph(untied_dir, quant_dir, out_dir, max_len: int, accuracy_level
         inputs += [vi(f"past_key_{i}", TensorProto.FLOAT, kv_shape), vi(f"past_value_{i}", TensorProto.FLOAT, kv_shape)]
         outputs += [vi(f"present_key_{i}", TensorProto.FLOAT, kv_shape),
                     vi(f"present_value_{i}", TensorProto.FLOAT, kv_shape)]
-    graph = helper.make_graph(g.nodes, f"{family}_gqa", inputs, outputs, g.inits)
+    # the initializers are in g's spill file (model.onnx gets them in this order: `_write_model`)
+    graph = helper.make_graph(g.nodes, f"{family}_gqa", inputs, outputs, [])
     onnx_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
                                    producer_name="edgekiln.gqa_graph")
     onnx_model.ir_version = 11
 
-    unused = sorted(set(layers) - {n for r in records.values() for n in r["layers"]})
+    unused = sorted(quantized - {n for r in records.values() for n in r["layers"]})
     if unused:
         raise GqaGraphError(f"quantized layers the graph does not use: {', '.join(unused[:8])}")
 
+    # The HF model (its mapped weights: the embedding's pages were read) is not needed past here.
+    gen_cfg = getattr(model, "generation_config", None)
+    model = base = attn0 = emb = table = scale = layer = attn = mlp_norm = None  # noqa: F841 (every module ref)
+    gc.collect()
+
     onnx_path = out_dir / "model.onnx"
     data_name = "model.onnx.data"
-    n_bytes = sum(int(np.prod(t.dims)) * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
-                  for t in g.inits)
-    external = n_bytes > _EXTERNAL_DATA_BYTES
+    external = g.init_bytes > _EXTERNAL_DATA_BYTES
     for stale in (onnx_path, out_dir / data_name):
         stale.unlink(missing_ok=True)
-    onnx.save_model(onnx_model, str(onnx_path), save_as_external_data=external, all_tensors_to_one_file=True,
-                    location=data_name, size_threshold=1024)
+    _write_model(onnx_model, g, onnx_path, external, data_name, size_threshold=1024)
     if opts["norm_op"] == "RMSNormalization":  # the checker does not know ORT's SimplifiedLayerNormalization
-        onnx.checker.check_model(str(onnx_path) if external else onnx_model, full_check=False)
-
-    gen_cfg = getattr(model, "generation_config", None)
+        onnx.checker.check_model(str(onnx_path), full_check=False)  # from the file: no in-memory copy
 
     def _io(v):
         dims = [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]

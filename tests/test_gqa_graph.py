@@ -481,3 +481,68 @@ def test_embedded_build_matches_dequantized_model(tmp_path):
     assert (ref.argmax(-1) == got.argmax(-1)).all()
     dec.reset()
     assert snr_db(ref[-1], dec.prefill(ids)) > 100.0
+
+
+# --------------------------------------------------------------------------
+# the streamed model file (pack's memory: gqa_graph._G / _write_model)
+# --------------------------------------------------------------------------
+
+
+def test_initializers_are_encoded_as_from_array_serializes_them(tmp_path):
+    from onnx import TensorProto, numpy_helper
+
+    from pipeline import gqa_graph
+
+    rng = np.random.default_rng(0)
+    arrays = {"f32": rng.standard_normal((5, 7)).astype(np.float32), "scalar": np.asarray(3.5, np.float32),
+              "i64": np.asarray([0, -1, 2**40], np.int64), "u8": rng.integers(0, 255, (4, 3, 2), dtype=np.uint8),
+              "f16": rng.standard_normal(9).astype(np.float16), "bool": np.asarray([True, False]),
+              "empty": np.zeros((0, 4), np.float32), "strided": rng.standard_normal((6, 6)).astype(np.float32)[:, ::2]}
+    g = gqa_graph._G(tmp_path / "spill")
+    for name, a in arrays.items():
+        g.init(name, a)
+    big = rng.standard_normal((37, 5)).astype(np.float32)
+    g.init_chunks("chunked", big.shape, np.float32, (big[r:r + 8] for r in range(0, 37, 8)))
+    got = list(gqa_graph._records(g.finish()))
+    want = [numpy_helper.from_array(np.array(a, order="C"), n).SerializeToString() for n, a in arrays.items()]
+    want.append(numpy_helper.from_array(big, "chunked").SerializeToString())
+    assert got == want
+    assert np.array_equal(numpy_helper.to_array(TensorProto.FromString(got[-1])), big)
+    assert g.init_bytes == sum(a.nbytes for a in arrays.values()) + big.nbytes
+    g.discard()
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name,options", [("gemma3", {}), ("qwen3", {"fuse_qkv": False, "fuse_gate_up": False})])
+def test_model_file_is_what_onnx_save_model_writes(ckpts, name, options):
+    """model.onnx is assembled from the node skeleton and the spilled initializers: byte for byte what
+    serializing the whole ModelProto gives (onnx.save_model of it), and nothing else is left behind."""
+    out = _graph(ckpts(name), 0, "_stream" + "".join(options), **options)
+    path = out / "model.onnx"
+    model = onnx.load(str(path))
+    assert len(model.graph.initializer) > 10 and model.graph.initializer[0].name == "embed_tokens"
+    assert path.read_bytes() == model.SerializeToString()
+    onnx.checker.check_model(model)
+    assert sorted(p.name for p in out.iterdir()) == ["facts.json", "io.json", "model.onnx"]
+
+
+def test_external_data_is_what_onnx_save_model_writes(ckpts, tmp_path, monkeypatch):
+    """Past the external-data size the tensors go, one at a time, where onnx.save_model(...,
+    save_as_external_data=True, size_threshold=1024) puts them: the same two files; the logits unchanged."""
+    from pipeline import gqa_graph
+
+    ck = ckpts("gemma3")
+    inline = _graph(ck, 0)
+    monkeypatch.setattr(gqa_graph, "_EXTERNAL_DATA_BYTES", 0)
+    out = tmp_path / "ext"
+    facts = build_gqa_graph(ck["hf"], ck["quant"], out, max_len=MAX_LEN, accuracy_level=0)
+    assert facts["external_data"] and (out / "model.onnx.data").is_file()
+    assert sorted(p.name for p in out.iterdir()) == ["io.json", "model.onnx", "model.onnx.data"]
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    onnx.save_model(onnx.load(str(inline / "model.onnx")), str(ref / "model.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=1024)
+    for f in ("model.onnx", "model.onnx.data"):
+        assert (out / f).read_bytes() == (ref / f).read_bytes(), f
+    ids = _seq(12)
+    assert np.array_equal(_steps(GqaDecoder(out, threads=1), ids), _steps(GqaDecoder(inline, threads=1), ids))
