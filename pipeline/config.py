@@ -328,6 +328,10 @@ def _check(c: dict, where) -> None:
             f"{where('calibrate.min_samples')}: calibrate.min_samples={cal['min_samples']} "
             f"exceeds calibrate.samples={cal['samples']}"
         )
+    bp = c["benchmark"].get("baseline_passes")
+    if bp is not None and bp < 1:  # above benchmark.passes it is every pass
+        raise ConfigError(f"{where('benchmark.baseline_passes')}: benchmark.baseline_passes={bp} must be at "
+                          f"least 1 (or null: every pass)")
     noise = c["benchmark"]["noise_floor"]
     if not 0 <= noise < 1:
         raise ConfigError(f"{where('benchmark.noise_floor')}: benchmark.noise_floor={noise} must be in [0, 1)")

@@ -143,3 +143,17 @@ def test_step_snr_series_bins_finite_values():
     assert [s[0] for s in series] == [0.0, 8.0]
     first = series[0]
     assert first[2] == 30.0 and first[3] == 44.0  # min, max over prompts and steps; "inf" skipped
+
+
+def test_fp32_baselines_run_in_the_first_baseline_passes_only():
+    from stages.benchmark import pass_order
+
+    arms = ["ort_int4", "onnx_fp32", "torch_eager_fp32", "llamacpp_q4_k_m"]
+    order, n = pass_order(arms, 5, 2)
+    assert n == 2
+    runs = {a: [p for p, arm in order if arm == a] for a in arms}
+    assert runs["ort_int4"] == runs["llamacpp_q4_k_m"] == [0, 1, 2, 3, 4]
+    assert runs["onnx_fp32"] == runs["torch_eager_fp32"] == [0, 1]
+    assert order[:4] == [(0, a) for a in arms]  # still interleaved A B A B
+    assert pass_order(arms, 3, None) == ([(p, a) for p in range(3) for a in arms], 3)
+    assert pass_order(arms, 1, 2)[1] == 1
