@@ -23,7 +23,7 @@ import logging
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -134,22 +134,42 @@ def qdq_quantize(model: Path, out: Path, samples: Iterable[dict[str, np.ndarray]
                  overrides: dict[str, list[dict]]) -> dict[str, Any]:
     """Calibrated QDQ for the HTP with ONNX Runtime's QNN quantization config:
     16-bit activations (asymmetric uint16), per-channel symmetric 8- or 4-bit
-    weights, min/max ranges from `samples` (real decode-step inputs)."""
+    weights, min/max ranges from `samples` (real decode-step inputs).
+
+    `samples` is consumed lazily, one at a time, as the calibrator asks for it
+    (pass a generator: decode_samples). Holding them would not fit: a sample
+    is the step's whole input, every layer's KV cache included, e.g. Gemma 3
+    270M at 1024 positions (15 sliding layers x 511 + 3 full x 1024, K and V,
+    256 floats) ~ 22 MB a sample, x 1024 samples ~ 22 GB. ONNX Runtime's
+    MinMax calibrator (the method get_qnn_qdq_config picks) keeps per sample
+    only the ReduceMin/ReduceMax scalars it adds to the graph (the model's own
+    outputs are dropped as None), so streaming bounds the calibration's memory
+    to one sample plus the two sessions. (Its CalibMaxIntermediateOutputs
+    option is no help: in onnxruntime 1.32 it clears the collected outputs
+    without folding them into the ranges.)"""
     from onnxruntime.quantization import CalibrationDataReader, QuantType, quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
     if precision not in ("w8a16", "w4a16"):
         raise ValueError(f"no QDQ recipe for precision {precision!r}")
-    feeds = list(samples)
-    if not feeds:
+    it = iter(samples)
+    first = next(it, None)
+    if first is None:
         raise QnnError("QDQ calibration got no samples")
+    count = [0]
 
     class Reader(CalibrationDataReader):
         def __init__(self):
-            self._it = iter(feeds)
+            self._first = first
 
         def get_next(self):
-            return next(self._it, None)
+            if self._first is not None:
+                feed, self._first = self._first, None
+            else:
+                feed = next(it, None)
+            if feed is not None:
+                count[0] += 1
+            return feed
 
     weight = QuantType.QUInt8 if precision == "w8a16" else QuantType.QInt4
     cfg = get_qnn_qdq_config(str(model), Reader(), activation_type=QuantType.QUInt16, weight_type=weight,
@@ -166,9 +186,8 @@ def qdq_quantize(model: Path, out: Path, samples: Iterable[dict[str, np.ndarray]
     finally:
         root.setLevel(level)
     return {"activation_type": "uint16", "weight_type": weight.name.lower(), "per_channel": True,
-            "calibration_method": "MinMax", "samples": len(feeds),
+            "calibration_method": "MinMax", "samples": count[0], "streamed": True,
             "range_overrides": sorted(overrides), "quantize_s": round(time.perf_counter() - t0, 3)}
-
 
 
 def calibration_sequences(token_ids: np.ndarray, context_length: int, n: int) -> list[list[int]]:
@@ -180,15 +199,22 @@ def calibration_sequences(token_ids: np.ndarray, context_length: int, n: int) ->
     return [s for s in seqs if len(s) >= 2]
 
 
-def decode_samples(decoder, sequences: list[list[int]], stride: int, advance=lambda: None) -> list[dict]:
-    """QDQ calibration samples: `decoder` (an OnnxDecoder) decodes each
-    sequence; the inputs of every `stride`-th step are kept."""
-    samples = []
+def calibration_plan(context_length: int, sequences: int, step_budget: int) -> int:
+    """How many context-length calibration sequences to decode: at most
+    `sequences`, at most `step_budget` decode steps in all, never fewer than
+    one. Each sequence runs the whole context, so positions past a sliding
+    window (the ring's wrap) are calibrated whatever the budget."""
+    return max(1, min(int(sequences), int(step_budget) // max(1, int(context_length))))
+
+
+def decode_samples(decoder, sequences: list[list[int]], stride: int, advance=lambda: None) -> Iterator[dict]:
+    """QDQ calibration samples, yielded one at a time (see qdq_quantize):
+    `decoder` (an OnnxDecoder) decodes each sequence; the inputs of every
+    `stride`-th step are a sample."""
     for seq in sequences:
         decoder.reset()
         for pos, tok in enumerate(seq):
             if pos % stride == 0:
-                samples.append(decoder.next_inputs(tok))
+                yield decoder.next_inputs(tok)
             decoder.step(tok)
             advance()
-    return samples

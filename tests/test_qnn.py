@@ -118,6 +118,7 @@ def test_phone_build_end_to_end_compiles_once_and_verifies_on_the_htp(tmp_path):
     assert npu["rewrites"]["rms_norms_fused"] > 0 and npu["rewrites"]["rope_tables"] > 0
     assert npu["rewrite_check"]["worst_snr_db"] >= 100
     assert npu["graphs"]["w8a16"]["samples"] > 0 and npu["graphs"]["w8a16"]["activation_type"] == "uint16"
+    assert npu["graphs"]["w8a16"]["samples"] == npu["calibration"]["samples"] and npu["graphs"]["w8a16"]["streamed"]
 
     parity = json.loads((build / "verify_parity" / "report.json").read_text())
     assert parity["metrics"]["logits_snr_db"] >= 100  # the fp32 export against eager
@@ -127,6 +128,9 @@ def test_phone_build_end_to_end_compiles_once_and_verifies_on_the_htp(tmp_path):
     w8 = art["precisions"]["w8a16"]["metrics"]
     assert fp16["logits_snr_db"] >= 40 and w8["logits_snr_db"] >= 30, (fp16, w8)
     assert fp16["top1_agreement"] >= 0.98 and w8["top1_agreement"] >= 0.95
+    assert set(art["precisions"]["w8a16"]["parts"]) == {"full"} and art["precisions"]["w8a16"]["prompts"] == 2
+    assert art["precisions"]["fp16"]["prompts"] == 1 and fp16["steps"] < w8["steps"]
+    assert {"qnn_w8a16", "qnn_fp16", "qnn_w8a16_load"} <= set(parity["seconds"])
 
     profile = json.loads((build / "deploy_profile" / "qnn.json").read_text())
     assert profile["context_binary"]["model"] == "../compile_qnn/w8a16/model_ctx.onnx"
@@ -180,3 +184,79 @@ def test_qdq_quantize_calibrates_16_bit_activations_and_n_bit_weights(tmp_path, 
     assert snr > (30 if bits == 8 else 12), snr
     if qnn.missing() is None:  # and the HTP takes it
         qnn.compile_context(tmp_path / "q.onnx", tmp_path / "ctx", S25, precision)
+
+
+def _tiny_matmul(tmp_path, rng):
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = rng.standard_normal((32, 16)).astype(np.float32)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16])
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g", [x], [y],
+                          [numpy_helper.from_array(w, "w")])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), str(tmp_path / "f.onnx"))
+    return tmp_path / "f.onnx"
+
+
+def test_qdq_calibration_streams_its_samples_one_at_a_time(tmp_path):
+    """A real model's sample is ~22 MB (its KV caches): they are made as the
+    calibrator asks for them and dropped after, never all held."""
+    import gc
+    import weakref
+
+    rng = np.random.default_rng(1)
+    model = _tiny_matmul(tmp_path, rng)
+    alive = []
+    most = [0]
+
+    def samples():
+        for _ in range(40):
+            gc.collect()
+            most[0] = max(most[0], sum(r() is not None for r in alive))
+            x = rng.standard_normal((1, 32)).astype(np.float32)
+            alive.append(weakref.ref(x))
+            yield {"x": x}
+
+    facts = qnn.qdq_quantize(model, tmp_path / "q.onnx", samples(), "w8a16", {})
+    assert facts["samples"] == 40 and facts["streamed"]
+    assert most[0] <= 2, f"{most[0]} calibration samples were alive at once"
+
+
+def test_qdq_calibration_with_no_samples_is_a_failure(tmp_path):
+    model = _tiny_matmul(tmp_path, np.random.default_rng(2))
+    with pytest.raises(qnn.QnnError, match="no samples"):
+        qnn.qdq_quantize(model, tmp_path / "q.onnx", iter(()), "w8a16", {})
+
+
+def test_calibration_steps_are_bounded_by_whole_context_sequences():
+    # Gemma 3 270M: a 1024 context, 4 sequences asked, 1024 steps: one whole context (past its 512 window).
+    assert qnn.calibration_plan(1024, 4, 1024) == 1
+    # The embedded model's short context keeps all four.
+    assert qnn.calibration_plan(256, 4, 1024) == 4
+    # A budget under one context still runs one whole sequence; never more than asked.
+    assert qnn.calibration_plan(4096, 4, 1024) == 1
+    assert qnn.calibration_plan(64, 4, 10_000) == 4
+
+
+def test_decode_samples_is_lazy_and_samples_every_stride_th_step():
+    class Dec:
+        def __init__(self):
+            self.position, self.steps = 0, []
+
+        def reset(self):
+            self.position = 0
+
+        def next_inputs(self, tok):
+            return {"tok": tok, "pos": self.position}
+
+        def step(self, tok):
+            self.steps.append(tok)
+            self.position += 1
+
+    dec = Dec()
+    gen = qnn.decode_samples(dec, [[1, 2, 3, 4, 5], [6, 7, 8]], 2)
+    assert dec.steps == []  # nothing decoded before a sample is asked for
+    got = list(gen)
+    assert [(s["tok"], s["pos"]) for s in got] == [(1, 0), (3, 2), (5, 4), (6, 0), (8, 2)]
+    assert dec.steps == [1, 2, 3, 4, 5, 6, 7, 8]
