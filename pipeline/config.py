@@ -332,6 +332,10 @@ def _check(c: dict, where) -> None:
     if bp is not None and bp < 1:  # above benchmark.passes it is every pass
         raise ConfigError(f"{where('benchmark.baseline_passes')}: benchmark.baseline_passes={bp} must be at "
                           f"least 1 (or null: every pass)")
+    for key in ("parity.qnn_steps", "parity.qnn_short_steps", "pack.qnn_calibration_steps"):
+        v = _get(c, key)
+        if v is not None and (isinstance(v, bool) or v < 2):
+            raise ConfigError(f"{where(key)}: {key}={v} must be at least 2 (or null: derived)")
     noise = c["benchmark"]["noise_floor"]
     if not 0 <= noise < 1:
         raise ConfigError(f"{where('benchmark.noise_floor')}: benchmark.noise_floor={noise} must be in [0, 1)")

@@ -127,6 +127,13 @@ class ParityConfig:
     # (seconds per step on a real model), over the first qnn_prompts prompts.
     # null: 4, or 1 where a prompt's run passes 128 steps (a large window).
     qnn_prompts: Optional[int] = None
+    # HTP steps a prompt for the deployed precision (null: 96; Gemma 3 270M's
+    # w8a16 costs ~9-10 s a step on the emulation): the whole run when it fits,
+    # else a cold run from position 0 and one across the first sliding-window
+    # wrap (from the fp32 export's prefilled cache), both gated.
+    qnn_steps: Optional[int] = None
+    # The other precisions: the first prompt only, cut to this many steps (null: 48).
+    qnn_short_steps: Optional[int] = None
 
 
 @dataclass
@@ -259,6 +266,10 @@ class PackConfig:
     # (calibrate stage) joined into sequences as long as the export's context;
     # every `stride`-th step's inputs are one calibration sample.
     qnn_calibration_sequences: int = 4
+    # At most this many decode steps of QDQ calibration, in whole-context
+    # sequences (so positions past the window's wrap are calibrated). null: 1024
+    # (one sequence on Gemma 3 270M at context 1024, four on the embedded model).
+    qnn_calibration_steps: Optional[int] = None
     qnn_calibration_stride: int = 4
     # llama.cpp devices (weight path gguf_q4_0): the GGUF's token embedding,
     # which GPTQ does not touch: `keep` it as llama.cpp's converter wrote it
