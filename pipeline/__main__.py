@@ -3,14 +3,19 @@
     python -m pipeline                         # device=auto: this machine, embedded model
     python -m pipeline device=galaxy_s25       # a cross-build for another device class
     python -m pipeline model=hf model.path=/abs/ckpt device=x86_avx512
+    python -m pipeline model=gguf model.path=/abs/model.gguf   # a GGUF file, dequantized to fp32
+    python -m pipeline model=gemma3_270m       # Gemma 3 270M (pip install -e '.[models]')
     python -m pipeline --cfg                   # print the composed config, build nothing
     python -m pipeline -m device=xeon_amx,x86_avx512,galaxy_s25   # a sweep, built in parallel
     python -m pipeline generate BUILD "prompt" # stream text from a built artifact
     python -m pipeline --help
 
-Overrides are Hydra's (`group=option`, `section.key=value`). The build is
-registered as builds/<build.name>.yaml, dvc.yaml is regenerated, and DVC runs
-what is out of date: nothing, when nothing changed.
+Overrides are Hydra's (`group=option`, `section.key=value`). Settings left null
+follow the model (context length, parity and calibration lengths: past its
+sliding window); an explicit one that cannot exercise it is refused before any
+stage runs. The build is registered as builds/<build.name>.yaml, dvc.yaml is
+regenerated, and DVC runs what is out of date: nothing, when nothing changed.
+The summary lists each stage's time and peak memory.
 """
 
 from __future__ import annotations
