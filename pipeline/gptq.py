@@ -341,9 +341,41 @@ def _gptq_rows(w, u, d, codes, scales, zeros, g, block_size, sym, scale_search, 
         w[:, i2:] -= err1 @ u[i1:i2, i2:]
 
 
+def on_grid(w: torch.Tensor, group_size: int, scale_dtype: str = "fp32", bits: int = BITS) -> Quantized | None:
+    """The symmetric scale-searched codes of a weight that already lies exactly on the grid, or None.
+
+    A GGUF-origin checkpoint's tensors can: Gemma 3 270M's token embedding is Q8_0 (int8
+    codes, one scale per 32), so its untied head at 8 bits g32 is exact at scale absmax / 127.
+    Then the search (32 candidates a group) and GPTQ (error feedback of zero) can only return
+    these codes: of the candidates, only m = 1.0 reproduces a row whose absmax is not zero
+    (every smaller scale clamps the absmax element, the plain absmax / (maxq / 2) rounds it
+    past the grid), and an all-zero row is exact under the first, plain, one. Same bytes, in
+    a fraction of a second where GPTQ of the 262144 x 640 head took ~2 minutes here."""
+    tiny = torch.finfo(torch.float32).tiny
+    maxq, sym_zero = _grid(bits)
+    n, k = w.shape
+    if k % group_size:
+        return None
+    wg = w.detach().float().reshape(n, k // group_size, group_size)
+    amax = wg.abs().amax(dim=2).clamp_min(tiny)
+    plain = round_scale(amax / (maxq / 2), scale_dtype)
+    exact = round_scale((amax * (1.0 / (sym_zero - 1))).clamp_min(tiny), scale_dtype)
+    scale = torch.where(amax <= tiny, plain, exact)
+    codes = torch.clamp(torch.round(wg / scale[..., None]) + sym_zero, 0, maxq)
+    if not torch.equal((codes - sym_zero) * scale[..., None], wg):
+        return None
+    return Quantized(qweight=codes.reshape(n, k).to(torch.uint8), scales=scale.float(),
+                     zeros=torch.full((n, k // group_size), sym_zero, dtype=torch.uint8), group_size=group_size)
+
+
 def quantize_weight(w: torch.Tensor, h: torch.Tensor | None, *, method: str = "gptq", group_size: int = 128,
                     sym: bool = True, scale_search: bool = True, damp: float = 0.01, block_size: int = 128,
                     scale_dtype: str = "fp32", bits: int = BITS, name: str = "weight") -> Quantized:
+    if sym and scale_search and method in METHODS:
+        _check(w, h, group_size, name)
+        exact = on_grid(w, group_size, scale_dtype, bits)
+        if exact is not None:
+            return exact
     if method == "gptq":
         if h is None:
             raise QuantError(f"{name}: GPTQ needs the layer's calibration Hessian")

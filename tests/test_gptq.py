@@ -607,3 +607,35 @@ def test_the_null_sensitivity_windows_take_about_512_tokens_measured_from_the_hi
     assert rec["windows"] == quantize.SENSITIVITY_TOKENS // 32 == 16 and rec["tokens"] == 512
     assert rec["measured_by"] == "head_gram+prefix_replay"
     assert rec["chosen"] and rec["snr_db"] > rec["snr_db_all_4bit"]
+
+
+def test_a_weight_already_on_the_8bit_grid_skips_the_search_with_the_same_codes():
+    """A GGUF-origin tensor (Q8_0: int8 codes, a scale per 32) is exact on the 8-bit g32 grid:
+    gptq.on_grid gives what the 32-candidate search and GPTQ give, bytes and all, at once."""
+    import torch
+
+    from pipeline import gptq
+
+    torch.manual_seed(0)
+    n, k, g = 48, 128, 32
+    codes = torch.randint(-127, 128, (n, k // g, g)).float()
+    codes[..., 0] = 127  # each group reaches +-absmax, as a Q8_0 block does
+    codes[5] = 0  # an all-zero row: the plain candidate wins there
+    inv = torch.tensor(1.0 / 127, dtype=torch.float32)
+    scales = torch.empty(n, k // g)
+    for idx in range(scales.numel()):  # scales s with fl(fl(127 s) / 127) == s, as the grid computes them
+        s = torch.tensor(0.001 + 0.0001 * idx, dtype=torch.float32)
+        while not torch.equal((s * 127) * inv, s):
+            s = torch.nextafter(s, torch.tensor(1.0))
+        scales.view(-1)[idx] = s
+    w = (codes * scales[..., None]).reshape(n, k)
+    h = torch.randn(400, k)
+    h = h.T @ h
+    fast = gptq.on_grid(w, g, bits=8)
+    assert fast is not None and torch.equal(fast.dequantize(), w)
+    for slow in (gptq.gptq_quantize(w.clone(), h, group_size=g, bits=8),
+                 gptq.rtn_quantize(w.clone(), h, group_size=g, bits=8)):
+        assert torch.equal(fast.qweight, slow.qweight) and torch.equal(fast.scales, slow.scales)
+        assert torch.equal(fast.zeros, slow.zeros)
+    assert gptq.quantize_weight(w, h, group_size=g, bits=8).qweight.data_ptr() != 0
+    assert gptq.on_grid(torch.randn(8, 64), 32, bits=8) is None  # an ordinary weight takes the search
