@@ -177,3 +177,56 @@ def test_graph_diff_names_the_first_tensor_a_qdq_range_clips():
     assert rows[0]["snr_db"] > 60 and not rows[0]["quantized"]
     first = graph_diff.first_divergence(rows, 30.0)
     assert first["tensor"] == "a" and first["quantized"] and first["test_range"][1] <= 0.1 + 1e-6
+
+
+def _all_patterns_model():
+    """The rotary pattern, then an RMSNorm, an allowzero Reshape, an IsNaN
+    guard, a MatMul weight (what the decoder's weights are to the rewrites:
+    never read) and an initializer nothing uses (pruned)."""
+    m = _rope_model(1.0 / (10000 ** (np.arange(0, 8, 2) / 8)))  # width 8, the norm's
+    r = _rms_model()
+    g = m.graph
+    ren = {"x": "y"}
+    for n in r.graph.node:
+        g.node.append(helper.make_node(n.op_type, [ren.get(i, "r_" + i) for i in n.input], ["r_" + o for o in n.output],
+                                       **{a.name: helper.get_attribute_value(a) for a in n.attribute}))
+    for i in r.graph.initializer:
+        g.initializer.append(numpy_helper.from_array(numpy_helper.to_array(i), "r_" + i.name))
+    g.node.extend([helper.make_node("Reshape", ["r_y", "shp"], ["rr"], allowzero=1),
+                   helper.make_node("IsNaN", ["rr"], ["nan"]),
+                   helper.make_node("Where", ["nan", "zero", "rr"], ["w"]),
+                   helper.make_node("MatMul", ["w", "weight"], ["out"])])
+    g.initializer.extend([numpy_helper.from_array(np.array([1, 8], np.int64), "shp"),
+                          numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
+                          numpy_helper.from_array(RNG.standard_normal((8, 4)).astype(np.float32), "weight"),
+                          numpy_helper.from_array(np.ones((5, 5), np.float32), "unused")])
+    del g.output[:]
+    g.output.append(_f32("out", [1, 4]))
+    return m
+
+
+def test_prepare_rewrites_in_place_byte_identical_to_the_copying_rewrites(monkeypatch):
+    # prepare works on the one ModelProto it is given (on Gemma 3 270M the
+    # copies peaked at 10.5 GiB); its graph must be the very bytes the
+    # copying functions chained produce, which leave their input untouched.
+    raw = _all_patterns_model().SerializeToString()
+    src = onnx.load_from_string(raw)
+    chained, _ = npu_rewrite.sanitize(src)
+    chained, _ = npu_rewrite.rope_tables(chained, "position", 300)
+    chained, _ = npu_rewrite.fuse_rms_norm(chained)
+    assert src.SerializeToString() == raw
+
+    read = []
+    to_array = numpy_helper.to_array
+    monkeypatch.setattr(npu_rewrite.numpy_helper, "to_array", lambda t: read.append(t.name) or to_array(t))
+    model = onnx.load_from_string(raw)
+    prepared, report = npu_rewrite.prepare(model, position="position", context_length=300)
+    assert prepared is model
+    assert prepared.SerializeToString() == chained.SerializeToString()
+    assert report["sanitize"] == {"reshape_allowzero": 1, "isnan_where_guard": 1}
+    assert report["rope_tables"] == 2 and report["rms_norms_fused"] == 1
+    assert "weight" not in read, "a weight no rewrite reads is never converted to numpy"
+    assert "unused" not in {i.name for i in prepared.graph.initializer}
+    feeds = {"position": np.array([7], np.int64), "x": RNG.standard_normal((1, 1, 8)).astype(np.float32)}
+    np.testing.assert_allclose(_run(onnx.load_from_string(raw), feeds)[0], _run(prepared, feeds)[0],
+                               rtol=1e-5, atol=1e-5)
