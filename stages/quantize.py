@@ -377,7 +377,7 @@ def run(ctx) -> dict:
                 )
             except gptq.QuantError as e:
                 raise StageError(str(e)) from None
-            err = gptq.errors(w, q.dequantize(), h)
+            err = gptq.errors(w, q, h)  # by row slabs: no whole float64 copies of a tall head
             entry = {
                 "in_features": k_in,
                 "out_features": n_out,

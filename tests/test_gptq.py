@@ -639,3 +639,22 @@ def test_a_weight_already_on_the_8bit_grid_skips_the_search_with_the_same_codes(
         assert torch.equal(fast.zeros, slow.zeros)
     assert gptq.quantize_weight(w, h, group_size=g, bits=8).qweight.data_ptr() != 0
     assert gptq.on_grid(torch.randn(8, 64), 32, bits=8) is None  # an ordinary weight takes the search
+
+
+def test_errors_by_row_slabs_equal_the_whole_formula():
+    import torch
+
+    from pipeline import gptq
+
+    torch.manual_seed(1)
+    w = torch.randn(1000, 64)
+    h = torch.randn(300, 64)
+    h = h.T @ h
+    q = gptq.rtn_quantize(w, h, group_size=32)
+    whole = gptq.errors(w, q.dequantize(), h, rows=10**9)
+    for rows in (7, 128, 1000):
+        slabs = gptq.errors(w, q, h, rows=rows)
+        for k in ("weight_rel_mse", "out_rel_err_h"):
+            assert abs(slabs[k] - whole[k]) <= 1e-12 * abs(whole[k]), (rows, k)
+    e = (w - q.dequantize()).double()
+    assert abs(whole["out_rel_err_h"] - float(((e @ h.double()) * e).sum() / ((w.double() @ h.double()) * w.double()).sum())) < 1e-12
