@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -240,7 +241,9 @@ def run(ctx) -> dict:
                                       capture_output=True, text=True, env=env)
                 if proc.returncode != 0:
                     last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                    raise StageError(f"benchmark arm {arm} failed: {last}")
+                    how = (f"killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
+                           else f"exit {proc.returncode}")
+                    raise StageError(f"benchmark arm {arm} failed ({how}); its last line: {last}")
                 runs[arm].append(json.loads(proc.stdout.strip().splitlines()[-1]))
                 bar.advance(arm=arm)
     finally:
