@@ -122,6 +122,62 @@ def atomic_dvc_files() -> None:
 
     dump_by_rename.edgekiln_atomic = True
     _common._dump_data = dump_by_rename
+    _atomic_rwlock()
+
+
+def _atomic_rwlock() -> None:
+    """DVC's `.dvc/tmp/rwlock` (which build holds which output) by rename too.
+
+    dvc/rwlock.py `_edit_rwlock` rewrites it in place under its lock file; a
+    sweep worker killed in that write left it empty, and every later build of
+    the checkout failed with "Unable to read RWLock-file ... JSON structure is
+    corrupted" (seen in CI: the killed-worker sweep's re-run). The same steps
+    as DVC's (read under rwlock.lock, validate, yield, write), the write made a
+    temp file fsynced and renamed."""
+    import json
+    from collections import defaultdict
+    from contextlib import contextmanager
+
+    from dvc import rwlock
+    from dvc.fs import LocalFileSystem
+
+    if getattr(rwlock._edit_rwlock, "edgekiln_atomic", False):
+        return
+    in_place = rwlock._edit_rwlock
+
+    @contextmanager
+    def edit_by_rename(lock_dir, fs, hardlink):
+        if not isinstance(fs, LocalFileSystem):
+            with in_place(lock_dir, fs, hardlink) as lock:
+                yield lock
+            return
+        path = fs.join(lock_dir, rwlock.RWLOCK_FILE)
+        guard = rwlock.make_lock(fs.join(lock_dir, rwlock.RWLOCK_LOCK), tmp_dir=lock_dir, hardlink_lock=hardlink)
+        with guard:
+            try:
+                with fs.open(path, encoding="utf-8") as fobj:
+                    lock = rwlock.SCHEMA(json.load(fobj))
+            except FileNotFoundError:
+                lock = rwlock.SCHEMA({})
+            except json.JSONDecodeError as exc:
+                raise rwlock.RWLockFileCorruptedError(path) from exc
+            except rwlock.Invalid as exc:
+                raise rwlock.RWLockFileFormatError(path) from exc
+            lock["read"] = defaultdict(list, lock["read"])
+            lock["write"] = defaultdict(dict, lock["write"])
+            yield lock
+            tmp = Path(f"{path}.tmp-{os.getpid()}")
+            try:
+                with open(tmp, "w", encoding="utf-8") as fobj:
+                    json.dump(lock, fobj)
+                    fobj.flush()
+                    os.fsync(fobj.fileno())
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+
+    edit_by_rename.edgekiln_atomic = True
+    rwlock._edit_rwlock = edit_by_rename
 
 
 def _run_dvc(args: list[str]) -> int:

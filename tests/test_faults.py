@@ -655,3 +655,36 @@ def test_dvc_files_are_written_by_rename_so_a_failed_write_leaves_the_whole_old_
     with modify_yaml(lock) as data:  # DVC's own read-modify-write, through the same function
         data["stages"]["b"] = {"cmd": "y"}
     assert yaml.safe_load(lock.read_text())["stages"] == {"a": {"cmd": "x"}, "b": {"cmd": "y"}}
+
+
+def test_dvc_rwlock_is_written_by_rename_so_a_failed_write_leaves_the_whole_old_one(tmp_path, monkeypatch):
+    """.dvc/tmp/rwlock says which build holds which output: a sweep worker killed while DVC rewrote
+    it in place left it empty, and every later build failed reading it (seen in CI). A write that
+    fails part-way now leaves the previous file; DVC's own lock calls still read and write it."""
+    import json
+
+    from dvc import rwlock
+    from dvc.fs import localfs
+
+    from pipeline.__main__ import atomic_dvc_files
+
+    atomic_dvc_files()
+    assert getattr(rwlock._edit_rwlock, "edgekiln_atomic", False)
+    lock_dir = tmp_path / "tmp"
+    lock_dir.mkdir()
+    with rwlock._edit_rwlock(str(lock_dir), localfs, False) as lock:
+        lock["write"]["/a/out"] = {"pid": 1, "cmd": "first"}
+    before = (lock_dir / "rwlock").read_text()
+    assert json.loads(before)["write"]["/a/out"]["cmd"] == "first"
+
+    def half_then_die(obj, fobj, **kw):
+        fobj.write('{"read": {}, "wri')
+        raise KeyboardInterrupt  # killed mid-write
+
+    monkeypatch.setattr(json, "dump", half_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        with rwlock._edit_rwlock(str(lock_dir), localfs, False) as lock:
+            lock["write"]["/b/out"] = {"pid": 2, "cmd": "second"}
+    assert (lock_dir / "rwlock").read_text() == before
+    assert not list(lock_dir.glob("rwlock.tmp-*"))
+    FAULTS["killed mid_write"] += 1
