@@ -109,20 +109,25 @@ def atomic_dvc_files() -> None:
 
         if fs is not None and not isinstance(fs, LocalFileSystem):
             return in_place(path, data, dumper, fs=fs, **dumper_args)
-        path = Path(os.fspath(path))
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            with open(tmp, "w", encoding="utf-8") as fd:
-                dumper(data, fd, **dumper_args)
-                fd.flush()
-                os.fsync(fd.fileno())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        _write_by_rename(Path(os.fspath(path)), lambda fd: dumper(data, fd, **dumper_args))
 
     dump_by_rename.edgekiln_atomic = True
     _common._dump_data = dump_by_rename
     _atomic_rwlock()
+
+
+def _write_by_rename(path: Path, write) -> None:
+    """`write(file)` into a hidden temp file beside `path`, fsynced, then renamed over it:
+    a kill at any point leaves the previous whole file or the new one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fd:
+            write(fd)
+            fd.flush()
+            os.fsync(fd.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _atomic_rwlock() -> None:
@@ -166,15 +171,7 @@ def _atomic_rwlock() -> None:
             lock["read"] = defaultdict(list, lock["read"])
             lock["write"] = defaultdict(dict, lock["write"])
             yield lock
-            tmp = Path(f"{path}.tmp-{os.getpid()}")
-            try:
-                with open(tmp, "w", encoding="utf-8") as fobj:
-                    json.dump(lock, fobj)
-                    fobj.flush()
-                    os.fsync(fobj.fileno())
-                os.replace(tmp, path)
-            finally:
-                tmp.unlink(missing_ok=True)
+            _write_by_rename(Path(path), lambda fobj: json.dump(lock, fobj))
 
     edit_by_rename.edgekiln_atomic = True
     rwlock._edit_rwlock = edit_by_rename

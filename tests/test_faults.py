@@ -686,5 +686,5 @@ def test_dvc_rwlock_is_written_by_rename_so_a_failed_write_leaves_the_whole_old_
         with rwlock._edit_rwlock(str(lock_dir), localfs, False) as lock:
             lock["write"]["/b/out"] = {"pid": 2, "cmd": "second"}
     assert (lock_dir / "rwlock").read_text() == before
-    assert not list(lock_dir.glob("rwlock.tmp-*"))
+    assert not list(lock_dir.glob(".rwlock.tmp-*"))
     FAULTS["killed mid_write"] += 1
