@@ -219,8 +219,20 @@ class HeadError:
 
     def base(self) -> float:
         """The error with the model as it is now (every linear at its codes); caches every layer's output."""
-        self._base_hidden = self._hidden(capture=self.reuse_prefix)
+        self._base_hidden = self._last = self._hidden(capture=self.reuse_prefix)
         return self._error(self._base_hidden)
+
+    def head_errors(self, options: dict, full) -> dict:
+        """The error with the decoder as in the last run and the head at each of `options` ({key: its
+        dequantized codes}) in turn; `full`: the head's full-precision weight. The decoder's final hidden
+        states do not depend on the head, so no model runs: per option the head's Grams only. Leaves
+        the head at the last option's codes."""
+        out = {}
+        for key, codes in options.items():
+            self.head.weight.data.copy_(full)
+            self.set_head(codes)
+            out[key] = self._error(self._last)
+        return out
 
     def check_replay(self) -> None:
         """Replay the lower half, run the rest: the final hidden states must be the cached run's; if they
@@ -250,7 +262,8 @@ class HeadError:
         """The error with the model as it is now; `changed`: the linears changed since the base run
         (the layers below all of them are replayed), None for a full run."""
         start = min((self.layer_of(n) for n in changed), default=0) if changed and self.reuse_prefix else 0
-        return self._error(self._hidden(start=start))
+        self._last = self._hidden(start=start)
+        return self._error(self._last)
 
 
 def _parents(model, name: str):

@@ -51,9 +51,12 @@ The graph (`build_gqa_graph`):
   second rounding; bits=8 for a layer the quantize stage wrote at 8 bits, the
   head by default on this path); concatenation along N is exact (codes, scales and zeros
   are per output row); biases, if any, go in as the op's bias input. The
-  embedding is an fp32 Gather of the untied checkpoint's table
-  (`embedding="head_q4"` reads the head's codes instead, for a tied model:
-  no faster here, and the embedding then carries the head's rounding).
+  embedding of a tied checkpoint is a GatherBlockQuantized over the head's
+  own MatMulNBits weight, one tensor for both (`_shared_embedding`); an
+  untied one's is an fp32 Gather of its table (`embedding` option).
+- the weights are external data (model.onnx.data), which ONNX Runtime maps
+  rather than reads: `GqaDecoder` pages out what the session left mapped but
+  does not use after loading (the table's rows are read when gathered).
 
 `DEFAULT_OPTIONS` lists the variants; benchmarks/gqa_speed.py measures them.
 
@@ -93,13 +96,16 @@ from pipeline.decode_graph import (
     load_hf_model,
     session_options,
 )
-from pipeline.pages import anon_mappings, collapse_to_huge_pages
+from pipeline.pages import anon_mappings, collapse_to_huge_pages, page_out_file
 
 IO_FORMAT = "edgekiln-gqa/1"
+# Initializer bytes past which they go to model.onnx.data: 0, always. ONNX Runtime maps an external data
+# file instead of reading the weights into the protobuf it parses, so what the session does not use after
+# loading can leave memory (GqaDecoder, pages.page_out_file). Tests raise it to check the inline writer.
+_EXTERNAL_DATA_BYTES = 0
 FAMILIES = ("gemma3_text", "qwen3", "llama")
 MS = "com.microsoft"
 OPSET = 23  # RMSNormalization (standard since 23; ORT runs it with its SimplifiedLayerNorm kernel)
-_EXTERNAL_DATA_BYTES = int(1.5e9)
 
 # Build options (the defaults are what measured fastest here; see benchmarks/gqa_speed.py).
 DEFAULT_OPTIONS = {
@@ -114,9 +120,9 @@ DEFAULT_OPTIONS = {
     "window_cache_slack": 16,  # sliding layers: a window-sized KV buffer of W + slack rows
                                # (GQA sliding_window_cache=1); None: a max_len buffer like full layers
     "norm_op": "RMSNormalization",  # or "SimplifiedLayerNormalization" (ORT's contrib-in-ONNX-domain name)
-    "embedding": "fp32",       # "fp32": Gather of the untied checkpoint's table; "head_q4": GatherBlockQuantized
-                               # over the lm_head's 4-bit codes (only when the checkpoint's embedding and head
-                               # are the same tensor, i.e. a tied model untied for quantization)
+    "embedding": "auto",       # "shared": GatherBlockQuantized over the head's own MatMulNBits weight (a tied
+                               # checkpoint: one copy of the table, see _shared_embedding); "fp32": a Gather of
+                               # the untied checkpoint's fp32 table; "auto": shared where it can be, else fp32
 }
 
 
@@ -448,6 +454,53 @@ def _linear(g, x, prefix, names, layers, out, acc, fuse, records, bias_of=lambda
 
 
 # --------------------------------------------------------------------------
+# The embedding
+# --------------------------------------------------------------------------
+
+EMBEDDINGS = ("auto", "shared", "fp32")
+
+
+def _can_share(emb, head, layers, widths) -> bool:
+    """Whether the head's MatMulNBits weight can also be the embedding table (`_shared_embedding`)."""
+    import torch
+
+    if "lm_head" not in layers or widths.get("lm_head", 4) not in (4, 8):
+        return False
+    _, _, z, _ = layers["lm_head"]
+    if not (z == 2 ** (widths.get("lm_head", 4) - 1)).all():  # asymmetric codes: zero points (not shared)
+        return False
+    return tuple(emb.weight.shape) == tuple(head.weight.shape) and torch.equal(emb.weight.detach(),
+                                                                               head.weight.detach())
+
+
+def _shared_embedding(g: "_G", emb, head, layers, widths, scale: float) -> tuple[str, int]:
+    """The token embedding as a GatherBlockQuantized over the head's own MatMulNBits weight: one tensor
+    on disk (and, mapped, in memory) serves both, as in a tied checkpoint.
+
+    Why by hand: ORT's GatherBlockQuantized takes data of any rank with `quantize_axis` the packed last
+    one, so the head's B [V, K/bs, bs*bits/8] is its data as it is (quantize_axis=2, block_size=bs);
+    its scales must have data's rank, so the head's [V, K/bs] scales go in through an Unsqueeze (ORT
+    folds it into a 4-byte-per-block copy at load: 21 MB on Gemma 3's 262k x 640 at blocks of 32; the
+    file holds them once). Zero points are ORT's default (8, 128) in both ops: symmetric codes only.
+    The embedding then carries the head's rounding: the error record of lm_head is the embedding's too.
+    Gemma 3's embed_scale is a Mul after the gather (HF multiplies the gathered rows too, in fp32 here).
+    """
+    if not _can_share(emb, head, layers, widths):
+        raise GqaGraphError("embedding='shared' needs a tied checkpoint (embedding and lm_head the same tensor) "
+                            "whose head the quantize stage wrote symmetric at 4 or 8 bits; use embedding='fp32'")
+    q, s, _, gs = layers["lm_head"]
+    bits = int(widths.get("lm_head", 4))
+    k = q.shape[1]
+    scales3 = g.node("Unsqueeze", ["lm_head.scales", g.const_i64([2])], ["embed.scales"], "embed_scales")
+    rows = g.node("GatherBlockQuantized", ["lm_head.B", "input_ids", scales3], ["embed.rows"], "embed", domain=MS,
+                  bits=bits, block_size=int(gs), gather_axis=0, quantize_axis=2)  # [1, S, K/bs, bs]
+    h = g.node("Reshape", [rows, g.const_i64([0, 0, k])], ["h_0" if scale == 1.0 else "h_0raw"], "embed_rows")
+    if scale != 1.0:
+        h = g.node("Mul", [h, g.init("embed_scale", np.asarray(scale, np.float32))], ["h_0"], "embed_scale")
+    return h, 0  # its bytes are the head's (counted under matmulnbits)
+
+
+# --------------------------------------------------------------------------
 # The builder
 # --------------------------------------------------------------------------
 
@@ -540,6 +593,8 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
     table = emb.weight.detach().to(torch.float32)
     scale = getattr(emb, "embed_scale", None)
     scale_f = float(scale.to(emb.weight.dtype).to(torch.float32)) if scale is not None else 1.0
+    if opts["embedding"] == "auto":
+        opts["embedding"] = "shared" if _can_share(emb, model.lm_head, layers, widths) else "fp32"
     if opts["embedding"] == "fp32":
         # scaled and written a row chunk at a time: no second [V, H] fp32 table (671 MB on Gemma 3)
         mul = scale.to(emb.weight.dtype).to(torch.float32) if scale is not None else None
@@ -553,30 +608,10 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
         g.init_chunks("embed_tokens", tuple(table.shape), np.float32, rows())
         h = g.node("Gather", ["embed_tokens", "input_ids"], ["h_0"], "embed", axis=0)  # [1, S, H]
         emb_bytes = int(table.numel() * 4)
-    elif opts["embedding"] == "head_q4":
-        if widths.get("lm_head", 4) != 4:
-            raise GqaGraphError("embedding='head_q4' reads the head's 4-bit codes; this head is "
-                                f"{widths['lm_head']}-bit (quantize.head_bits=4 for this option)")
-        if not torch.equal(emb.weight.detach(), model.lm_head.weight.detach()):
-            raise GqaGraphError("embedding='head_q4' needs the embedding and lm_head to be the same tensor "
-                                "(a tied checkpoint); this one is untied with different weights")
-        q, sc, z, gs = layers["lm_head"]
-        codes = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)  # [V, H/2], low nibble first
-        args = ["embed_q4", "input_ids", "embed_q4.scales"]
-        # the scale folds into the per-block scales when that is exact in fp32 (a power of two, as sqrt(256))
-        exact = scale_f == 1.0 or math.frexp(scale_f)[0] == 0.5
-        g.init("embed_q4", codes)
-        g.init("embed_q4.scales", (sc * scale_f if exact else sc).astype(np.float32))
-        if not (z == 8).all():
-            zz = z if z.shape[1] % 2 == 0 else np.concatenate([z, np.zeros((z.shape[0], 1), np.uint8)], 1)
-            args.append(g.init("embed_q4.zero_points", (zz[:, 0::2] | (zz[:, 1::2] << 4)).astype(np.uint8)))
-        h = g.node("GatherBlockQuantized", args, ["h_0" if exact else "h_0raw"], "embed", domain=MS,
-                   bits=4, block_size=gs, gather_axis=0, quantize_axis=1)
-        if not exact:
-            h = g.node("Mul", [h, g.init("embed_scale", np.asarray(scale_f, np.float32))], ["h_0"], "embed_scale")
-        emb_bytes = codes.nbytes + sc.nbytes
+    elif opts["embedding"] == "shared":
+        h, emb_bytes = _shared_embedding(g, emb, model.lm_head, layers, widths, scale_f)
     else:
-        raise GqaGraphError(f"embedding must be 'fp32' or 'head_q4', got {opts['embedding']!r}")
+        raise GqaGraphError(f"embedding must be one of {EMBEDDINGS}, got {opts['embedding']!r}")
     for key, (cos, sin) in rope.items():
         g.init(f"cos_{key}", cos)
         g.init(f"sin_{key}", sin)
@@ -839,11 +874,15 @@ class GqaDecoder(_Greedy):
     spinning off at 2 threads),
     ORT_ENABLE_ALL. `huge_pages=True` collapses the session's memory into
     2 MiB pages after loading (pipeline/pages.py; the deploy profile says
-    whether it measured faster on the target).
+    whether it measured faster on the target). `page_out=True` (the default)
+    pages out the mapped weights file once the session is built
+    (pages.page_out_file): the prepacked weights are the session's own copies,
+    and a tied model's table is resident only in the rows a gather has read.
     """
 
     def __init__(self, artifact_dir, threads: int = 1, *, spinning: bool | None = None, opt_level: str = "all",
-                 profile: str | None = None, session_config: dict | None = None, huge_pages: bool = False):
+                 profile: str | None = None, session_config: dict | None = None, huge_pages: bool = False,
+                 page_out: bool = True):
         import onnxruntime as ort
 
         maps_before = anon_mappings() if huge_pages else {}
@@ -872,6 +911,8 @@ class GqaDecoder(_Greedy):
         self._logits = np.zeros((1, self.vocab_size), np.float32)
         self._step_binding, self._step_values = self._binding(self._ids, self._seqlens, self._total, self._logits)
         self.position = 0
+        data = self.dir / "model.onnx.data"
+        self.paged_out_bytes = page_out_file(data) if page_out and data.is_file() else 0
         # Back the session's weights (and the KV) with 2 MiB pages (pipeline/pages.py).
         self.huge_page_bytes = collapse_to_huge_pages(maps_before) if huge_pages else 0
 

@@ -119,3 +119,47 @@ def collapse_to_huge_pages(before: dict[int, int], min_bytes: int = 4 << 20) -> 
 def in_use() -> bool:
     """Whether this process was started with the glibc tunable (each benchmark arm's pass records it)."""
     return TUNABLE in os.environ.get("GLIBC_TUNABLES", "").split(":")
+
+
+# --------------------------------------------------------------------------
+# Mapped weights: what a session read at load and no longer needs resident
+# --------------------------------------------------------------------------
+
+_MADV_PAGEOUT = 21  # Linux >= 5.4: reclaim the range's pages now (clean file pages are simply dropped)
+
+
+def file_mappings(path) -> list[tuple[int, int]]:
+    """(start, end) of this process's mappings of the file `path` (Linux; [] elsewhere)."""
+    target = os.path.realpath(path)
+    out = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].rstrip("\n") == target:
+                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                    out.append((lo, hi))
+    except OSError:
+        pass
+    return out
+
+
+def page_out_file(path) -> int:
+    """madvise(MADV_PAGEOUT) every mapping of `path` in this process; the bytes advised (0 where the
+    kernel has no MADV_PAGEOUT or the file is not mapped).
+
+    Why: ONNX Runtime maps a model's external data file and, prepacking MatMulNBits, reads every
+    weight once: those file pages then count as resident although the kernels run on the prepacked
+    copies. A page still in use (an embedding row a gather reads, a norm's gamma) is faulted back from
+    the page cache on its next access, so this only drops what the session does not touch, the way
+    llama.cpp's mapped weights are resident only where read. Clean private pages only: nothing is
+    written back, nothing changes in what the session computes."""
+    maps = file_mappings(path)
+    if not maps:
+        return 0
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return 0
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return sum(hi - lo for lo, hi in maps if libc.madvise(lo, hi - lo, _MADV_PAGEOUT) == 0)

@@ -218,10 +218,13 @@ class QuantizeConfig:
     # device whose kernel takes one group size for every layer (vLLM's GPTQ),
     # which gets group_size. An int: that size.
     head_group_size: Optional[int] = None
-    # The output head's bits. null: 8 where the device's kernel is ONNX Runtime's
-    # MatMulNBits (it takes 8-bit blocks; on the embedded model an 8-bit head
-    # measured 47.0 dB in PyTorch fp32 against 39.2 for the 4-bit g32 one), else
-    # 4 (tinygemm, vLLM's GPTQ and GGUF Q4_0 take 4-bit codes only). 4 or 8.
+    # The output head's bits. null: where the device's kernel is ONNX Runtime's
+    # MatMulNBits (it takes 8-bit blocks), measured: the head at 4 and at 8 bits,
+    # each weighed by the calibration logits' SNR with the decoder at its codes,
+    # 8 kept where they gain at least 1 dB (quant.json's "head" records both
+    # options' bytes and SNR; the ~135M model: 38.9 dB at 4 bits, 46.2 at 8);
+    # else 4 (tinygemm, vLLM's GPTQ and GGUF Q4_0 take 4-bit codes only). 4 or 8.
+    # A tied checkpoint's embedding is that same tensor on the ORT path.
     head_bits: Optional[int] = None
     # Extra bytes for 8-bit decoder linears, as a fraction of their 4-bit code
     # bytes: the units (q/k/v, o, gate/up, down of one layer) whose 4-bit error

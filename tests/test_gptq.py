@@ -658,3 +658,57 @@ def test_errors_by_row_slabs_equal_the_whole_formula():
             assert abs(slabs[k] - whole[k]) <= 1e-12 * abs(whole[k]), (rows, k)
     e = (w - q.dequantize()).double()
     assert abs(whole["out_rel_err_h"] - float(((e @ h.double()) * e).sum() / ((w.double() @ h.double()) * w.double()).sum())) < 1e-12
+
+
+def _at_codes_model(untied: Path, quant_dir: Path):
+    """The untied checkpoint's model with every quantized linear at its dequantized codes."""
+    from safetensors.torch import load_file
+
+    from pipeline.decode_graph import load_hf_model
+
+    meta = json.loads((quant_dir / "quant.json").read_text())
+    t = load_file(str(quant_dir / gptq.QUANT_TENSORS))
+    model = load_hf_model(untied)
+    for name, info in meta["layers"].items():
+        g = int(info.get("group_size", meta.get("head_group_size", meta["group_size"]) if name == "lm_head"
+                         else meta["group_size"]))
+        w = gptq.dequantize(t[f"{name}.qweight"], t[f"{name}.scales"], t[f"{name}.zeros"], g)
+        model.get_submodule(name).weight.data.copy_(w)
+    return model
+
+
+@pytest.mark.parametrize("min_gain_db, want", [(-1.0, 8), (1e9, 4)])
+def test_the_heads_width_is_measured_where_the_kernel_takes_8_bits(tiny_untied, calibrated, tmp_path, monkeypatch,
+                                                                    min_gain_db, want):
+    """quantize.head_bits: null on ORT's MatMulNBits: the head at 4 and at 8 bits, each weighed by the
+    calibration logits' SNR with the decoder at its codes (the figure a direct logits run gives), 8 bits
+    kept where they gain HEAD_MIN_GAIN_DB; both options' bytes and SNR are recorded with the choice,
+    and the head that ships is the chosen one."""
+    import numpy as np
+
+    from pipeline import bit_alloc, devices
+    from stages import quantize
+
+    monkeypatch.setattr(quantize, "HEAD_MIN_GAIN_DB", min_gain_db)
+    cal, _ = calibrated
+    out = tmp_path / "measured"
+    cfg = {"quantize": {**QCFG, "eight_bit_budget": 0}, "device": devices.spec_sheet("x86_avx512"),
+           "priority": {"name": "speed"}}
+    quantize.run(ctx("quantize", out, cfg, {"untie_head": tiny_untied, "calibrate": cal}))
+    meta = json.loads((out / "quant.json").read_text())
+    rec = meta["head"]
+    assert "eight_bit" not in meta and rec["measured"]
+    four, eight = rec["options"]["4"], rec["options"]["8"]
+    n, k = meta["layers"]["lm_head"]["out_features"], meta["layers"]["lm_head"]["in_features"]
+    assert eight["extra_bytes"] == n * k // 2 and four["extra_bytes"] == 0
+    assert eight["snr_db"] > four["snr_db"]
+    assert rec["gain_db"] == pytest.approx(eight["snr_db"] - four["snr_db"], abs=2e-3)
+    assert rec["chosen"] == want and gptq.layer_bits(meta, "lm_head") == want
+    # the recorded SNR of the chosen width is the one a direct run of the logits measures
+    windows = np.load(cal / "token_ids.npy")[:4]
+    from pipeline.decode_graph import load_hf_model
+
+    err = bit_alloc.LogitsError(load_hf_model(tiny_untied), windows)
+    err.model = _at_codes_model(tiny_untied, out)
+    snr = -10 * np.log10(err())
+    assert snr == pytest.approx(rec["options"][str(want)]["snr_db"], abs=0.01)

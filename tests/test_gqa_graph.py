@@ -333,21 +333,88 @@ def test_graph_variants_are_identical(ckpts, tag, options):
     assert snr_db(fused, other) > 110.0
 
 
-def test_embedding_from_head_codes_on_a_tied_checkpoint(ckpts):
-    """embedding='head_q4': GatherBlockQuantized over the head's own codes (Gemma's sqrt(hidden) scale
-    folded in) = the reference model whose embedding is the dequantized head; refused when untied."""
+@pytest.mark.parametrize("head_bits", [4, 8])
+def test_tied_checkpoint_ships_one_table_for_embedding_and_head(ckpts, tmp_path, head_bits):
+    """A tied checkpoint (embedding == head): by default the embedding is a GatherBlockQuantized over the
+    head's own MatMulNBits weight (Gemma's sqrt(hidden) scale a Mul after it) = the reference model whose
+    embedding is the dequantized head, at 4 and 8 bits; the file holds that tensor once (no fp32 table);
+    an untied checkpoint keeps its fp32 table, and `shared` is refused there."""
+    import onnx
+
     ck = ckpts("gemma3", tied=True)
+    quant = ck["quant"]
+    if head_bits == 8:
+        quant = _eight_bit_head(ck, tmp_path)
     ref_model = GptqReference(ck["gptq"]).model
     with torch.no_grad():
+        if head_bits == 8:
+            ref_model.lm_head.weight.copy_(torch.from_numpy(_dequant8(quant)))
         ref_model.model.embed_tokens.weight.copy_(ref_model.lm_head.weight)
     ids = _seq(30, seed=7)
     ref = _steps(TorchReference(ref_model), ids)
-    got = _steps(GqaDecoder(_graph(ck, 0, "_embq4", embedding="head_q4"), threads=1), ids)
+    out = tmp_path / f"shared{head_bits}"
+    facts = build_gqa_graph(ck["hf"], quant, out, max_len=MAX_LEN, accuracy_level=0)
+    assert facts["options"]["embedding"] == "shared"
+    got = _steps(GqaDecoder(out, threads=1), ids)
     assert snr_db(ref, got) > 90.0
-    facts = json.loads((ck["root"] / "gqa_acc0_embq4" / "facts.json").read_text())
-    assert facts["weight_bytes"]["embedding"] == VOCAB * 64 // 2 + VOCAB * (64 // GROUP) * 4
+    g = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    names = {t.name for t in g.graph.initializer}
+    assert "embed_tokens" not in names
+    gather = next(n for n in g.graph.node if n.op_type == "GatherBlockQuantized")
+    assert gather.input[0] == "lm_head.B"  # the head's own weight
+    assert facts["weight_bytes"]["embedding"] == 0
+    table = build_gqa_graph(ck["hf"], quant, tmp_path / "table", max_len=MAX_LEN, accuracy_level=0,
+                            embedding="fp32")
+    assert abs(table["bytes"] - VOCAB * 64 * 4 - facts["bytes"]) < 1024  # all but the fp32 table is the same
+    untied = build_gqa_graph(ckpts("gemma3")["hf"], ckpts("gemma3")["quant"], tmp_path / "untied", max_len=MAX_LEN,
+                             accuracy_level=0)
+    assert untied["options"]["embedding"] == "fp32"
     with pytest.raises(GqaGraphError, match="tied"):
-        _graph(ckpts("gemma3"), 0, "_embq4_untied", embedding="head_q4")
+        build_gqa_graph(ckpts("gemma3")["hf"], ckpts("gemma3")["quant"], tmp_path / "no", max_len=MAX_LEN,
+                        accuracy_level=0, embedding="shared")
+
+
+def _eight_bit_head(ck, tmp_path) -> Path:
+    """ck's quant folder with lm_head re-quantized to 8 bits (symmetric, codes 0..255 around 128)."""
+    from safetensors.numpy import load_file, save_file
+
+    q = tmp_path / "quant8"
+    q.mkdir()
+    tensors = load_file(str(ck["quant"] / "quantized.safetensors"))
+    meta = json.loads((ck["quant"] / "quant.json").read_text())
+    w = GptqReference(ck["gptq"]).model.lm_head.weight.detach().numpy().astype(np.float32)
+    n, k = w.shape
+    wg = w.reshape(n, k // GROUP, GROUP)
+    s = np.maximum(np.abs(wg).max(-1), 1e-8) / 127.0
+    codes = (np.clip(np.round(wg / s[..., None]), -127, 127) + 128).astype(np.uint8).reshape(n, k)
+    tensors.update({"lm_head.qweight": codes, "lm_head.scales": s.astype(np.float32),
+                    "lm_head.zeros": np.full(s.shape, 128, np.uint8)})
+    save_file(tensors, str(q / "quantized.safetensors"))
+    meta["layers"]["lm_head"]["bits"] = 8
+    meta["head_bits"] = 8
+    (q / "quant.json").write_text(json.dumps(meta))
+    return q
+
+
+def _dequant8(quant: Path) -> np.ndarray:
+    from safetensors.numpy import load_file
+
+    t = load_file(str(quant / "quantized.safetensors"))
+    q, s = t["lm_head.qweight"].astype(np.float32), t["lm_head.scales"]
+    return ((q - 128.0).reshape(q.shape[0], -1, GROUP) * s[..., None]).reshape(q.shape)
+
+
+def test_mapped_weights_are_paged_out_and_compute_the_same(ckpts):
+    """GqaDecoder pages out the session's mapping of model.onnx.data after loading (pages.page_out_file):
+    the logits are bit-identical with it on and off, and the mapping was there to page out."""
+    ck = ckpts("gemma3", tied=True)
+    out = _graph(ck, 4)
+    ids = _seq(12, seed=9)
+    on = GqaDecoder(out, threads=1)
+    off = GqaDecoder(out, threads=1, page_out=False)
+    assert (out / "model.onnx.data").is_file()
+    assert on.paged_out_bytes > 0 and off.paged_out_bytes == 0
+    assert np.array_equal(_steps(on, ids), _steps(off, ids))
 
 
 def test_huge_pages_changes_nothing_but_pages(ckpts):
@@ -514,30 +581,37 @@ def test_initializers_are_encoded_as_from_array_serializes_them(tmp_path):
 
 
 @pytest.mark.parametrize("name,options", [("gemma3", {}), ("qwen3", {"fuse_qkv": False, "fuse_gate_up": False})])
-def test_model_file_is_what_onnx_save_model_writes(ckpts, name, options):
+def test_model_file_is_what_onnx_save_model_writes(ckpts, tmp_path, monkeypatch, name, options):
     """model.onnx is assembled from the node skeleton and the spilled initializers: byte for byte what
-    serializing the whole ModelProto gives (onnx.save_model of it), and nothing else is left behind."""
-    out = _graph(ckpts(name), 0, "_stream" + "".join(options), **options)
+    serializing the whole ModelProto gives (onnx.save_model of it), and nothing else is left behind
+    (written inline here: the artifact's data is external, next test)."""
+    from pipeline import gqa_graph
+
+    monkeypatch.setattr(gqa_graph, "_EXTERNAL_DATA_BYTES", 1 << 62)
+    out = tmp_path / "inline"
+    build_gqa_graph(ckpts(name)["hf"], ckpts(name)["quant"], out, max_len=MAX_LEN, accuracy_level=0, **options)
     path = out / "model.onnx"
     model = onnx.load(str(path))
     assert len(model.graph.initializer) > 10 and model.graph.initializer[0].name == "embed_tokens"
     assert path.read_bytes() == model.SerializeToString()
     onnx.checker.check_model(model)
-    assert sorted(p.name for p in out.iterdir()) == ["facts.json", "io.json", "model.onnx"]
+    assert sorted(p.name for p in out.iterdir()) == ["io.json", "model.onnx"]
 
 
 def test_external_data_is_what_onnx_save_model_writes(ckpts, tmp_path, monkeypatch):
-    """Past the external-data size the tensors go, one at a time, where onnx.save_model(...,
-    save_as_external_data=True, size_threshold=1024) puts them: the same two files; the logits unchanged."""
+    """The artifact's tensors go, one at a time, where onnx.save_model(..., save_as_external_data=True,
+    size_threshold=1024) puts them: the same two files; the logits those of the inline graph."""
     from pipeline import gqa_graph
 
     ck = ckpts("gemma3")
-    inline = _graph(ck, 0)
-    monkeypatch.setattr(gqa_graph, "_EXTERNAL_DATA_BYTES", 0)
     out = tmp_path / "ext"
     facts = build_gqa_graph(ck["hf"], ck["quant"], out, max_len=MAX_LEN, accuracy_level=0)
     assert facts["external_data"] and (out / "model.onnx.data").is_file()
     assert sorted(p.name for p in out.iterdir()) == ["io.json", "model.onnx", "model.onnx.data"]
+    monkeypatch.setattr(gqa_graph, "_EXTERNAL_DATA_BYTES", 1 << 62)
+    inline = tmp_path / "inline"
+    build_gqa_graph(ck["hf"], ck["quant"], inline, max_len=MAX_LEN, accuracy_level=0)
+    assert not (inline / "model.onnx.data").exists()
     ref = tmp_path / "ref"
     ref.mkdir()
     onnx.save_model(onnx.load(str(inline / "model.onnx")), str(ref / "model.onnx"), save_as_external_data=True,
