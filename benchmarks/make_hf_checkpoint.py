@@ -1,8 +1,11 @@
-"""Write a Qwen3-shaped checkpoint of about 100M parameters (random init, seeded)
-so the pipeline can benchmark a model of a realistic size without a download:
+"""Write a Qwen3- or Llama-shaped checkpoint of a realistic size (random init,
+seeded) so the pipeline can benchmark it without a download:
 
     python benchmarks/make_hf_checkpoint.py --tokenizer-from artifacts/<build>/untie_head --out /tmp/qwen3-100m
     python -m pipeline model=hf model.path=/tmp/qwen3-100m device=x86_avx512
+    # a ~135M Llama-family shape with a tied head (SmolLM-135M's: 30 x 576, vocab 49,152)
+    python benchmarks/make_hf_checkpoint.py --family llama --tie --layers 30 --hidden 576 --intermediate 1536 \
+        --heads 9 --kv-heads 3 --head-dim 64 --vocab 49152 --tokenizer-from DIR --out /tmp/llama-135m
 
 The defaults (8 layers, hidden 1024, intermediate 3072, 16 heads, 8 KV heads,
 head_dim 64, vocab from the tokenizer: 2048 for the embedded one) give ~105M
@@ -35,11 +38,15 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--max-positions", type=int, default=4096)
     p.add_argument("--tie", action="store_true", help="tie the head to the embedding (default: untied)")
+    p.add_argument("--family", choices=("qwen3", "llama"), default="qwen3")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="embedding rows (default: the tokenizer's); more rows than the tokenizer has size the "
+                        "table and the head as a real vocabulary does, its ids stay the tokenizer's")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
 
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     src = a.tokenizer_from
     src_cfg = json.loads((src / "config.json").read_text())
@@ -49,8 +56,13 @@ def main(argv=None) -> int:
     if a.out.exists() and any(a.out.iterdir()):
         print(f"error: {a.out} exists and is not empty", file=sys.stderr)
         return 2
-    cfg = Qwen3Config(
-        vocab_size=int(src_cfg["vocab_size"]),
+    config_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if a.family == "qwen3" else (LlamaConfig, LlamaForCausalLM)
+    vocab = int(a.vocab or src_cfg["vocab_size"])
+    if vocab < int(src_cfg["vocab_size"]):
+        print(f"error: --vocab {vocab} is below the tokenizer's {src_cfg['vocab_size']}", file=sys.stderr)
+        return 2
+    cfg = config_cls(
+        vocab_size=vocab,
         hidden_size=a.hidden,
         intermediate_size=a.intermediate,
         num_hidden_layers=a.layers,
@@ -64,14 +76,14 @@ def main(argv=None) -> int:
         pad_token_id=src_cfg.get("pad_token_id"),
     )
     torch.manual_seed(a.seed)
-    model = Qwen3ForCausalLM(cfg).eval()
+    model = model_cls(cfg).eval()
     n = sum(t.numel() for t in model.parameters())
     a.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(a.out, safe_serialization=True)
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, a.out / name)
-    print(f"{a.out}: Qwen3ForCausalLM, {n:,} parameters ({n / 1e6:.1f}M), {a.layers} layers, hidden {a.hidden}, "
+    print(f"{a.out}: {model_cls.__name__}, {n:,} parameters ({n / 1e6:.1f}M), {a.layers} layers, hidden {a.hidden}, "
           f"vocab {cfg.vocab_size}, seed {a.seed}")
     return 0
 

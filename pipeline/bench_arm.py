@@ -83,6 +83,13 @@ def mapped_resident_mib(paths: list[Path]) -> float:
     return total_kb / 1024
 
 
+def _components(before: dict, after: dict, mapped: float, kv: float) -> dict[str, float]:
+    runtime = before["rss_mib"]
+    allocated = after["anon_mib"] - before["anon_mib"] - kv
+    return {"runtime_mib": runtime, "allocated_mib": allocated, "kv_held_mib": kv,
+            "other_mib": after["rss_mib"] - runtime - mapped - allocated - kv}
+
+
 def weight_files(artifact: str) -> list[Path]:
     p = Path(artifact)
     if p.is_file():
@@ -269,6 +276,11 @@ def measure(arm: str, artifact: str, prompt_length: int, decode_tokens: int, war
             "file_after_run_mib": mem_run["file_mib"],
             "weights_file_mib": sum(f.stat().st_size for f in files) / MIB,
             "weights_mapped_resident_mib": mapped,
+            # where the resident MiB go after the headline run (components sum to after_run_mib):
+            # the interpreter and libraries before load; the weight files' mapped pages; the memory the
+            # runtime allocated for itself (prepacked weight copies, arena, workspaces) less the KV; the KV
+            # it holds; anything else (other files' pages read since)
+            **_components(mem_before, mem_run, mapped, kv / MIB),
         },
         "context": context,
         "prefill_mode": prefill_mode,

@@ -29,7 +29,7 @@ def candidates(physical_cores: int, spin_choices: Sequence[bool] = (False, True)
 
 
 def with_accuracy_level(src_dir, level: int, dst_dir) -> None:
-    """A copy of a GQA graph artifact (model.onnx + io.json) with every MatMulNBits at `level`.
+    """A copy of a GQA graph artifact (model.onnx + its data + io.json) with every MatMulNBits at `level`.
 
     The level is a node attribute: ONNX Runtime has no session option that
     overrides it (its `session.qdq_matmulnbits_accuracy_level` applies only to
@@ -48,7 +48,9 @@ def with_accuracy_level(src_dir, level: int, dst_dir) -> None:
             attrs = [a for a in node.attribute if a.name != "accuracy_level"]
             del node.attribute[:]
             node.attribute.extend(attrs + [onnx.helper.make_attribute("accuracy_level", int(level))])
-    onnx.save(model, str(dst / "model.onnx"))
+    # laid out as the artifact is (external data, which the runtime maps and pages out)
+    onnx.save(model, str(dst / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="model.onnx.data", size_threshold=1024)
     shutil.copy2(src / "io.json", dst / "io.json")
 
 

@@ -52,7 +52,7 @@ FIGURES = ("decode_tok_s", "prefill_tok_s", "ttft_ms", "peak_rss_mib", "resident
            "warm_start_s", "kv_mib")
 MEMORY = ("before_load_mib", "after_load_mib", "after_run_mib", "load_delta_mib", "run_delta_mib",
           "anon_after_run_mib", "anon_huge_after_run_mib", "file_after_run_mib", "weights_file_mib",
-          "weights_mapped_resident_mib")
+          "weights_mapped_resident_mib", "runtime_mib", "allocated_mib", "kv_held_mib", "other_mib")
 HIGHER_IS_BETTER = {"decode_tok_s": True, "prefill_tok_s": True}
 # The packed artifact's own runtime, per weight path (pipeline/weight_path.py).
 PACKED_ARMS = {"w4_ort_matmulnbits": "ort_int4", "w4a16_tinygemm": "tinygemm_w4a16", "gguf_q4_0": "gguf_q4_0"}
@@ -506,6 +506,13 @@ def summary_table(report: dict) -> dict:
         tag = "artifact" if arm == headline else "baseline"
         out[f"{arm} ({tag}) decode | prefill tok/s"] = f"{fmt(f['decode_tok_s'])} | {fmt(f['prefill_tok_s'])}"
         out[f"{arm} resident | peak MiB"] = f"{fmt(f['resident_mib'], 0)} | {fmt(f['peak_rss_mib'], 0)}"
+        mem = {k: v["median"] for k, v in report.get("memory", {}).get(arm, {}).items() if v}
+        if "allocated_mib" in mem:
+            out[f"{arm} resident after the run, MiB"] = (
+                f"runtime {mem['runtime_mib']:.0f} + mapped weights {mem['weights_mapped_resident_mib']:.0f} + "
+                f"allocated (prepacked weights, arena) {mem['allocated_mib']:.0f} + KV {mem['kv_held_mib']:.0f} + "
+                f"other {mem['other_mib']:.0f} = {mem['after_run_mib']:.0f}; weight files "
+                f"{mem['weights_file_mib']:.0f} MiB")
         out[f"{arm} cold | warm start s"] = f"{fmt(f['cold_start_s'], 2)} | {fmt(f['warm_start_s'], 2)}"
         ctxs = report.get("context", {}).get(arm, {})
         if ctxs:

@@ -21,7 +21,7 @@ The weight path is chosen by `pipeline.weight_path.select(device, priority)`
   quantize stage's own codes, one graph for prefill and decode; serves the
   export's context length. Config and tokenizer copied from the export
   artifact; runs in `gqa_graph.GqaDecoder`.
-- qnn_graph (phone NPU): `float/model.onnx`, the export made QNN-ready
+- qnn_graph (phone NPU): `float/model.onnx` (+ its external data), the export made QNN-ready
   (pipeline/npu_rewrite.py: sanitized, rotary tables, fused RMSNorm; checked
   against the export on a decode past the window), and per QDQ precision in
   `pack.qnn_precisions` `<precision>/model.onnx`, calibrated on the calibrate
@@ -221,12 +221,16 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
                                                  position="position", context_length=C)
     except npu_rewrite.RewriteError as err:
         raise StageError(f"pack: the exported graph cannot be made QNN-ready: {err}") from None
-    onnx.save(prepared, str(float_dir / "model.onnx"))
+    qdq = [p for p in precisions if p != "fp16"]
+    overrides = npu_rewrite.embedding_ranges(prepared) if qdq else {}  # before the save moves the data out
+    # External data: ONNX Runtime's QNN quantization config loads the graph without it and runs ONNX shape
+    # inference on what it loaded; with the weights inline that one call held ~4 copies of the 1.7 GB
+    # graph (8.5 GiB on Gemma 3 270M), without them it is the graph's structure only.
+    onnx.save(prepared, str(float_dir / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="model.onnx.data", size_threshold=1024)
     shutil.copy2(export_dir / "io.json", float_dir / "io.json")
     ctx.log(f"QNN-ready float graph: {rewrites['sanitize']}, {rewrites['rope_tables']} rotary tables, "
             f"{rewrites['rms_norms_fused']} RMSNorms fused")
-    qdq = [p for p in precisions if p != "fp16"]
-    overrides = npu_rewrite.embedding_ranges(prepared) if qdq else {}
     # Memory: from here on the graph lives in the sessions only. On Gemma 3
     # 270M each copy is 1.7 GB (the in-memory graph, the export's decoder, the
     # float decoder, then the quantizer's model and augmented session): the
@@ -261,7 +265,7 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     # the sequences stay whole contexts (positions 0..C-1, the sliding
     # window's ring past its wrap included), fewer of them: one on Gemma
     # (1024 steps, 256 samples), all four on a context of 256 or less.
-    # Memory: the samples are streamed (qnn.qdq_quantize), never held.
+    # Memory: the samples are spilled to disk and read back one at a time (qnn.spill_samples).
     budget = ctx.cfg.pack.get("qnn_calibration_steps", None)
     budget = QNN_CALIBRATION_STEPS if budget is None else int(budget)
     seqs = seqs[:qnn.calibration_plan(C, len(seqs), budget)]
@@ -271,27 +275,40 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
                        "samples": sum((len(s) + stride - 1) // stride for s in seqs), "step_budget": budget,
                        "max_position": max(len(s) for s in seqs) - 1,
                        "data": "calibrate/token_ids.npy (held-out windows), joined into context-length sequences"}
-    for p in precisions:
-        if p == "fp16":
-            graphs[p] = {"graph": "float/model.onnx", "math": "fp16 on the HTP (enable_htp_fp16_precision)"}
-            continue
-        (out / p).mkdir()
-        ctx.log(f"QDQ {p}: {calibration['samples']} calibration samples over {len(seqs)} sequence(s) of "
-                f"{calibration['max_position'] + 1} positions, streamed")
-        try:
-            with ctx.progress(calibration["tokens"], f"QDQ {p} calibration: decode steps of the float graph") as bar:
-                samples = qnn.decode_samples(new, seqs, stride, advance=bar.advance)
-                facts = qnn.qdq_quantize(float_dir / "model.onnx", out / p / "model.onnx", samples, p, overrides)
-        except qnn.QnnError as err:
-            raise StageError(f"pack: {err}") from None
-        graphs[p] = {"graph": f"{p}/model.onnx", **facts}
+    spill = out / ".calibration_samples"
+    try:
+        paths = []
+        if qdq:
+            # Memory: the samples are made first and spilled to disk (qnn.spill_samples), then the float
+            # decoder is dropped, so its session (the model's weights) is never held beside the
+            # quantizer's two copies; one sample is in memory at a time, and every precision reads them.
+            ctx.log(f"QDQ calibration: {calibration['samples']} samples over {len(seqs)} sequence(s) of "
+                    f"{calibration['max_position'] + 1} positions, spilled to disk")
+            with ctx.progress(calibration["tokens"], "QDQ calibration: decode steps of the float graph") as bar:
+                paths = qnn.spill_samples(qnn.decode_samples(new, seqs, stride, advance=bar.advance), spill)
+        del new
+        gc.collect()
+        for p in precisions:
+            if p == "fp16":
+                graphs[p] = {"graph": "float/model.onnx", "math": "fp16 on the HTP (enable_htp_fp16_precision)"}
+                continue
+            (out / p).mkdir()
+            with ctx.progress(None, f"QDQ {p}: ONNX Runtime's quantizer over {len(paths)} samples"):
+                try:
+                    facts = qnn.qdq_quantize(float_dir / "model.onnx", out / p / "model.onnx",
+                                             qnn.read_samples(paths), p, overrides)
+                except qnn.QnnError as err:
+                    raise StageError(f"pack: {err}") from None
+            graphs[p] = {"graph": f"{p}/model.onnx", **facts}
+    finally:
+        shutil.rmtree(spill, ignore_errors=True)
     copy_side_files(export_dir, out)
     shutil.copy2(export_dir / "io.json", out / "io.json")
     info = {"format": "edgekiln-qnn-pack/1", "precisions": precisions, "deployed": precisions[0],
             "graphs": graphs, "rewrites": rewrites, "rewrite_check": {"steps": len(check), "worst_snr_db": worst},
             "calibration": calibration, "context_length": C}
     (out / "npu.json").write_text(json.dumps(info, indent=2, default=float) + "\n")
-    size = sum(f.stat().st_size for f in out.rglob("*.onnx"))
+    size = sum(f.stat().st_size for f in out.rglob("*.onnx*"))
     return {**info, "bytes": size}
 
 

@@ -335,8 +335,10 @@ def _head_width(s, found, error_8bit_head: float, tensors: dict, head_alt: dict,
         return {"chosen": 8, "measured": False, "reason": f"the error is measured by {found['method']}, not "
                 "through the head's Grams: the kernel's default width kept", "min_gain_db": HEAD_MIN_GAIN_DB,
                 "options": {"4": {"snr_db": None, "extra_bytes": 0}, "8": {"snr_db": None, "extra_bytes": extra}}}
-    four = gptq.dequantize(head_alt["qweight"], head_alt["scales"], head_alt["zeros"], group_sizes[HEAD])
-    e4 = err.head_errors({"4": four}, weight(HEAD).float())["4"]
+    def four():
+        return gptq.dequantize(head_alt["qweight"], head_alt["scales"], head_alt["zeros"], group_sizes[HEAD])
+
+    e4 = err.head_errors({"4": four}, lambda: weight(HEAD).float())["4"]
     gain_db = 10 * math.log10(e4 / error_8bit_head) if e4 > 0 and error_8bit_head > 0 else float("inf")
     chosen = 8 if gain_db >= HEAD_MIN_GAIN_DB else 4
     return {"chosen": chosen, "measured": True, "min_gain_db": HEAD_MIN_GAIN_DB,

@@ -620,3 +620,18 @@ def test_external_data_is_what_onnx_save_model_writes(ckpts, tmp_path, monkeypat
         assert (out / f).read_bytes() == (ref / f).read_bytes(), f
     ids = _seq(12)
     assert np.array_equal(_steps(GqaDecoder(out, threads=1), ids), _steps(GqaDecoder(inline, threads=1), ids))
+
+
+def test_benchmark_pass_splits_resident_memory_into_components(ckpts):
+    """bench_arm's pass says where the resident MiB go: runtime + mapped weight pages + what the runtime
+    allocated (prepacked copies, arena) + KV + other = resident after the run; the mapped part is at most
+    the weight files."""
+    from pipeline import bench_arm
+
+    out = _graph(ckpts("gemma3", tied=True), 4)
+    r = bench_arm.measure("ort_int4", str(out), prompt_length=8, decode_tokens=4, warmup=1, threads=1, seed=0)
+    m = r["memory"]
+    parts = m["runtime_mib"] + m["weights_mapped_resident_mib"] + m["allocated_mib"] + m["kv_held_mib"] + m["other_mib"]
+    assert parts == pytest.approx(m["after_run_mib"], abs=0.01)
+    assert 0 <= m["weights_mapped_resident_mib"] <= m["weights_file_mib"] + 0.01
+    assert m["kv_held_mib"] == pytest.approx(r["kv_mib"]) and m["kv_held_mib"] > 0
