@@ -222,12 +222,14 @@ class HeadError:
         self._base_hidden = self._last = self._hidden(capture=self.reuse_prefix)
         return self._error(self._base_hidden)
 
-    def head_errors(self, options: dict, full) -> dict:
+    def head_errors(self, options: dict, full, embedding=None) -> dict:
         """The error with the decoder as in the last run and the head at each of `options` ({key: a
         callable making its dequantized codes}) in turn; `full()`: the head's full-precision weight. The
         decoder's final hidden states do not depend on the head, so no model runs: per option the head's
-        Grams only. Each weight is made when needed and dropped once copied into the head (on Gemma 3
-        270M each is 671 MB). Leaves the head at the last option's codes."""
+        Grams only. `embedding`: the input embedding module where it is to be the head's own tensor (a
+        tied checkpoint shipping one table): it takes each option's codes too, and each option is then
+        a full run of the decoder. Each weight is made when needed and dropped once copied in (on Gemma 3
+        270M each is 671 MB). Leaves the head (and `embedding`) at the last option's codes."""
         out = {}
         for key, make in options.items():
             w = full()
@@ -235,8 +237,10 @@ class HeadError:
             del w
             codes = make()
             self.set_head(codes)
+            if embedding is not None:
+                embedding.weight.data.copy_(codes)
             del codes
-            out[key] = self._error(self._last)
+            out[key] = self._error(self._hidden() if embedding is not None else self._last)
         return out
 
     def check_replay(self) -> None:

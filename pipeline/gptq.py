@@ -203,9 +203,12 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
             f"inconsistent quantized tensors: qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)}, "
             f"zeros {tuple(zeros.shape)}, group size {group_size}"
         )
-    s = scales.float().repeat_interleave(group_size, dim=1)
-    z = zeros.float().repeat_interleave(group_size, dim=1)
-    return (qweight.float() - z) * s
+    # in place on one float copy of the codes, the scales and zeros broadcast per group: the same
+    # float32 operations as (q - z_expanded) * s_expanded, without three more [N, K] temporaries
+    # (the 262144 x 640 head of Gemma 3 270M: 671 MB each)
+    w = qweight.to(torch.float32, copy=True).reshape(n, groups, group_size)
+    w.sub_(zeros.float().unsqueeze(-1)).mul_(scales.float().unsqueeze(-1))
+    return w.reshape(n, k)
 
 
 # --------------------------------------------------------------------------

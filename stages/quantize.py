@@ -292,7 +292,7 @@ def _promote(ctx, s, src: Path, cal_dir: Path, layers: dict, tensors: dict, grou
             model.get_submodule(name).weight.data.copy_(at_codes(name))
     changed = [name for key in chosen for name in by_key[key].layers]
     after = found["error"](changed=changed) if chosen else found["base"]
-    head = _head_width(s, found, after, tensors, head_alt, weight, group_sizes) if head_alt else None
+    head = _head_width(s, found, model, after, tensors, head_alt, weight, group_sizes) if head_alt else None
     del model
     record = {
         "budget": s["eight_bit_budget"],
@@ -315,36 +315,52 @@ def _promote(ctx, s, src: Path, cal_dir: Path, layers: dict, tensors: dict, grou
         ctx.log(f"head {head['chosen']}-bit (measured: calibration logits {head['options']['4']['snr_db']} dB with "
                 f"a 4-bit head, {head['options']['8']['snr_db']} dB at 8 bits for "
                 f"{head['options']['8']['extra_bytes'] / 1e6:.1f} MB more; 8 bits kept from "
-                f"{head['min_gain_db']} dB)")
+                f"{head['min_gain_db']} dB; the embedding {head['embedding']})")
     return record, head
 
 
-def _head_width(s, found, error_8bit_head: float, tensors: dict, head_alt: dict, weight, group_sizes) -> dict:
+def _head_width(s, found, model, error_8bit_head: float, tensors: dict, head_alt: dict, weight,
+                group_sizes) -> dict:
     """The head's width by measurement: the calibration logits' error with the decoder at its final codes
-    and the head at 8 bits (`error_8bit_head`, the head `tensors` hold) and at 4 (`head_alt`); 8 bits kept
-    where they gain at least HEAD_MIN_GAIN_DB. Where the error is not HeadError's (a softcapped or
-    biased head: no per-head shortcut), the kernel's default, 8, stays and the record says so."""
+    and the head at 4 and at 8 bits; 8 bits kept where they gain at least HEAD_MIN_GAIN_DB. Where the
+    checkpoint is tied, the pack ships one table for the embedding and the head (pipeline/gqa_graph.py),
+    so the embedding takes each width's codes too and each is a full run. Where the error is not
+    HeadError's (a softcapped or biased head: no per-head shortcut), the kernel's default, 8, stays and
+    the record says so."""
     import math
+
+    import torch
 
     from pipeline import bit_alloc, gptq
 
     err = found["error"]
     n, k = tensors[f"{HEAD}.qweight"].shape
     extra = n * k // 2
+    emb = model.get_input_embeddings()
+    tied = emb is not None and tuple(emb.weight.shape) == (n, k) and torch.equal(emb.weight, weight(HEAD).float())
+    record = {"min_gain_db": HEAD_MIN_GAIN_DB,
+              "embedding": "the head's own tensor (a tied checkpoint): measured with it" if tied else "its own"}
     if not isinstance(err, bit_alloc.HeadError):
-        return {"chosen": 8, "measured": False, "reason": f"the error is measured by {found['method']}, not "
-                "through the head's Grams: the kernel's default width kept", "min_gain_db": HEAD_MIN_GAIN_DB,
+        return {**record, "chosen": 8, "measured": False,
+                "reason": f"the error is measured by {found['method']}, not through the head's Grams: the "
+                          "kernel's default width kept",
                 "options": {"4": {"snr_db": None, "extra_bytes": 0}, "8": {"snr_db": None, "extra_bytes": extra}}}
-    def four():
-        return gptq.dequantize(head_alt["qweight"], head_alt["scales"], head_alt["zeros"], group_sizes[HEAD])
 
-    e4 = err.head_errors({"4": four}, lambda: weight(HEAD).float())["4"]
-    gain_db = 10 * math.log10(e4 / error_8bit_head) if e4 > 0 and error_8bit_head > 0 else float("inf")
+    def codes(t):
+        return lambda: gptq.dequantize(t["qweight"], t["scales"], t["zeros"], group_sizes[HEAD])
+
+    eight = {key: tensors[f"{HEAD}.{key}"] for key in ("qweight", "scales", "zeros")}
+    if tied:
+        errs = err.head_errors({"8": codes(eight), "4": codes(head_alt)}, lambda: weight(HEAD).float(), emb)
+    else:
+        errs = {"8": error_8bit_head, **err.head_errors({"4": codes(head_alt)}, lambda: weight(HEAD).float())}
+    e4, e8 = errs["4"], errs["8"]
+    gain_db = 10 * math.log10(e4 / e8) if e4 > 0 and e8 > 0 else float("inf")
     chosen = 8 if gain_db >= HEAD_MIN_GAIN_DB else 4
-    return {"chosen": chosen, "measured": True, "min_gain_db": HEAD_MIN_GAIN_DB,
+    return {**record, "chosen": chosen, "measured": True,
             "gain_db": round(gain_db, 3) if math.isfinite(gain_db) else None,
             "options": {"4": {"snr_db": _snr_db(e4), "extra_bytes": 0},
-                        "8": {"snr_db": _snr_db(error_8bit_head), "extra_bytes": extra}}}
+                        "8": {"snr_db": _snr_db(e8), "extra_bytes": extra}}}
 
 
 def run(ctx) -> dict:
