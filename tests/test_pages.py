@@ -60,3 +60,27 @@ def test_a_process_started_with_the_tunable_gets_huge_pages_and_one_without_does
     if pages.thp_mode() == "madvise":  # "always" gives every process huge pages
         plain = child(base)
         assert not plain["asked"] and plain["huge"] < asked["huge"], (plain, asked)
+
+
+def test_page_out_file_drops_the_files_own_pages_and_keeps_written_ones(tmp_path):
+    """pages.page_out_file on a private mapping: pages still holding the file's data leave the resident set
+    and read back the same; a page this process wrote to (its own copy) is kept as written."""
+    import mmap
+
+    from pipeline import pages
+
+    page = mmap.PAGESIZE
+    data = bytes(range(256)) * (64 * page // 256)
+    f = tmp_path / "weights.bin"
+    f.write_bytes(data)
+    with open(f, "rb") as fh:
+        m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)  # MAP_PRIVATE, as ONNX Runtime maps
+    assert m[:] == data  # every page read: resident
+    m[5 * page:5 * page + 4] = b"edge"  # one page copied on write
+    advised = pages.page_out_file(f)
+    if not pages.file_mappings(f):
+        pytest.skip("no /proc/self/maps here")
+    assert 0 < advised <= len(data) - page  # the written page is left out
+    assert m[5 * page:5 * page + 4] == b"edge"
+    assert m[:5 * page] == data[:5 * page] and m[6 * page:] == data[6 * page:]
+    m.close()
