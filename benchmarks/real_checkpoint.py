@@ -73,7 +73,7 @@ def run(overrides: list[str], keep: Path | None) -> dict:
     costs = stage_costs(repo, build)
     out = {"overrides": overrides, "build": build, "rc": proc.returncode, "wall_s": round(wall, 1),
            "stages": costs, "log": str(log), "repo": str(repo)}
-    for stage in ("verify_parity", "benchmark"):
+    for stage in ("pack", "verify_parity", "benchmark"):
         mf = repo / "artifacts" / build / stage / "manifest.json"
         if mf.is_file():
             out[stage] = json.loads(mf.read_text()).get("result", {}).get("metrics")
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         sub = c["peak_rss_children_gib"]
         print(f"{c['stage']:<16}{c['seconds'] or 0:>10.1f}{c['peak_rss_gib'] or 0:>10.2f}"
               f"{(f'{sub:.2f}' if sub else '-'):>16}")
-    for stage in ("verify_parity", "benchmark"):
+    for stage in ("pack", "verify_parity", "benchmark"):
         if r.get(stage):
             print(f"{stage}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                            for k, v in r[stage].items()))
