@@ -185,6 +185,9 @@ def _onnxruntime(ctx, device, host, pack_dir) -> dict:
         "inter_op_num_threads": 1,
         "execution_mode": "ORT_SEQUENTIAL",
         "graph_optimization_level": "ORT_ENABLE_ALL",
+        # GqaDecoder's defaults (pipeline/gqa_graph.py): no CPU arena; the mapped weights file paged out
+        "enable_cpu_mem_arena": False,
+        "after_load": "madvise(MADV_DONTNEED) the mapping of model.onnx.data (pipeline.pages.page_out_file)",
         "session_config": ({} if chosen["allow_spinning"] is None else
                            {"session.intra_op.allow_spinning": "1" if chosen["allow_spinning"] else "0"}),
         **_pages_setting(evidence),
