@@ -605,16 +605,7 @@ class TorchReference(_Greedy):
         Gemma3ForCausalLM included): lm_head, then final_logit_softcapping when the config has
         one, in HF's order (divide, tanh, multiply). `greedy_run` checks this against the model's
         own logits once, so a head this does not reproduce is refused rather than mis-measured."""
-        import torch
-
-        with torch.inference_mode():
-            logits = self.model.lm_head(hidden)
-            cap = getattr(self.config, "final_logit_softcapping", None)
-            if cap is not None:
-                logits = logits / cap
-                logits = torch.tanh(logits)
-                logits = logits * cap
-        return logits.to(torch.float32).numpy()
+        return _Head(self.model.lm_head, getattr(self.config, "final_logit_softcapping", None))(hidden)
 
     def _hidden(self, token_ids: Sequence[int]):
         """Final hidden states [len(ids), hidden] of `token_ids` fed at the current position, with the cache."""
@@ -676,7 +667,28 @@ class TorchReference(_Greedy):
             states.append(self._hidden([tok]))
             if progress:
                 progress(1)
-        return ReferenceRun(ids, cont, torch.cat(states), self.head)
+        # the run keeps the head alone, not this reference: once the runs are made the model can go
+        # (the parity stage drops it before loading the artifact's own model beside them)
+        return ReferenceRun(ids, cont, torch.cat(states),
+                            _Head(self.model.lm_head, getattr(self.config, "final_logit_softcapping", None)))
+
+
+class _Head:
+    """lm_head then the final softcap (TorchReference.head), holding the head's module only."""
+
+    def __init__(self, lm_head, cap):
+        self.lm_head, self.cap = lm_head, cap
+
+    def __call__(self, hidden) -> np.ndarray:
+        import torch
+
+        with torch.inference_mode():
+            logits = self.lm_head(hidden)
+            if self.cap is not None:
+                logits = logits / self.cap
+                logits = torch.tanh(logits)
+                logits = logits * self.cap
+        return logits.to(torch.float32).numpy()
 
 
 class ReferenceRun:
