@@ -72,7 +72,6 @@ from __future__ import annotations
 import functools
 import gc
 import json
-import math
 import shutil
 import sys
 import time
@@ -473,7 +472,7 @@ def _can_share(emb, head, layers, widths) -> bool:
                                                                                head.weight.detach())
 
 
-def _shared_embedding(g: "_G", emb, head, layers, widths, scale: float) -> tuple[str, int]:
+def _shared_embedding(g: "_G", layers, widths, scale: float) -> tuple[str, int]:
     """The token embedding as a GatherBlockQuantized over the head's own MatMulNBits weight: one tensor
     on disk (and, mapped, in memory) serves both, as in a tied checkpoint.
 
@@ -484,11 +483,9 @@ def _shared_embedding(g: "_G", emb, head, layers, widths, scale: float) -> tuple
     file holds them once). Zero points are ORT's default (8, 128) in both ops: symmetric codes only.
     The embedding then carries the head's rounding: the error record of lm_head is the embedding's too.
     Gemma 3's embed_scale is a Mul after the gather (HF multiplies the gathered rows too, in fp32 here).
+    The caller has checked that the head can be shared (`_can_share`).
     """
-    if not _can_share(emb, head, layers, widths):
-        raise GqaGraphError("embedding='shared' needs a tied checkpoint (embedding and lm_head the same tensor) "
-                            "whose head the quantize stage wrote symmetric at 4 or 8 bits; use embedding='fp32'")
-    q, s, _, gs = layers["lm_head"]
+    q, _, _, gs = layers["lm_head"]
     bits = int(widths.get("lm_head", 4))
     k = q.shape[1]
     scales3 = g.node("Unsqueeze", ["lm_head.scales", g.const_i64([2])], ["embed.scales"], "embed_scales")
@@ -593,8 +590,13 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
     table = emb.weight.detach().to(torch.float32)
     scale = getattr(emb, "embed_scale", None)
     scale_f = float(scale.to(emb.weight.dtype).to(torch.float32)) if scale is not None else 1.0
-    if opts["embedding"] == "auto":
-        opts["embedding"] = "shared" if _can_share(emb, model.lm_head, layers, widths) else "fp32"
+    if opts["embedding"] in ("auto", "shared"):
+        share = _can_share(emb, model.lm_head, layers, widths)
+        if opts["embedding"] == "shared" and not share:
+            raise GqaGraphError("embedding='shared' needs a tied checkpoint (embedding and lm_head the same "
+                                "tensor) whose head the quantize stage wrote symmetric at 4 or 8 bits; use "
+                                "embedding='fp32'")
+        opts["embedding"] = "shared" if share else "fp32"
     if opts["embedding"] == "fp32":
         # scaled and written a row chunk at a time: no second [V, H] fp32 table (671 MB on Gemma 3)
         mul = scale.to(emb.weight.dtype).to(torch.float32) if scale is not None else None
@@ -609,7 +611,7 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
         h = g.node("Gather", ["embed_tokens", "input_ids"], ["h_0"], "embed", axis=0)  # [1, S, H]
         emb_bytes = int(table.numel() * 4)
     elif opts["embedding"] == "shared":
-        h, emb_bytes = _shared_embedding(g, emb, model.lm_head, layers, widths, scale_f)
+        h, emb_bytes = _shared_embedding(g, layers, widths, scale_f)
     else:
         raise GqaGraphError(f"embedding must be one of {EMBEDDINGS}, got {opts['embedding']!r}")
     for key, (cos, sin) in rope.items():

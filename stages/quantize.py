@@ -337,7 +337,9 @@ def _head_width(s, found, model, error_8bit_head: float, tensors: dict, head_alt
     n, k = tensors[f"{HEAD}.qweight"].shape
     extra = n * k // 2
     emb = model.get_input_embeddings()
-    tied = emb is not None and tuple(emb.weight.shape) == (n, k) and torch.equal(emb.weight, weight(HEAD).float())
+    # the pack shares the table where the checkpoint is tied and the codes symmetric (gqa_graph._can_share)
+    tied = (s["sym"] and emb is not None and tuple(emb.weight.shape) == (n, k)
+            and torch.equal(emb.weight, weight(HEAD).float()))
     record = {"min_gain_db": HEAD_MIN_GAIN_DB,
               "embedding": "the head's own tensor (a tied checkpoint): measured with it" if tied else "its own"}
     if not isinstance(err, bit_alloc.HeadError):
