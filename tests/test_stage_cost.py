@@ -71,7 +71,7 @@ def fails_with_a_stage_error(ctx):
 
 def sleeps(ctx):
     (ctx.out / "half.bin").write_bytes(b"x" * 100)
-    time.sleep(600)  # the signal ends it long before: a loaded host can take tens of seconds to start the child
+    time.sleep(120)  # the signal ends it long before: a loaded host can take tens of seconds to start the child
 
 
 def supervised(tmp_path, monkeypatch, fn: str) -> int:
@@ -177,7 +177,7 @@ def test_signals_reach_the_stage(tmp_path, monkeypatch, capfd, sig, rc, words):
     sent = []
 
     def send_when_running():  # once the stage has written its first file (the child has started)
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 100
         while time.monotonic() < deadline:
             if parent.exists() and any((parent / n / "half.bin").exists() for n in leftovers(parent)
                                        if n.startswith(f".{STAGE}.tmp-")):
