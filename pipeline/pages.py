@@ -78,20 +78,23 @@ def hugetlb_env(env: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def anon_mappings() -> dict[int, int]:
-    """{start: end} of this process's private anonymous read-write mappings (Linux; {} elsewhere)."""
-    out = {}
+def _maps():
+    """(start, end, perms, file offset, path or None) of each of this process's mappings (Linux; none
+    elsewhere), from /proc/self/maps."""
     try:
         with open("/proc/self/maps") as f:
             for line in f:
-                parts = line.split()
-                if len(parts) == 5 or (len(parts) > 5 and parts[5] == "[heap]"):
-                    if parts[1].startswith("rw") and parts[1].endswith("p"):
-                        lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                        out[lo] = hi
+                parts = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                yield lo, hi, parts[1], int(parts[2], 16), parts[5].rstrip("\n") if len(parts) == 6 else None
     except OSError:
-        pass
-    return out
+        return
+
+
+def anon_mappings() -> dict[int, int]:
+    """{start: end} of this process's private anonymous read-write mappings (Linux; {} elsewhere)."""
+    return {lo: hi for lo, hi, perms, _, path in _maps()
+            if path in (None, "[heap]") and perms.startswith("rw") and perms.endswith("p")}
 
 
 def collapse_to_huge_pages(before: dict[int, int], min_bytes: int = 4 << 20) -> int:
@@ -135,17 +138,7 @@ _MADV_DONTNEED = 4
 def file_mappings(path) -> list[tuple[int, int, int]]:
     """(start, end, file offset) of this process's mappings of the file `path` (Linux; [] elsewhere)."""
     target = os.path.realpath(path)
-    out = []
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                if len(parts) == 6 and parts[5].rstrip("\n") == target:
-                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                    out.append((lo, hi, int(parts[2], 16)))
-    except OSError:
-        pass
-    return out
+    return [(lo, hi, off) for lo, hi, _, off, p in _maps() if p == target]
 
 
 def page_out_file(path) -> int:
