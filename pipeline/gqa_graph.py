@@ -122,7 +122,11 @@ DEFAULT_OPTIONS = {
     "embedding": "auto",       # "shared": GatherBlockQuantized over the head's own MatMulNBits weight (a tied
                                # checkpoint: one copy of the table, see _shared_embedding); "fp32": a Gather of
                                # the untied checkpoint's fp32 table; "auto": shared where it can be, else fp32
+    "kv_dtype": "float16",     # the KV cache (and the attention's rope caches) in fp16, as llama.cpp's default
+                               # f16 cache: half the KV bytes; q/k/v are cast in and the attention cast out
+                               # (benchmarks/gqa_speed.py --kv-dtype; docs/results.md for the measurement)
 }
+KV_DTYPES = ("float16", "float32")
 
 
 class GqaGraphError(DecodeGraphError):
@@ -528,6 +532,8 @@ def build_gqa_graph(untied_dir, quant_dir, out_dir, max_len: int, accuracy_level
         raise GqaGraphError(f"unknown build options {sorted(unknown)}")
     if max_len < 1:
         raise GqaGraphError(f"max_len must be >= 1, got {max_len}")
+    if opts["kv_dtype"] not in KV_DTYPES:
+        raise GqaGraphError(f"kv_dtype must be one of {KV_DTYPES}, got {opts['kv_dtype']!r}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     g = _G(out_dir / _SPILL)
@@ -614,9 +620,12 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
         h, emb_bytes = _shared_embedding(g, layers, widths, scale_f)
     else:
         raise GqaGraphError(f"embedding must be one of {EMBEDDINGS}, got {opts['embedding']!r}")
+    kv16 = opts["kv_dtype"] == "float16"
+    kv_np, kv_proto = (np.float16, TensorProto.FLOAT16) if kv16 else (np.float32, TensorProto.FLOAT)
+    kv_item = np.dtype(kv_np).itemsize
     for key, (cos, sin) in rope.items():
-        g.init(f"cos_{key}", cos)
-        g.init(f"sin_{key}", sin)
+        g.init(f"cos_{key}", cos.astype(kv_np))
+        g.init(f"sin_{key}", sin.astype(kv_np))
 
     rope_key = [p["type"] if p["type"] in rope else "default" for p in plan]
     softcaps = [_applies_attn_softcap(layer.self_attn) for layer in base.layers]
@@ -699,11 +708,15 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
             gqa_attrs["sliding_window_cache"] = 1
         if softcaps[i]:
             gqa_attrs["softcap"] = float(softcaps[i])
+        if kv16:  # GQA takes one type T for q/k/v, the caches and its output
+            q, k, v = (g.node("Cast", [t], [f"{t}16"], f"{t}16", to=TensorProto.FLOAT16) for t in (q, k, v))
         a = g.node("GroupQueryAttention",
                    [q, k, v, f"past_key_{i}", f"past_value_{i}", "seqlens_k", "total_sequence_length",
                     f"cos_{key}", f"sin_{key}"],
-                   [f"{pre}.attn", f"present_key_{i}", f"present_value_{i}"], f"{pre}.gqa", domain=MS,
-                   **gqa_attrs)[0]
+                   [f"{pre}.attn16" if kv16 else f"{pre}.attn", f"present_key_{i}", f"present_value_{i}"],
+                   f"{pre}.gqa", domain=MS, **gqa_attrs)[0]
+        if kv16:
+            a = g.node("Cast", [a], [f"{pre}.attn"], f"{pre}.attn32", to=TensorProto.FLOAT)
         if last and opts["last_layer_rows"] == "last":
             # Only the last position's logits leave the graph: past the last GQA (whose K/V every row
             # feeds), the last layer runs one row.
@@ -768,9 +781,8 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
     outputs = [vi("logits", TensorProto.FLOAT, [1, cfg.vocab_size])]
     for i in range(n_layers):
         kv_shape = [1, nkv, plan[i]["cache_len"], hd]
-        inputs += [vi(f"past_key_{i}", TensorProto.FLOAT, kv_shape), vi(f"past_value_{i}", TensorProto.FLOAT, kv_shape)]
-        outputs += [vi(f"present_key_{i}", TensorProto.FLOAT, kv_shape),
-                    vi(f"present_value_{i}", TensorProto.FLOAT, kv_shape)]
+        inputs += [vi(f"past_key_{i}", kv_proto, kv_shape), vi(f"past_value_{i}", kv_proto, kv_shape)]
+        outputs += [vi(f"present_key_{i}", kv_proto, kv_shape), vi(f"present_value_{i}", kv_proto, kv_shape)]
     # the initializers are in g's spill file (model.onnx gets them in this order: `_write_model`)
     graph = helper.make_graph(g.nodes, f"{family}_gqa", inputs, outputs, [])
     onnx_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
@@ -808,6 +820,7 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
         "max_len": int(max_len),
         "kv_layout": "BNSH [1, n_kv, cache_len, head_dim] per layer (max_len, or window + slack for a "
                      "window_cache layer), past_* and present_* bound to one buffer",
+        "kv_dtype": opts["kv_dtype"],
         "layers": layer_facts,
         "vocab_size": int(cfg.vocab_size),
         "n_layers": int(n_layers),
@@ -842,7 +855,8 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
         "layer_plan": layer_facts,
         "max_len": int(max_len),
         "accuracy_level": acc,
-        "kv_bytes": int(sum(2 * nkv * p["cache_len"] * hd * 4 for p in plan)),
+        "kv_bytes": int(sum(2 * nkv * p["cache_len"] * hd * kv_item for p in plan)),
+        "kv_dtype": opts["kv_dtype"],
         "options": opts,
         "external_data": external,
         "build_s": round(time.perf_counter() - t0, 2),
@@ -864,7 +878,7 @@ def _theta(cfg, key: str):
 class GqaDecoder(_Greedy):
     """The runtime of a `build_gqa_graph` artifact; the API of decode_graph.OnnxDecoder plus batched prefill.
 
-    KV: one preallocated float32 OrtValue per past/present pair, bound as both
+    KV: one preallocated OrtValue (io.json's kv_dtype) per past/present pair, bound as both
     (GQA writes the new rows in place; a window_cache layer's buffer is W +
     slack rows and the op compacts it itself). Decode: input_ids / seqlens_k /
     total_sequence_length / logits are numpy-backed OrtValues bound once; a
@@ -905,10 +919,11 @@ class GqaDecoder(_Greedy):
         self.vocab_size = int(self.io["vocab_size"])
         self.n_layers = int(self.io["n_layers"])
         self._kv = []
+        self.kv_dtype = np.dtype(self.io.get("kv_dtype", "float32"))  # io.json before kv_dtype: fp32
         for layer in self.io["layers"]:
             shape = (1, int(self.io["n_kv_heads"]), int(layer["cache_len"]), int(self.io["head_dim"]))
-            self._kv.append((ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32),
-                             ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32)))
+            self._kv.append((ort.OrtValue.ortvalue_from_shape_and_type(shape, self.kv_dtype),
+                             ort.OrtValue.ortvalue_from_shape_and_type(shape, self.kv_dtype)))
         # Decode-step buffers (numpy memory shared with the bound OrtValues).
         self._ids = np.zeros((1, 1), np.int64)
         self._seqlens = np.zeros((1,), np.int32)
@@ -978,7 +993,7 @@ class GqaDecoder(_Greedy):
         return logits[0]
 
     def kv_bytes(self) -> int:
-        return int(sum(4 * (np.prod(k.shape()) + np.prod(v.shape())) for k, v in self._kv))
+        return int(sum(self.kv_dtype.itemsize * (np.prod(k.shape()) + np.prod(v.shape())) for k, v in self._kv))
 
     def end_profiling(self) -> str:
         return self.session.end_profiling()

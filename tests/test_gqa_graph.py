@@ -142,10 +142,16 @@ def _checkpoint(root: Path, name: str, sym: bool = True, seed: int = 0, tied: bo
     return {"root": root, "hf": root / "hf", "quant": root / "quant", "gptq": root / "gptq"}
 
 
+# The tests of the graph's arithmetic build it with an fp32 KV cache, where it is exact to the reference
+# (> 90 dB); the fp16 cache (the default) is checked against it in test_fp16_kv_cache_*.
+EXACT = {"kv_dtype": "float32"}
+
+
 def _graph(ck, acc: int, tag: str = "", **options) -> Path:
     out = ck["root"] / f"gqa_acc{acc}{tag}"
     if not (out / "io.json").is_file():
-        facts = build_gqa_graph(ck["hf"], ck["quant"], out, max_len=MAX_LEN, accuracy_level=acc, **options)
+        facts = build_gqa_graph(ck["hf"], ck["quant"], out, max_len=MAX_LEN, accuracy_level=acc,
+                                **{**EXACT, **options})
         (out / "facts.json").write_text(json.dumps(facts, default=str))
     return out
 
@@ -244,7 +250,7 @@ def test_8_bit_layers_are_one_code_a_byte_and_match_their_dequantized_model(ckpt
     save_file(tensors, str(quant / "quantized.safetensors"))
     (quant / "quant.json").write_text(json.dumps(meta))
     out = tmp_path / f"gqa8_{acc}"
-    facts = build_gqa_graph(ck["hf"], quant, out, max_len=MAX_LEN, accuracy_level=acc)
+    facts = build_gqa_graph(ck["hf"], quant, out, max_len=MAX_LEN, accuracy_level=acc, **EXACT)
     for rec in facts["matmulnbits"].values():
         assert rec["bits"] == (8 if set(rec["layers"]) <= set(eight) else 4), rec
     assert any(len(r["layers"]) == 3 and r["bits"] == (8 if ATTN0[0] in eight else 4)
@@ -317,6 +323,31 @@ def test_window_cache_equals_full_buffer(ckpts, slack):
     assert snr_db(ref[30:], tail) > 90.0
 
 
+@pytest.mark.parametrize("name", ["gemma3", "qwen3"])
+def test_fp16_kv_cache_halves_the_kv_and_keeps_the_logits(ckpts, name):
+    """The default KV cache is fp16 (llama.cpp's default f16 cache): past/present are float16 in the graph
+    and io.json, the decoder's KV bytes are half the fp32 cache's, and the logits stay within fp16's
+    rounding of the fp32-cache graph's (stepping, the window buffers' compaction, and a prefill)."""
+    ck = ckpts(name)
+    ids = _seq(44, seed=8)
+    exact = GqaDecoder(_graph(ck, 0), threads=1)
+    out = ck["root"] / "gqa_kv16"
+    facts = build_gqa_graph(ck["hf"], ck["quant"], out, max_len=MAX_LEN, accuracy_level=0)
+    assert facts["options"]["kv_dtype"] == "float16" and facts["kv_dtype"] == "float16"
+    io = json.loads((out / "io.json").read_text())
+    kv_io = [v for v in io["inputs"] + io["outputs"] if v["name"].startswith(("past_", "present_"))]
+    assert kv_io and {v["dtype"] for v in kv_io} == {"float16"}
+    half = GqaDecoder(out, threads=1)
+    assert half.kv_bytes() * 2 == exact.kv_bytes() and facts["kv_bytes"] == half.kv_bytes()
+    ref, got = _steps(exact, ids), _steps(half, ids)
+    assert snr_db(ref, got) > 50.0, snr_db(ref, got)
+    srt = np.sort(ref, -1)
+    flips = ref.argmax(-1) != got.argmax(-1)
+    assert not (flips & (srt[:, -1] - srt[:, -2] > 2 * np.abs(ref - got).max(-1))).any()
+    half.reset()
+    assert snr_db(ref[-1], half.prefill(ids)) > 50.0
+
+
 @pytest.mark.parametrize("tag,options", [
     ("_plain", dict(fuse_qkv=False, fuse_gate_up=False, qk_norm="split", skip_norm=False, last_layer_rows="all",
                     norm_op="SimplifiedLayerNormalization")),
@@ -353,7 +384,7 @@ def test_tied_checkpoint_ships_one_table_for_embedding_and_head(ckpts, tmp_path,
     ids = _seq(30, seed=7)
     ref = _steps(TorchReference(ref_model), ids)
     out = tmp_path / f"shared{head_bits}"
-    facts = build_gqa_graph(ck["hf"], quant, out, max_len=MAX_LEN, accuracy_level=0)
+    facts = build_gqa_graph(ck["hf"], quant, out, max_len=MAX_LEN, accuracy_level=0, **EXACT)
     assert facts["options"]["embedding"] == "shared"
     got = _steps(GqaDecoder(out, threads=1), ids)
     assert snr_db(ref, got) > 90.0
@@ -364,7 +395,7 @@ def test_tied_checkpoint_ships_one_table_for_embedding_and_head(ckpts, tmp_path,
     assert gather.input[0] == "lm_head.B"  # the head's own weight
     assert facts["weight_bytes"]["embedding"] == 0
     table = build_gqa_graph(ck["hf"], quant, tmp_path / "table", max_len=MAX_LEN, accuracy_level=0,
-                            embedding="fp32")
+                            embedding="fp32", **EXACT)
     assert abs(table["bytes"] - VOCAB * 64 * 4 - facts["bytes"]) < 1024  # all but the fp32 table is the same
     untied = build_gqa_graph(ckpts("gemma3")["hf"], ckpts("gemma3")["quant"], tmp_path / "untied", max_len=MAX_LEN,
                              accuracy_level=0)
@@ -534,7 +565,7 @@ def test_embedded_build_matches_dequantized_model(tmp_path):
     from pipeline.decode_graph import load_hf_model
 
     out = tmp_path / "gqa"
-    build_gqa_graph(EMBEDDED / "untie_head", EMBEDDED / "quantize", out, max_len=160, accuracy_level=0)
+    build_gqa_graph(EMBEDDED / "untie_head", EMBEDDED / "quantize", out, max_len=160, accuracy_level=0, **EXACT)
     model = load_hf_model(EMBEDDED / "untie_head")
     meta, layers = read_quant(EMBEDDED / "quantize", bits=(4, 8))  # the head is 8-bit by default on this path
     for n, (q, s, z, g) in layers.items():
