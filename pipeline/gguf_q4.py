@@ -66,9 +66,14 @@ import numpy as np
 
 
 GGUF_FILE = "model.gguf"  # the artifact's file in the pack folder of a llama.cpp device
-BLOCK = 32  # GGUF Q4_0 block: QK4_0 weights per fp16 scale
+BLOCK = 32  # GGUF Q4_0 / Q8_0 block: QK4_0 = QK8_0 weights per fp16 scale
 SYM_ZERO = 8
+SYM_ZERO_8 = 128  # an 8-bit symmetric code's zero: Q8_0's int8 value is code - 128
 BLOCK_BYTES = 2 + BLOCK // 2  # fp16 d + 16 bytes of nibbles
+BLOCK_BYTES_8 = 2 + BLOCK  # fp16 d + 32 int8
+# The GGUF type of a linear of each width: an 8-bit group-32 symmetric result with fp16 scales (the head
+# at quantize.head_bits=8) is Q8_0 exactly, as the 4-bit one is Q4_0.
+GGUF_TYPE = {4: "Q4_0", 8: "Q8_0"}
 
 
 class GgufQ4Error(ValueError):
@@ -82,8 +87,15 @@ class GgufQ4Error(ValueError):
 REQUANT_HINT = "quantize.group_size=32 quantize.sym=true quantize.scale_dtype=fp16"
 
 
+def widths(meta: dict | None, layers) -> dict[str, int]:
+    """{layer: its code width} (quant.json's per-layer `bits`, else 4)."""
+    recorded = (meta or {}).get("layers", {})
+    return {n: int(recorded.get(n, {}).get("bits", 4)) for n in layers}
+
+
 def check_q4_0(layers: dict, meta: dict | None = None) -> None:
-    """Refuse (GgufQ4Error) unless every layer is group-32 symmetric with fp16-exact scales.
+    """Refuse (GgufQ4Error) unless every layer is group-32 symmetric with fp16-exact scales, and 4-bit
+    (Q4_0) or 8-bit (Q8_0) as quant.json (`meta`) records its width.
 
     `layers` as pipeline.int4_runtime.read_quant returns them:
     {name: (qweight uint8 [N, K], scales f32 [N, K/g], zeros uint8 [N, K/g], g)}.
@@ -93,16 +105,20 @@ def check_q4_0(layers: dict, meta: dict | None = None) -> None:
     if meta is not None and meta.get("sym") is False:
         raise GgufQ4Error(f"the quant result is asymmetric (sym: false): GGUF Q4_0 has no zero point; "
                           f"requantize with {REQUANT_HINT}")
+    width = widths(meta, layers)
     for name, (q, s, z, g) in layers.items():
+        zero, top = (SYM_ZERO_8, 255) if width[name] == 8 else (SYM_ZERO, 15)
+        if width[name] not in GGUF_TYPE:
+            raise GgufQ4Error(f"layer {name} holds {width[name]}-bit codes: GGUF takes 4 (Q4_0) or 8 (Q8_0)")
         if int(g) != BLOCK:
             raise GgufQ4Error(f"layer {name} has group size {g}: GGUF Q4_0 blocks are {BLOCK} weights with one "
                               f"scale; requantize with {REQUANT_HINT}")
-        if not bool((np.asarray(z) == SYM_ZERO).all()):
-            raise GgufQ4Error(f"layer {name} has zero points other than {SYM_ZERO} (asymmetric): GGUF Q4_0 has no "
-                              f"zero point; requantize with {REQUANT_HINT}")
+        if not bool((np.asarray(z) == zero).all()):
+            raise GgufQ4Error(f"layer {name} has zero points other than {zero} (asymmetric): GGUF "
+                              f"{GGUF_TYPE[width[name]]} has no zero point; requantize with {REQUANT_HINT}")
         q = np.asarray(q)
-        if q.size and int(q.max()) > 15:
-            raise GgufQ4Error(f"layer {name} has codes above 15: not a 4-bit result")
+        if q.size and int(q.max()) > top:
+            raise GgufQ4Error(f"layer {name} has codes above {top}: not a {width[name]}-bit result")
         s = np.asarray(s, dtype=np.float32)
         with np.errstate(over="ignore"):
             s16 = s.astype(np.float16)
@@ -134,13 +150,29 @@ def pack_q4_0(codes, scales) -> np.ndarray:
     return np.concatenate([d, qs.astype(np.uint8)], axis=-1).reshape(n, nb * BLOCK_BYTES)
 
 
-def dequant(codes, scales) -> np.ndarray:
-    """Our weights as Q4_0 holds them: scales * (codes - 8) per 32-block, float32 [N, K]."""
+def pack_q8_0(codes, scales) -> np.ndarray:
+    """Q8_0 blocks of 8-bit symmetric codes uint8 [N, K] (0..255, zero 128) and scales [N, K/32] (fp16
+    values): uint8 [N, K/32 * 34]. Per block: d as little-endian fp16, then the 32 weights as int8
+    (code - 128), as gguf's `Q8_0.dequantize_blocks` reads them (checked in tests/test_gguf_q4.py)."""
+    codes = np.asarray(codes, dtype=np.uint8)
+    scales = np.asarray(scales, dtype=np.float32)
+    n, k = codes.shape
+    if k % BLOCK or scales.shape != (n, k // BLOCK):
+        raise GgufQ4Error(f"codes {codes.shape} and scales {scales.shape} do not form {BLOCK}-weight blocks")
+    nb = k // BLOCK
+    d = scales.astype("<f2").reshape(n, nb, 1).view(np.uint8)  # [n, nb, 2]
+    qs = (codes.astype(np.int16) - SYM_ZERO_8).astype(np.int8).view(np.uint8).reshape(n, nb, BLOCK)
+    return np.concatenate([d, qs], axis=-1).reshape(n, nb * BLOCK_BYTES_8)
+
+
+def dequant(codes, scales, bits: int = 4) -> np.ndarray:
+    """Our weights as Q4_0 (Q8_0 for `bits`=8) holds them: scales * (codes - zero) per 32-block, fp32 [N, K]."""
     from pipeline import int4_layouts
 
     codes = np.asarray(codes, dtype=np.uint8)
     scales = np.asarray(scales, dtype=np.float32)
-    return int4_layouts.dequant(codes, scales, np.full(scales.shape, SYM_ZERO, np.uint8), BLOCK)
+    zero = SYM_ZERO_8 if bits == 8 else SYM_ZERO
+    return int4_layouts.dequant(codes, scales, np.full(scales.shape, zero, np.uint8), BLOCK, bits=bits)
 
 
 # --------------------------------------------------------------------------
@@ -312,19 +344,40 @@ def _copy_field(writer, field) -> None:
         writer.add_key_value(field.name, value, vtype)
 
 
-OTHERS = ("keep", "q8_0", "q4_0")
+# The token embedding: "shared" = the head's own Q4_0/Q8_0 tensor (a tied checkpoint: token_embd holds
+# it and output.weight is left out, as llama.cpp's converter does for a tied model; llama.cpp then reads
+# the head from token_embd); "auto" = shared where the checkpoint is tied, else "keep"; the others below.
+OTHERS = ("auto", "shared", "keep", "q8_0", "q4_0")
+TOKEN_EMBD = "token_embd.weight"
+HEAD = "lm_head"
 
 
-def write_q4_0(converted_gguf, hf_dir, quant_dir, out_file, *, others: str = "keep") -> dict[str, Any]:
+def _tied_head(reader, hf_dir: Path, placed: dict) -> bool:
+    """Whether the converted token embedding is, as stored, exactly the head's weight (row for row, the
+    head not permuted): then one tensor can serve both."""
+    tensors = {t.name: t for t in reader.tensors}
+    emb = tensors.get(TOKEN_EMBD)
+    if HEAD not in placed or emb is None or not np.array_equal(placed[HEAD][1], np.arange(len(placed[HEAD][1]))):
+        return False
+    head = _as_stored(_hf_weight(_hf_weight_files(Path(hf_dir)), f"{HEAD}.weight"), emb)
+    return head is not None and head.shape == tuple(emb.data.shape) and np.array_equal(np.asarray(emb.data), head)
+
+
+
+def write_q4_0(converted_gguf, hf_dir, quant_dir, out_file, *, others: str = "auto") -> dict[str, Any]:
     """A new GGUF at `out_file`: `converted_gguf` with our quantized linears as Q4_0.
 
     `converted_gguf` is llama.cpp's conversion (f16 or f32) of the HF checkpoint
     `hf_dir` that `quant_dir` (the quantize stage's output) quantized.
     `others`: the converted file's other 2-D float tensors (the token
-    embedding; our quantizer does not touch it): "keep" them as converted, or
-    round them to Q8_0 / Q4_0 with gguf's own quantizer (round to nearest, no
-    calibration: llama.cpp's Q4_0 file holds a Q4_0 token embedding; on the
-    embedded model "q4_0" gave it byte for byte).
+    embedding; our quantizer does not touch it): "shared" (a tied checkpoint:
+    the head's own quantized tensor is the token embedding, one copy; refused
+    where the converted embedding is not the head's weight), "auto" (shared
+    where it can be, else keep), "keep" them as converted, or round them to
+    Q8_0 / Q4_0 with gguf's own quantizer (round to nearest, no calibration:
+    llama.cpp's Q4_0 file holds a Q4_0 token embedding; on the embedded model
+    "q4_0" gave it byte for byte). Our linears are Q4_0, or Q8_0 where
+    quant.json records 8 bits (the head at quantize.head_bits=8).
     Returns what was done: {gguf name: HF linear}, the permuted ones, the tensor types written.
     """
     import gguf
@@ -334,11 +387,21 @@ def write_q4_0(converted_gguf, hf_dir, quant_dir, out_file, *, others: str = "ke
 
     from pipeline.int4_runtime import read_quant
 
-    meta, layers = read_quant(quant_dir)
+    meta, layers = read_quant(quant_dir, bits=tuple(GGUF_TYPE))
     check_q4_0(layers, meta)
+    width = widths(meta, layers)
     reader = gguf.GGUFReader(str(converted_gguf))
     placed = map_layers(reader, Path(hf_dir), list(layers))
+    shared = others in ("auto", "shared") and _tied_head(reader, Path(hf_dir), placed)
+    if others == "shared" and not shared:
+        raise GgufQ4Error("pack.gguf_token_embedding=shared needs a tied checkpoint (its token embedding the "
+                          "head's weight, as converted); use auto or keep")
+    others = "keep" if others == "auto" else others
+    dropped = placed[HEAD][0] if shared else None  # output.weight: llama.cpp reads the head from token_embd
+    if shared:
+        placed[HEAD] = (TOKEN_EMBD, placed[HEAD][1])
     by_tensor = {name: (layer, perm) for layer, (name, perm) in placed.items()}
+    rounded = []  # the converted float tensors gguf's quantizer rounded (others="q8_0" / "q4_0")
 
     arch = _field(reader, "general.architecture")
     out_file = Path(out_file)
@@ -363,18 +426,21 @@ def write_q4_0(converted_gguf, hf_dir, quant_dir, out_file, *, others: str = "ke
 
         types: dict[str, int] = {}
         for t in reader.tensors:
+            if t.name == dropped:
+                continue
             if t.name in by_tensor:
                 layer, perm = by_tensor[t.name]
                 q, s, _z, _g = layers[layer]
-                blocks = pack_q4_0(q[perm], s[perm])
-                writer.add_tensor(t.name, blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
-                kind = "Q4_0"
+                kind = GGUF_TYPE[width[layer]]
+                blocks = (pack_q8_0 if width[layer] == 8 else pack_q4_0)(q[perm], s[perm])
+                writer.add_tensor(t.name, blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
             elif (others != "keep" and len(t.data.shape) == 2 and t.tensor_type.name in _FLOAT_TYPES
                   and t.data.shape[-1] % BLOCK == 0):
                 qtype = gguf.GGMLQuantizationType[others.upper()]
                 writer.add_tensor(t.name, gguf.quants.quantize(np.asarray(t.data, dtype=np.float32), qtype),
                                   raw_dtype=qtype)
                 kind = qtype.name
+                rounded.append(t.name)
             else:
                 writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
                 kind = t.tensor_type.name
@@ -399,11 +465,15 @@ def write_q4_0(converted_gguf, hf_dir, quant_dir, out_file, *, others: str = "ke
                       if not np.array_equal(perm, np.arange(len(perm)))},
         "tensor_types": dict(sorted(types.items())),
         "file_type": "MOSTLY_Q4_0" if wrote_ftype else "absent in the conversion (left absent)",
+        # the token embedding: the head's own tensor (one copy), or what `others` made of the converted one
+        "token_embedding": f"shared: the head's {GGUF_TYPE[width[HEAD]]} tensor ({dropped} left out)" if shared
+        else others,
+        "rounded": rounded,
     }
 
 
 def build_q4_0(hf_dir, quant_dir, out_file, *, src: str | None = None, outtype: str = "f16",
-               converted: str | Path | None = None, others: str = "keep") -> dict[str, Any]:
+               converted: str | Path | None = None, others: str = "auto") -> dict[str, Any]:
     """Convert `hf_dir` with llama.cpp's converter (or reuse `converted`), then `write_q4_0`.
 
     The quant result is checked before the (slow) conversion runs.
@@ -411,7 +481,7 @@ def build_q4_0(hf_dir, quant_dir, out_file, *, src: str | None = None, outtype: 
     from pipeline import llamacpp
     from pipeline.int4_runtime import read_quant
 
-    meta, layers = read_quant(quant_dir)
+    meta, layers = read_quant(quant_dir, bits=tuple(GGUF_TYPE))
     check_q4_0(layers, meta)
     out_file = Path(out_file)
     if converted is not None:
@@ -422,8 +492,14 @@ def build_q4_0(hf_dir, quant_dir, out_file, *, src: str | None = None, outtype: 
         return write_q4_0(conv, hf_dir, quant_dir, out_file, others=others)
 
 
+def _ours(reader, report: dict) -> set[str]:
+    """The file's Q4_0 / Q8_0 tensors that are not gguf's rounding of a converted one (report["rounded"])."""
+    kinds = set(GGUF_TYPE.values())
+    return {t.name for t in reader.tensors if t.tensor_type.name in kinds} - set(report.get("rounded", ()))
+
+
 def file_weights(gguf_file, report: dict) -> dict[str, np.ndarray]:
-    """{HF linear: fp32 weight [N, K]} read back from the file's Q4_0 tensors by gguf's own
+    """{HF linear: fp32 weight [N, K]} read back from the file's Q4_0 / Q8_0 tensors by gguf's own
     dequantizer, rows put back in the checkpoint's order (`report` is write_q4_0's)."""
     import gguf
 
@@ -432,8 +508,8 @@ def file_weights(gguf_file, report: dict) -> dict[str, np.ndarray]:
     out = {}
     for gname, layer in report["layers"].items():
         t = by_name.get(gname)
-        if t is None or t.tensor_type != gguf.GGMLQuantizationType.Q4_0:
-            raise GgufQ4Error(f"{gguf_file}: tensor {gname} is missing or not Q4_0")
+        if t is None or t.tensor_type.name not in GGUF_TYPE.values():
+            raise GgufQ4Error(f"{gguf_file}: tensor {gname} is missing or not Q4_0 / Q8_0")
         w = gguf.quants.dequantize(t.data, t.tensor_type)
         order = report.get("row_order", {}).get(gname)
         if order is not None:
@@ -443,22 +519,24 @@ def file_weights(gguf_file, report: dict) -> dict[str, np.ndarray]:
 
 
 def verify_file(gguf_file, quant_dir, report: dict) -> int:
-    """Every Q4_0 tensor of the file dequantizes bit-for-bit to our weights (GgufQ4Error otherwise);
-    returns how many were checked. The file's Q4_0 tensors must be exactly the report's."""
+    """Every Q4_0 / Q8_0 tensor of ours in the file dequantizes bit-for-bit to our weights (GgufQ4Error
+    otherwise); returns how many were checked. Those tensors must be exactly the report's."""
     import gguf
 
     from pipeline.int4_runtime import read_quant
 
-    _meta, layers = read_quant(quant_dir)
-    q4 = {t.name for t in gguf.GGUFReader(str(gguf_file)).tensors if t.tensor_type == gguf.GGMLQuantizationType.Q4_0}
-    if q4 != set(report["layers"]):
-        raise GgufQ4Error(f"{gguf_file}: Q4_0 tensors {sorted(q4 ^ set(report['layers']))} differ from the report's")
+    meta, layers = read_quant(quant_dir, bits=tuple(GGUF_TYPE))
+    width = widths(meta, layers)
+    ours = _ours(gguf.GGUFReader(str(gguf_file)), report)
+    if ours != set(report["layers"]):
+        raise GgufQ4Error(f"{gguf_file}: quantized tensors {sorted(ours ^ set(report['layers']))} differ from the "
+                          f"report's")
     got = file_weights(gguf_file, report)
     if set(got) != set(layers):
         raise GgufQ4Error(f"{gguf_file}: holds {len(got)} of the quant result's {len(layers)} layers")
     for layer, w in got.items():
         q, s, _z, _g = layers[layer]
-        if not np.array_equal(w, dequant(q, s)):
+        if not np.array_equal(w, dequant(q, s, width[layer])):
             raise GgufQ4Error(f"{gguf_file}: {layer} does not dequantize to the quantize stage's weights")
     return len(got)
 
@@ -477,11 +555,18 @@ def _set_linears(model, weights: dict[str, np.ndarray]):
 
 
 def file_model(hf_dir, gguf_file, report: dict):
-    """The HF model (fp32) holding the file's Q4_0 linears as gguf dequantizes them; every other
-    tensor (token embedding, norms) as the checkpoint holds it."""
+    """The HF model (fp32) holding the file's Q4_0 / Q8_0 linears as gguf dequantizes them; the token
+    embedding the head's where the file shares it; every other tensor (norms) as the checkpoint holds it."""
+    import torch
+
     from pipeline.decode_graph import load_hf_model
 
-    return _set_linears(load_hf_model(hf_dir), file_weights(gguf_file, report))
+    weights = file_weights(gguf_file, report)
+    model = _set_linears(load_hf_model(hf_dir), weights)
+    if TOKEN_EMBD in report["layers"]:  # shared: token_embd is the head's tensor
+        with torch.no_grad():
+            model.get_input_embeddings().weight.copy_(torch.from_numpy(weights[report["layers"][TOKEN_EMBD]]))
+    return model
 
 
 def dequantized_model(hf_dir, quant_dir):
@@ -492,6 +577,7 @@ def dequantized_model(hf_dir, quant_dir):
     from pipeline.decode_graph import load_hf_model
     from pipeline.int4_runtime import read_quant
 
-    _meta, layers = read_quant(quant_dir)
-    weights = {name: int4_layouts.dequant(q, s, z, g) for name, (q, s, z, g) in layers.items()}
+    meta, layers = read_quant(quant_dir, bits=tuple(GGUF_TYPE))
+    width = widths(meta, layers)
+    weights = {name: int4_layouts.dequant(q, s, z, g, bits=width[name]) for name, (q, s, z, g) in layers.items()}
     return _set_linears(load_hf_model(hf_dir), weights)

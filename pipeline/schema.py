@@ -274,11 +274,12 @@ class PackConfig:
     # (one sequence on Gemma 3 270M at context 1024, four on the embedded model).
     qnn_calibration_steps: Optional[int] = None
     qnn_calibration_stride: int = 4
-    # llama.cpp devices (weight path gguf_q4_0): the GGUF's token embedding,
-    # which GPTQ does not touch: `keep` it as llama.cpp's converter wrote it
-    # (f16), or round it to q8_0 / q4_0 with gguf's quantizer (what llama.cpp's
-    # own Q4_0 file holds; smaller, costs fidelity: README).
-    gguf_token_embedding: str = "keep"
+    # llama.cpp devices (weight path gguf_q4_0): the GGUF's token embedding:
+    # `auto` = the head's own quantized tensor where the checkpoint is tied
+    # (one copy), else `keep`; `shared` (tied only); `keep` it as llama.cpp's
+    # converter wrote it (f16), or round it to q8_0 / q4_0 with gguf's
+    # quantizer (what llama.cpp's own Q4_0 file holds; costs fidelity).
+    gguf_token_embedding: str = "auto"
 
 
 @dataclass

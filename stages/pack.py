@@ -33,7 +33,9 @@ The weight path is chosen by `pipeline.weight_path.select(device, priority)`
   the untied checkpoint (metadata, tokenizer, names: pipeline/converter.py
   finds the converter) with every quantized linear, the head included, written
   as Q4_0 blocks of the quantize stage's own codes and fp16 scales (a group-32
-  symmetric result is Q4_0 exactly: pipeline/gguf_q4.py). Read back with
+  symmetric result is Q4_0 exactly, an 8-bit one Q8_0: pipeline/gguf_q4.py);
+  a tied checkpoint's token embedding is the head's own tensor, one copy
+  (pack.gguf_token_embedding: auto). Read back with
   gguf's dequantizer and checked bit-for-bit against the quant result before
   the stage succeeds. `gguf.json` records the tensor map, the rows the
   converter reordered, the tensor types and the converter's identity.
@@ -325,19 +327,20 @@ def _write_gguf(ctx, untied: Path, quant_dir: Path, meta: dict, layers: dict) ->
     if tree is None:
         raise StageError(f"pack: {converter.missing_message()}")
     out = Path(ctx.out)
-    with ctx.progress(None, f"GGUF Q4_0: llama.cpp's converter ({tree}), then our codes as Q4_0 blocks"):
+    with ctx.progress(None, f"GGUF: llama.cpp's converter ({tree}), then our codes as Q4_0 / Q8_0 blocks"):
         try:
             report = gguf_q4.build_q4_0(untied, quant_dir, out / GGUF_FILE, src=str(tree),
                                         others=str(ctx.cfg.pack.gguf_token_embedding))
             checked = gguf_q4.verify_file(out / GGUF_FILE, quant_dir, report)
         except (gguf_q4.GgufQ4Error, llamacpp.LlamaCppUnavailable) as err:
             raise StageError(f"pack: {err}") from None
-    ctx.log(f"GGUF Q4_0: {checked} linears read back bit-for-bit as the quantize stage's weights; "
-            f"tensor types {report['tensor_types']}")
+    ctx.log(f"GGUF: {checked} linears read back bit-for-bit as the quantize stage's weights; "
+            f"tensor types {report['tensor_types']}; token embedding {report['token_embedding']}")
     info = {
         "format": "edgekiln-gguf/1", "file": GGUF_FILE, "file_type": report["file_type"],
         "layers": report["layers"], "permuted": report["permuted"], "row_order": report["row_order"],
-        "tensor_types": report["tensor_types"], "token_embedding": str(ctx.cfg.pack.gguf_token_embedding),
+        "tensor_types": report["tensor_types"], "token_embedding": report["token_embedding"],
+        "rounded": report["rounded"],
         "checked_bit_exact": checked, "converter": {"identity": converter.identity(str(tree)),
                                                     "source": _converter_source(tree)},
     }
@@ -389,8 +392,9 @@ def run(ctx: StageContext) -> dict:
 
     quant_dir = Path(ctx.inputs["quantize"])
     try:
-        # ORT's MatMulNBits takes 8-bit blocks too (an 8-bit head); every other layout 4-bit only
-        meta, layers = read_quant(quant_dir, bits=(4, 8) if sel["path"] == "w4_ort_matmulnbits" else (4,))
+        # ORT's MatMulNBits and GGUF (Q8_0) take 8-bit blocks too (an 8-bit head); the others 4-bit only
+        meta, layers = read_quant(quant_dir, bits=(4, 8) if sel["path"] in ("w4_ort_matmulnbits", "gguf_q4_0")
+                                  else (4,))
     except PackError as err:
         raise StageError(f"pack: {err}") from None
     src = Path(ctx.inputs["untie_head"])

@@ -58,12 +58,14 @@ READS = ("quantize", "device", "priority")
 HEAD = "lm_head"
 HEAD_GROUP_SIZE = 32
 HEAD_BITS_ORT = 8
-# quantize.head_bits: null where the kernel takes 8-bit heads (ORT's MatMulNBits): both widths are measured
+# quantize.head_bits: null where the kernel takes 8-bit heads (ORT's MatMulNBits; llama.cpp, whose Q8_0 holds
+# a group-32 symmetric 8-bit head exactly, pipeline/gguf_q4.py; HEAD8_PATHS): both widths are measured
 # on the calibration windows (the logits' SNR with the decoder at its final codes and the head at 4, then 8
 # bits) and 8 bits are kept where they buy at least this much; the extra bytes (K*N/2) are recorded beside.
 # ~135M Llama-family model (README): 4-bit g32 head 38.9 dB against 46.2 at 8 bits, 7.3 dB.
 HEAD_MIN_GAIN_DB = 1.0
 ORT_PATH = "w4_ort_matmulnbits"  # the weight path whose kernel (MatMulNBits) the *_ORT defaults are for
+HEAD8_PATHS = (ORT_PATH, "gguf_q4_0")  # the kernels that take an 8-bit head (MatMulNBits bits=8, GGUF Q8_0)
 # The body's group size where the kernel is ORT's MatMulNBits (the speed path): its int8-activation
 # kernel does work per block, so 256-weight blocks ran its matmuls 1.1-1.24x faster than 128 for 3%
 # fewer bytes; the ~100M model's graph decoded 1.13x faster at g256 than at g128 side by side, and
@@ -120,9 +122,10 @@ def _settings(cfg) -> dict:
         "group_fallback": str(q.get("group_fallback", "error")),
         "scale_dtype": str(q.get("scale_dtype", "fp32")),
         "head_group_size": _head_group_size(q, path, group_size),
-        "head_bits": _by_kernel(q, path, "head_bits", HEAD_BITS_ORT, 4),
-        # null on the kernel that takes 8-bit heads: the width is measured (_head_width), 8 until then
-        "head_bits_measured": q.get("head_bits") is None and path == ORT_PATH,
+        "head_bits": int(q.head_bits) if q.get("head_bits") is not None
+        else HEAD_BITS_ORT if path in HEAD8_PATHS else 4,
+        # null on the kernels that take 8-bit heads: the width is measured (_head_width), 8 until then
+        "head_bits_measured": q.get("head_bits") is None and path in HEAD8_PATHS,
         "eight_bit_budget": _by_kernel(q, path, "eight_bit_budget", EIGHT_BIT_BUDGET_ORT, 0.0),
         # null: enough windows for SENSITIVITY_TOKENS tokens (_promote); an int: that many windows
         "sensitivity_windows": _optional_int(q.get("sensitivity_windows", 4)),
@@ -182,8 +185,8 @@ def _head_group_size(q, path: str | None, group_size: int) -> int:
 def _by_kernel(q, path: str | None, key: str, ort, others):
     """quantize.<key> (`q`), or for null: `ort` where the weight path `path` is ORT's MatMulNBits
     (which takes 8-bit blocks, and is the speed path), `others` for every other kernel (tinygemm,
-    vLLM's GPTQ, GGUF Q4_0: 4-bit codes only). Used for head_bits (8 / 4), eight_bit_budget (EIGHT_BIT_BUDGET_ORT / 0) and
-    group_size (GROUP_SIZE_ORT / GROUP_SIZE)."""
+    vLLM's GPTQ, GGUF Q4_0: 4-bit codes only). Used for eight_bit_budget (EIGHT_BIT_BUDGET_ORT / 0) and
+    group_size (GROUP_SIZE_ORT / GROUP_SIZE); head_bits follows HEAD8_PATHS."""
     value = q.get(key)
     if value is not None:
         return type(ort)(value)

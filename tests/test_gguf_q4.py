@@ -74,8 +74,9 @@ def _tokenizer(folder: Path) -> Path:
     return _train_tokenizer(docs, VOCAB, work)
 
 
-def _tiny(kind: str, folder: Path, spm: Path | None = None, seed: int = 0) -> Path:
-    """A random untied HF checkpoint; every linear's K is a multiple of 32."""
+def _tiny(kind: str, folder: Path, spm: Path | None = None, seed: int = 0, tied: bool = False) -> Path:
+    """A random untied HF checkpoint; every linear's K is a multiple of 32. `tied`: its head a copy of
+    the embedding, as the untie_head stage writes a tied model."""
     import shutil
 
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
@@ -96,6 +97,8 @@ def _tiny(kind: str, folder: Path, spm: Path | None = None, seed: int = 0) -> Pa
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
+        if tied:
+            model.lm_head.weight.copy_(model.get_input_embeddings().weight)
     model.save_pretrained(folder)
     if spm is not None:
         shutil.copy(spm, folder / "tokenizer.model")
@@ -106,8 +109,10 @@ def _layer_names(n_layers: int = 2) -> list[str]:
     return [f"model.layers.{i}.{m}" for i in range(n_layers) for m in LINEARS] + ["lm_head"]
 
 
-def _quantize(hf_dir: Path, out: Path, *, group_size=32, sym=True, scale_dtype="fp16", method="gptq") -> Path:
-    """Every linear of `hf_dir` quantized with pipeline.gptq, written as the quantize stage writes it."""
+def _quantize(hf_dir: Path, out: Path, *, group_size=32, sym=True, scale_dtype="fp16", method="gptq",
+              head_bits=4) -> Path:
+    """Every linear of `hf_dir` quantized with pipeline.gptq, written as the quantize stage writes it
+    (the head at `head_bits`)."""
     from safetensors.torch import load_file, save_file
 
     state = {}
@@ -120,14 +125,15 @@ def _quantize(hf_dir: Path, out: Path, *, group_size=32, sym=True, scale_dtype="
         n, k = w.shape
         x = torch.randn(256, k, generator=g)
         h = (x.T @ x).double()
+        bits = head_bits if name == "lm_head" else 4
         q = gptq.quantize_weight(w, h, method=method, group_size=group_size, sym=sym, scale_dtype=scale_dtype,
-                                 name=name)
+                                 name=name, bits=bits)
         tensors.update({f"{name}.qweight": q.qweight, f"{name}.scales": q.scales, f"{name}.zeros": q.zeros})
-        layers[name] = {"in_features": k, "out_features": n}
+        layers[name] = {"in_features": k, "out_features": n, **({"bits": bits} if bits != 4 else {})}
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / gptq.QUANT_TENSORS), metadata={"format": gptq.FORMAT})
     meta = {"format": gptq.FORMAT, "bits": 4, "group_size": group_size, "sym": sym, "method": method,
-            "scale_search": True, "layers": layers}
+            "scale_search": True, "layers": layers, **({"head_bits": head_bits} if head_bits != 4 else {})}
     (out / gptq.QUANT_JSON).write_text(json.dumps(meta, indent=2) + "\n")
     return out
 
@@ -181,7 +187,7 @@ def _check_round_trip(out_file: Path, quant_dir: Path, report: dict) -> int:
     permuted as the report says the converter permuted the rows; returns how many were checked."""
     from pipeline.int4_runtime import read_quant
 
-    _, layers = read_quant(quant_dir)
+    _, layers = read_quant(quant_dir, bits=(4, 8))  # permuted: attention rows, 4-bit here
     by_name = {t.name: t for t in gguf.GGUFReader(str(out_file)).tensors}
     for gname in report["permuted"]:  # the file's rows really are reordered ...
         q, s, _, _ = layers[report["layers"][gname]]
@@ -264,6 +270,25 @@ def test_pack_q4_0_matches_gguf_dequantize_bit_exactly():
     assert np.array_equal(theirs, gguf_q4.pack_q4_0(codes, pos))
 
 
+@gguf_only
+def test_pack_q8_0_matches_gguf_dequantize_bit_exactly():
+    """An 8-bit symmetric code (0..255 around 128) is Q8_0's int8 value + 128: the blocks dequantize, by
+    gguf's own dequantizer, to exactly our weights; gguf's quantizer, fed weights it holds exactly, lays
+    out the same bytes."""
+    rng = np.random.default_rng(1)
+    codes = rng.integers(1, 256, size=(16, 96), dtype=np.uint8)
+    codes[0, :3] = (0, 128, 255)  # the grid's ends and its zero
+    scales = (rng.random((16, 3)) * 0.01 + 1e-4).astype(np.float16).astype(np.float32)
+    blocks = gguf_q4.pack_q8_0(codes, scales)
+    assert blocks.dtype == np.uint8 and blocks.shape == (16, 3 * 34)
+    got = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)
+    assert np.array_equal(got, gguf_q4.dequant(codes, scales, 8))
+    assert np.array_equal(got, scales.repeat(32, axis=1) * (codes.astype(np.float32) - 128))
+    codes[:, ::32] = 1  # d = amax / 127: each block's absolute max is code 1 (-127 d)
+    theirs = gguf.quants.quantize(gguf_q4.dequant(codes, scales, 8), gguf.GGMLQuantizationType.Q8_0)
+    assert np.array_equal(theirs, gguf_q4.pack_q8_0(codes, scales))
+
+
 def _layers(g=32, zero=8, scale=0.25):
     rng = np.random.default_rng(0)
     n, k = 8, 128
@@ -332,6 +357,42 @@ def test_round_trip_through_a_converter_shaped_gguf(tiny_llama, tmp_path):
     r8 = gguf_q4.build_q4_0(hf, quant, out8, converted=conv, others="q8_0")
     assert r8["tensor_types"] == {"F32": 5, "Q4_0": 15, "Q8_0": 1}
     assert _check_round_trip(out8, quant, r8) == 15
+
+
+@gguf_only
+@pytest.mark.parametrize("head_bits", [4, 8])
+def test_a_tied_checkpoint_ships_the_head_as_its_token_embedding(tmp_path, head_bits):
+    """A tied checkpoint (the untied head a copy of the embedding): by default (others="auto") the file's
+    token_embd is the head's own Q4_0 / Q8_0 tensor and output.weight is left out (llama.cpp then reads
+    the head from token_embd, as for its own tied conversions), one table instead of an f16 one beside
+    the head; every tensor of ours still reads back bit for bit. An untied checkpoint keeps its f16
+    table under "auto", and "shared" refuses it."""
+    hf = _tiny("llama", tmp_path / "hf", tied=True)
+    quant = _quantize(hf, tmp_path / "quant", head_bits=head_bits)
+    conv = _fake_conversion(hf, tmp_path / "conv.gguf")
+    out = tmp_path / "shared.gguf"
+    report = gguf_q4.build_q4_0(hf, quant, out, converted=conv)
+    head = gguf_q4.GGUF_TYPE[head_bits]
+    assert report["layers"]["token_embd.weight"] == "lm_head" and "output.weight" not in report["layers"]
+    assert report["token_embedding"].startswith(f"shared: the head's {head}")
+    names = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors}
+    assert "output.weight" not in names and names["token_embd.weight"] == head
+    assert _check_round_trip(out, quant, report) == 15
+    kept = gguf_q4.build_q4_0(hf, quant, tmp_path / "kept.gguf", converted=conv, others="keep")
+    table = VOCAB * 64 * 2  # the f16 token embedding the shared file does not carry
+    assert out.stat().st_size < kept["bytes"] - table + 1024
+    # the model the file stands for: the head's dequantized weight as the embedding too
+    model = gguf_q4.file_model(hf, out, report)
+    assert torch.equal(model.get_input_embeddings().weight, model.lm_head.weight)
+    untied_hf = _tiny("llama", tmp_path / "untied", seed=3)
+    untied_q = _quantize(untied_hf, tmp_path / "untied_q", head_bits=head_bits)
+    untied_conv = _fake_conversion(untied_hf, tmp_path / "untied.gguf")
+    r = gguf_q4.build_q4_0(untied_hf, untied_q, tmp_path / "u.gguf", converted=untied_conv)
+    assert r["token_embedding"] == "keep" and r["layers"]["output.weight"] == "lm_head"
+    assert r["tensor_types"] == ({"F16": 1, "F32": 5, "Q4_0": 14, "Q8_0": 1} if head_bits == 8
+                                 else {"F16": 1, "F32": 5, "Q4_0": 15})
+    with pytest.raises(gguf_q4.GgufQ4Error, match="tied checkpoint"):
+        gguf_q4.build_q4_0(untied_hf, untied_q, tmp_path / "s.gguf", converted=untied_conv, others="shared")
 
 
 @gguf_only
@@ -435,3 +496,36 @@ def test_llama_cpp_runs_it_close_to_our_dequantized_weights(converted_pair, kind
     # batched prefill lands on the same last logits as the steps
     dec.reset()
     assert snr_db(o[-1], dec.prefill(ids)) > 40.0
+
+
+@gguf_only
+@pytest.mark.parametrize("kind", ["gemma3", "llama"])
+def test_llama_cpp_runs_a_tied_checkpoint_from_the_head_alone(tmp_path, kind):
+    """Through the real converter, a tied checkpoint with an 8-bit head: the file holds the head's Q8_0
+    tensor as token_embd and no output.weight; llama.cpp loads it, gathers and computes its logits
+    from that one tensor, close to the fp32 model holding our weights with the dequantized head as the
+    embedding (its own departures: 8-bit activations)."""
+    from pipeline import llamacpp
+    from pipeline.decode_graph import TorchReference, snr_db
+
+    src = _need_converter()
+    ok, reason = llamacpp.available()
+    if not ok:
+        pytest.skip(reason)
+    hf = _tiny(kind, tmp_path / "hf", _tokenizer(tmp_path), tied=True)
+    quant = _quantize(hf, tmp_path / "quant", head_bits=8)
+    out = tmp_path / "shared.gguf"
+    report = gguf_q4.build_q4_0(hf, quant, out, src=src)
+    assert report["layers"]["token_embd.weight"] == "lm_head" and gguf_q4.verify_file(out, quant, report) == 15
+    names = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors}
+    assert names["token_embd.weight"] == "Q8_0" and "output.weight" not in names
+    ref = TorchReference(gguf_q4.file_model(hf, out, report))
+    dec = llamacpp.LlamaCppDecoder(out, threads=1, n_ctx=64)
+    ids = [2] + list(range(10, 250, 8))
+    r, o = [], []
+    for d, acc in ((ref, r), (dec, o)):
+        d.reset()
+        acc.extend(d.step(t) for t in ids)
+    r, o = np.stack(r), np.stack(o)
+    assert snr_db(r, o) > 30.0, snr_db(r, o)
+    assert (r.argmax(-1) == o.argmax(-1)).mean() >= 0.8

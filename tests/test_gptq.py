@@ -372,11 +372,13 @@ def _quantize_settings(device: str, priority: str, **quantize) -> dict:
     ("x86_avx512", "speed", None, 8),       # ORT MatMulNBits takes 8-bit blocks
     ("x86_avx2", "speed", None, 4),         # tinygemm: 4-bit only
     ("xeon_amx", "speed", None, 4),         # vLLM's GPTQ: 4-bit only
-    ("x86_llamacpp", "speed", None, 4),     # GGUF Q4_0
+    ("x86_llamacpp", "speed", None, 8),     # GGUF: Q8_0 holds an 8-bit group-32 symmetric head
     ("x86_avx512", "speed", 4, 4),          # an explicit width is taken as it is
 ])
 def test_the_head_gets_8_bits_where_the_kernel_takes_them(device, priority, head_setting, want):
-    assert _quantize_settings(device, priority, head_bits=head_setting)["head_bits"] == want
+    s = _quantize_settings(device, priority, head_bits=head_setting)
+    assert s["head_bits"] == want
+    assert s["head_bits_measured"] == (head_setting is None and want == 8)  # 8 until measured against 4
 
 
 def test_an_8_bit_head_is_recorded_and_4_bit_layouts_refuse_it(tiny_untied, calibrated, tmp_path):
@@ -677,10 +679,14 @@ def _at_codes_model(untied: Path, quant_dir: Path):
     return model
 
 
+@pytest.mark.parametrize("device, extra", [
+    ("x86_avx512", {}),  # ORT's MatMulNBits (bits=8 blocks)
+    ("x86_llamacpp", {"group_size": 32, "scale_dtype": "fp16"}),  # GGUF Q8_0 (quantize=q4_0's settings)
+])
 @pytest.mark.parametrize("min_gain_db, want", [(-1.0, 8), (1e9, 4)])
 def test_the_heads_width_is_measured_where_the_kernel_takes_8_bits(tiny_untied, calibrated, tmp_path, monkeypatch,
-                                                                    min_gain_db, want):
-    """quantize.head_bits: null on ORT's MatMulNBits: the head at 4 and at 8 bits, each weighed by the
+                                                                    min_gain_db, want, device, extra):
+    """quantize.head_bits: null on ORT's MatMulNBits and llama.cpp: the head at 4 and at 8 bits, each weighed by the
     calibration logits' SNR with the decoder at its codes (the figure a direct logits run gives), 8 bits
     kept where they gain HEAD_MIN_GAIN_DB; both options' bytes and SNR are recorded with the choice,
     and the head that ships is the chosen one."""
@@ -692,10 +698,15 @@ def test_the_heads_width_is_measured_where_the_kernel_takes_8_bits(tiny_untied, 
     monkeypatch.setattr(quantize, "HEAD_MIN_GAIN_DB", min_gain_db)
     cal, _ = calibrated
     out = tmp_path / "measured"
-    cfg = {"quantize": {**QCFG, "eight_bit_budget": 0}, "device": devices.spec_sheet("x86_avx512"),
+    cfg = {"quantize": {**QCFG, "eight_bit_budget": 0, **extra}, "device": devices.spec_sheet(device),
            "priority": {"name": "speed"}}
     quantize.run(ctx("quantize", out, cfg, {"untie_head": tiny_untied, "calibrate": cal}))
     meta = json.loads((out / "quant.json").read_text())
+    if device == "x86_llamacpp":  # either width is what GGUF holds exactly (Q4_0 / Q8_0)
+        from pipeline import gguf_q4
+        from pipeline.int4_runtime import read_quant
+
+        gguf_q4.check_q4_0(read_quant(out, bits=(4, 8))[1], meta)
     rec = meta["head"]
     assert "eight_bit" not in meta and rec["measured"]
     four, eight = rec["options"]["4"], rec["options"]["8"]

@@ -132,9 +132,14 @@ def test_llamacpp_build_end_to_end_writes_our_codes_as_q4_0(tmp_path):
     quant = json.loads((build / "quantize" / "quant.json").read_text())
     assert quant["group_size"] == 32 and quant["scale_dtype"] == "fp16"
     info = json.loads((build / "pack" / "gguf.json").read_text())
-    assert info["file_type"] == "MOSTLY_Q4_0" and info["tensor_types"]["Q4_0"] == info["checked_bit_exact"]
+    types = info["tensor_types"]
+    assert info["file_type"] == "MOSTLY_Q4_0" and types["Q4_0"] + types.get("Q8_0", 0) == info["checked_bit_exact"]
     assert info["converter"]["identity"] == converter.identity()
-    assert "lm_head" in info["layers"].values()  # the head is quantized too
+    # the head is quantized too, its width measured (Q8_0 at 8 bits); the embedded model is tied, so the
+    # head's tensor is the token embedding and the file has no f16 table and no output.weight
+    assert quant["head"]["measured"] and types.get("Q8_0", 0) == (quant["head"]["chosen"] == 8)
+    assert info["layers"]["token_embd.weight"] == "lm_head" and "F16" not in types
+    assert info["token_embedding"].startswith("shared")
     # the file itself, read back here: every Q4_0 tensor is the quantize stage's weights
     assert gguf_q4.verify_file(build / "pack" / "model.gguf", build / "quantize", info) == info["checked_bit_exact"]
 
