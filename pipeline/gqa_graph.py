@@ -95,7 +95,7 @@ from pipeline.decode_graph import (
     load_hf_model,
     session_options,
 )
-from pipeline.pages import anon_mappings, collapse_to_huge_pages, page_out_file
+from pipeline.pages import anon_mappings, collapse_to_huge_pages, page_out_file, release_heap
 
 IO_FORMAT = "edgekiln-gqa/1"
 # Initializer bytes past which they go to model.onnx.data: 0, always. ONNX Runtime maps an external data
@@ -875,6 +875,11 @@ def _theta(cfg, key: str):
 # --------------------------------------------------------------------------
 
 
+# A prefill of at least this many rows hands its freed workspace back to the kernel (pages.release_heap):
+# decode steps' temporaries are small and reused, a long prefill's are not.
+_TRIM_AFTER_ROWS = 64
+
+
 class GqaDecoder(_Greedy):
     """The runtime of a `build_gqa_graph` artifact; the API of decode_graph.OnnxDecoder plus batched prefill.
 
@@ -990,6 +995,8 @@ class GqaDecoder(_Greedy):
         b, _keep = self._binding(ids, seqlens, total, logits)
         self.session.run_with_iobinding(b)
         self.position = p + n
+        if n >= _TRIM_AFTER_ROWS:
+            release_heap()  # the prefill's freed workspace leaves the resident set (pages.release_heap)
         return logits[0]
 
     def kv_bytes(self) -> int:

@@ -666,3 +666,22 @@ def test_benchmark_pass_splits_resident_memory_into_components(ckpts):
     assert parts == pytest.approx(m["after_run_mib"], abs=0.01)
     assert 0 <= m["weights_mapped_resident_mib"] <= m["weights_file_mib"] + 0.01
     assert m["kv_held_mib"] == pytest.approx(r["kv_mib"]) and m["kv_held_mib"] > 0
+
+
+def test_a_long_prefill_hands_its_workspace_back(ckpts, monkeypatch):
+    """GqaDecoder.prefill of _TRIM_AFTER_ROWS rows or more calls pages.release_heap (glibc's malloc_trim), so
+    the prefill's freed workspace leaves the resident set; shorter prefills and steps do not pay for it."""
+    from pipeline import gqa_graph, pages
+
+    calls = []
+    monkeypatch.setattr(gqa_graph, "release_heap", lambda: calls.append(1) or True)
+    monkeypatch.setattr(gqa_graph, "_TRIM_AFTER_ROWS", 8)
+    dec = GqaDecoder(_graph(ckpts("qwen3"), 0), threads=1)
+    ids = _seq(20, seed=9)
+    dec.prefill(ids[:7])
+    dec.step(ids[7])
+    assert calls == []
+    dec.reset()
+    dec.prefill(ids[:8])
+    assert calls == [1]
+    assert pages.release_heap() in (True, False)  # glibc here: True; elsewhere a no-op
