@@ -53,7 +53,6 @@ LIMITS = {
 CHOICES = {
     "quantize.method": ("gptq", "rtn"),  # pipeline/gptq.py METHODS
     "quantize.group_fallback": ("error", "divisor"),  # stages/quantize.py FALLBACKS
-    "calibrate.dataset": ("stdlib_docstrings_heldout",),  # stages/calibrate.py DATASETS
     "pack.tinygemm_prefill": ("dequant_packed", "deinterleave_once"),  # pipeline/int4_runtime.py PREFILL_MODES
     "benchmark.llamacpp": ("auto", "off"),
     "parity.peers": ("auto", "off"),
@@ -292,6 +291,7 @@ def _check(c: dict, where) -> None:
         v = _get(c, key)
         if v not in options:
             raise ConfigError(f"{where(key)}: {key}={v!r} is not one of: {', '.join(options)}")
+    _check_text_sources(c, where)
     q = c["quantize"]
     if q["bits"] != 4:  # pipeline/gptq.py BITS
         raise ConfigError(f"{where('quantize.bits')}: quantize.bits={q['bits']}: only 4-bit is supported")
@@ -401,33 +401,50 @@ def _check_model(m: dict, where) -> None:
         raise ConfigError(f"{where('model.sha256')}: model.sha256 must be 64 hex digits (the file's sha256)")
 
 
-def _check_model_path(raw, where, kind: str = "directory") -> None:
+def _check_model_path(raw, where, kind: str = "directory", key: str = "model.path") -> None:
     """An absolute checkpoint directory outside this repository's artifacts/:
     the model stage reads it, and a path into artifacts/ would read (and key
-    on) another build's output, or a folder a stage is writing."""
+    on) another build's output, or a folder a stage is writing. `key`: the
+    setting it came from (a text source, calibrate.dataset, is checked alike)."""
     text = str(raw)
     if not text.strip():
-        raise ConfigError(f"{where('model.path')}: model.path is empty: give the checkpoint's absolute {kind}")
+        raise ConfigError(f"{where(key)}: {key} is empty: give the checkpoint's absolute {kind}")
     if "\x00" in text:
-        raise ConfigError(f"{where('model.path')}: model.path contains a NUL byte")
+        raise ConfigError(f"{where(key)}: {key} contains a NUL byte")
     try:
         path = Path(text).expanduser()
     except RuntimeError:  # ~user that does not exist
-        raise ConfigError(f"{where('model.path')}: model.path {raw!r}: cannot expand '~'") from None
+        raise ConfigError(f"{where(key)}: {key} {raw!r}: cannot expand '~'") from None
     if not path.is_absolute():
-        raise ConfigError(f"{where('model.path')}: model.path must be an absolute {kind}, got {raw!r}")
+        raise ConfigError(f"{where(key)}: {key} must be an absolute {kind}, got {raw!r}")
     if ".." in path.parts:
-        raise ConfigError(f"{where('model.path')}: model.path {raw!r} contains '..': give the plain absolute {kind}")
+        raise ConfigError(f"{where(key)}: {key} {raw!r} contains '..': give the plain absolute {kind}")
     artifacts = (ROOT / "artifacts").resolve()
     try:
         real = path.resolve()
     except (OSError, RuntimeError):  # a symlink loop
-        raise ConfigError(f"{where('model.path')}: model.path {raw!r} cannot be resolved (symlink loop?)") from None
+        raise ConfigError(f"{where(key)}: {key} {raw!r} cannot be resolved (symlink loop?)") from None
     if real == artifacts or real.is_relative_to(artifacts):
         raise ConfigError(
-            f"{where('model.path')}: model.path {raw!r} is inside artifacts/: a checkpoint must live outside "
+            f"{where(key)}: {key} {raw!r} is inside artifacts/: a checkpoint must live outside "
             f"the pipeline's outputs (copy it elsewhere)"
         )
+
+
+def _check_text_sources(c, where) -> None:
+    """calibrate.dataset and parity.eval_text: the built-in corpus or a user's local text (pipeline/textdata.py),
+    checked before any stage runs: an absolute path outside artifacts/ holding text files."""
+    from .textdata import BUILTIN, TextDataError, files_of
+
+    for key in ("calibrate.dataset", "parity.eval_text"):
+        raw = _get(c, key)
+        if raw is None or str(raw) == BUILTIN:
+            continue
+        _check_model_path(raw, where, "text file or folder", key=key)
+        try:
+            files_of(raw)
+        except TextDataError as err:
+            raise ConfigError(f"{where(key)}: {key}: {err}") from None
 
 
 def load_build_file(path: Path) -> dict:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from . import textdata
 from .codedeps import RUNNER, closure, stage_code
 from .config import load_build_file
 from .layout import (
@@ -93,12 +94,22 @@ def _stage_entry(stage, build: str, cfg: dict | None, model_ref: str | None = No
         # An external checkpoint (folder or GGUF file): hashed by DVC. A model
         # package's file is pinned by model.sha256 in the params instead.
         deps.append(str(cfg["model"]["path"]))
+    for key in TEXT_DEPS.get(decl.name, ()):
+        # A user's text (pipeline/textdata.py): hashed by DVC, so an edit reruns the stage
+        section, name = key.split(".")
+        source = (cfg or {}).get(section, {}).get(name)
+        if source is not None and str(source) != textdata.BUILTIN:
+            deps.append(str(source))
     entry = {"cmd": cmd}
     if params:
         entry["params"] = params
     entry["deps"] = deps
     entry["outs"] = [output_dir(decl.name, build, model_section)]
     return entry
+
+
+# The stages that read a text source a setting names (a local file or folder, or the built-in corpus).
+TEXT_DEPS = {"calibrate": ("calibrate.dataset",), "verify_parity": ("parity.eval_text",)}
 
 
 def _runner_file(build: str, stage: str) -> str | None:

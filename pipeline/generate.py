@@ -115,8 +115,20 @@ def _pick(logits, temperature: float, rng) -> int:
     return int(rng.choice(len(p), p=p / p.sum()))
 
 
+def prompt_ids(tok, prompt: str, chat_template: bool = False) -> list[int]:
+    """The prompt's token ids: as the tokenizer frames plain text, or, with `chat_template`, the prompt as
+    one user message rendered by the checkpoint's own chat template with the assistant's turn opened
+    (how an instruct checkpoint is meant to be prompted)."""
+    if not chat_template:
+        return list(tok(prompt, add_special_tokens=True)["input_ids"])
+    if getattr(tok, "chat_template", None) is None:
+        raise GenerateError("--chat-template: the checkpoint's tokenizer has no chat template")
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True, add_generation_prompt=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
 def generate(dec, tok, prompt: str, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-             emit=None) -> dict:
+             emit=None, chat_template: bool = False) -> dict:
     """Prefill the prompt, then decode up to `max_new_tokens`, calling `emit`
     with each new piece of text. Returns the ids and timings."""
     import numpy as np
@@ -124,7 +136,7 @@ def generate(dec, tok, prompt: str, max_new_tokens: int, temperature: float = 0.
     from .bench_arm import prefill
     from .decode_graph import ContextFull
 
-    ids = tok(prompt, add_special_tokens=True)["input_ids"]
+    ids = prompt_ids(tok, prompt, chat_template)
     if not ids:
         raise GenerateError("the prompt encodes to no tokens")
     eos = set(filter(lambda x: x is not None, [tok.eos_token_id]))
@@ -174,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="default: the deploy profile's, capped at this host's CPUs")
+    parser.add_argument("--chat-template", action="store_true",
+                        help="send the prompt as a user message through the checkpoint's chat template")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.max_new_tokens > 1_000_000:
         print("error: --max-new-tokens must be between 1 and 1000000", file=sys.stderr)
@@ -190,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(args.prompt)
         sys.stdout.flush()
         res = generate(dec, tok, args.prompt, args.max_new_tokens, args.temperature, args.seed,
-                       emit=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
+                       emit=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
+                       chat_template=args.chat_template)
     except GenerateError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -172,3 +172,69 @@ class LlamaCppDecoder(_Greedy):
         kv_heads = get("attention.head_count_kv", get("attention.head_count"))
         head_dim = get("attention.key_length", get("embedding_length") // max(get("attention.head_count", 1), 1))
         return 2 * layers * self.n_ctx * kv_heads * head_dim * 2
+
+
+# --------------------------------------------------------------------------
+# llama.cpp's own perplexity tool, for cross-checking pipeline/kld.py
+# --------------------------------------------------------------------------
+
+PERPLEXITY_ENV = "EDGEKILN_LLAMA_PERPLEXITY"  # the llama-perplexity binary (benchmarks/build_llama_perplexity.sh)
+_STAT_LINES = {  # llama-perplexity --kl-divergence's summary line -> pipeline/kld.py's key (value, uncertainty)
+    "Mean PPL(Q)": ("ppl", "ppl_err"),
+    "Mean PPL(base)": ("ppl_base", "ppl_base_err"),
+    "Mean ln(PPL(Q)/PPL(base))": ("ln_ppl_ratio", "ln_ppl_ratio_err"),
+    "Mean    KLD": ("kld_mean", "kld_mean_err"),
+    "Maximum KLD": ("kld_max", None),
+    "99.9%   KLD": ("kld_p99_9", None),
+    "99.0%   KLD": ("kld_p99", None),
+    "95.0%   KLD": ("kld_p95", None),
+    "90.0%   KLD": ("kld_p90", None),
+    "Median  KLD": ("kld_median", None),
+    "Minimum KLD": ("kld_min", None),
+    "RMS Δp    ": ("rms_dp_pct", "rms_dp_pct_err"),
+    "Same top p": ("same_top1_pct", "same_top1_pct_err"),
+}
+
+
+def perplexity_tool() -> Path | None:
+    """llama.cpp's `llama-perplexity`: $EDGEKILN_LLAMA_PERPLEXITY, else on PATH; None where neither has it
+    (llama-cpp-python ships the library, not the tools)."""
+    import shutil
+
+    env = os.environ.get(PERPLEXITY_ENV)
+    if env:
+        return Path(env) if Path(env).is_file() else None
+    found = shutil.which("llama-perplexity")
+    return Path(found) if found else None
+
+
+def parse_kld_report(text: str) -> dict[str, float]:
+    """The summary statistics llama-perplexity --kl-divergence prints, under pipeline/kld.py's keys."""
+    import re
+
+    number = r"(-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|-?nan|-?inf)"
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        for label, (key, err) in _STAT_LINES.items():
+            if line.startswith(label):
+                m = re.match(re.escape(label) + r"\s*:\s*" + number + r"\s*%?\s*(?:±\s*" + number + ")?", line)
+                if m:
+                    out[key] = float(m.group(1))
+                    if err and m.group(2) is not None:
+                        out[err] = float(m.group(2))
+    return out
+
+
+def perplexity_kld(tool: Path, base_gguf: Path, q_gguf: Path, text_file: Path, n_ctx: int, chunks: int,
+                   work: Path, threads: int = 1) -> dict[str, float]:
+    """llama-perplexity's own KL-divergence statistics of `q_gguf` against `base_gguf` on `text_file`: the base
+    run saves its log-probabilities (--kl-divergence-base), the second run compares (--kl-divergence)."""
+    base_file = Path(work) / "base.kld"
+    common = ["-c", str(n_ctx), "-b", str(n_ctx), "--chunks", str(chunks), "-t", str(threads)]
+    for cmd in ([str(tool), "-m", str(base_gguf), "-f", str(text_file), "--kl-divergence-base", str(base_file),
+                 *common],
+                [str(tool), "-m", str(q_gguf), "--kl-divergence-base", str(base_file), "--kl-divergence", *common]):
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if run.returncode != 0:
+            raise LlamaCppUnavailable(f"{Path(tool).name} exited {run.returncode}: {run.stderr.strip()[-300:]}")
+    return parse_kld_report(run.stdout + "\n" + run.stderr)

@@ -261,6 +261,43 @@ def parity_section(parity: dict) -> str:
     return "\n".join(out)
 
 
+KLD_FLOOR = 1e-6  # the plot's log scale starts here (a KLD this small is no difference at all)
+
+
+def kld_section(parity: dict) -> str:
+    """Perplexity and llama.cpp's KL statistics per arm (the artifact and its peers): a table and the KLD
+    distribution of each arm (its percentiles, log scale)."""
+    art = parity.get("artifact") or {}
+    arms = {art.get("path", "artifact"): art.get("kld")}
+    arms.update({name: p.get("kld") for name, p in (art.get("peers") or {}).items()})
+    arms = {k: v for k, v in arms.items() if v}
+    if not arms:
+        return ""
+    ev = parity.get("evaluation") or {}
+    out = ["<h2>Perplexity and KL divergence against fp32 (llama.cpp's statistics)</h2>",
+           f"<p class='note'>{_e(ev.get('windows'))} windows of {_e(ev.get('n_ctx'))} tokens of "
+           f"{_e(ev.get('text'))}, {_e(ev.get('scored_tokens'))} tokens scored ({_e(ev.get('scored'))}).</p>",
+           "<table><tr><th>arm</th><th>PPL</th><th>PPL(fp32)</th><th>ln ratio</th><th>mean KLD</th>"
+           "<th>median</th><th>p99</th><th>p99.9</th><th>max</th><th>same top-1 %</th><th>RMS dp %</th></tr>"]
+    for name, k in arms.items():
+        out.append(f"<tr><td>{_e(name)}</td><td>{k['ppl']:.3f}</td><td>{k['ppl_base']:.3f}</td>"
+                   f"<td>{k['ln_ppl_ratio']:.4f} ± {k['ln_ppl_ratio_err']:.4f}</td>"
+                   f"<td>{k['kld_mean']:.4f} ± {k['kld_mean_err']:.4f}</td><td>{k['kld_median']:.4f}</td>"
+                   f"<td>{k['kld_p99']:.3f}</td><td>{k['kld_p99_9']:.3f}</td><td>{k['kld_max']:.3f}</td>"
+                   f"<td>{k['same_top1_pct']:.2f}</td><td>{k['rms_dp_pct']:.2f}</td></tr>")
+    out.append("</table>")
+    series = {}
+    for name, k in arms.items():
+        dist = k.get("kld_distribution") or {}
+        pts = [(float(q), math.log10(max(float(v), KLD_FLOOR) / KLD_FLOOR)) for q, v in dist.items()]
+        series[name] = [(x, y, y, y) for x, y in pts]
+    out.append(svg_lines(series, "percentile of tokens", f"log10(KLD / {KLD_FLOOR:g} nats)",
+                         "KLD distribution per arm"))
+    out.append("<p class='note'>Each arm's per-token KL divergence from the fp32 model at the percentiles "
+               "on the axis (100: the worst token), log scale from 1e-6 nats.</p>")
+    return "\n".join(out)
+
+
 def step_snr_series(per_prompt: list[dict], bin_steps: int = 8) -> list[tuple[float, float, float, float]]:
     """(first step of bin, median, min, max) of the per-step SNR over prompts, finite values only."""
     import statistics
@@ -284,6 +321,7 @@ def render(report: dict, parity: dict | None = None, build: str = "") -> str:
     body = [f"<h1>edgekiln benchmark: {_e(build)}{label}</h1>", benchmark_sections(report)]
     if parity:
         body.append(parity_section(parity))
+        body.append(kld_section(parity))
     else:
         body.append("<p class='note'>Parity not shown here: the benchmark stage does not read verify_parity; "
                     f"<code>python -m pipeline.report {_e(build)}</code> writes the page with it.</p>")

@@ -95,6 +95,10 @@ class FidelityThresholds:
     min_top1_agreement: float = MISSING
     min_greedy_match: int = MISSING  # of the parity prompts
     max_kl_nats: float = MISSING
+    # In llama.cpp's units, over the evaluation windows (pipeline/kld.py); null: not gated.
+    max_kld_mean: Optional[float] = None
+    max_kld_p99: Optional[float] = None
+    max_ppl_ratio: Optional[float] = None  # PPL(artifact) / PPL(fp32)
 
 
 @dataclass
@@ -134,6 +138,17 @@ class ParityConfig:
     qnn_steps: Optional[int] = None
     # The other precisions: the first prompt only, cut to this many steps (null: 48).
     qnn_short_steps: Optional[int] = None
+    # Perplexity and llama.cpp's KL statistics (pipeline/kld.py) of the artifact
+    # and every peer against the fp32 model, over eval_windows windows of
+    # eval_n_ctx tokens of eval_text (the second half of each scored, as
+    # llama-perplexity does): the embedded corpus's held-out tail past the
+    # calibration windows, or a local text file / folder (pipeline/textdata.py),
+    # refused where it shares a 32-token run with the calibration windows.
+    eval_text: str = "stdlib_docstrings_heldout"
+    eval_field: str = "text"
+    eval_chat_template: bool = False
+    eval_windows: int = 4
+    eval_n_ctx: Optional[int] = None  # null: min(512, export.context_length)
 
 
 @dataclass
@@ -176,7 +191,10 @@ class BenchmarkConfig:
 class CalibrateConfig:
     """Calibration data for GPTQ: windows of the embedded corpus's held-out split."""
 
-    dataset: str = "stdlib_docstrings_heldout"  # the only dataset so far
+    # the built-in held-out corpus, or a local .txt / .jsonl file or folder (pipeline/textdata.py)
+    dataset: str = "stdlib_docstrings_heldout"
+    field: str = "text"  # a .jsonl record's text
+    chat_template: bool = False  # render .jsonl chat records with the checkpoint's chat template
     # null: derived from the model (pipeline/model_facts.py): seq_len past its
     # largest sliding window (at least 128), samples for ~8k tokens (at least 16).
     samples: Optional[int] = None  # windows of seq_len tokens

@@ -1,6 +1,11 @@
 """calibrate: per-linear input second moments H = sum x x^T for GPTQ.
 
-Data: the held-out tail of the embedded corpus (pipeline/corpus.py), tokenized
+Data: `calibrate.dataset`, either the user's own text (a local .txt / .jsonl
+file or a folder of them, pipeline/textdata.py: each document framed with
+BOS / EOS as the tokenizer says; `calibrate.field` names a .jsonl record's
+text, `calibrate.chat_template: true` renders chat records with the
+checkpoint's own template; DVC hashes the files, so an edit reruns the stage),
+or by default the held-out tail of the embedded corpus (pipeline/corpus.py), tokenized
 with the checkpoint's own tokenizer exactly as training framed it
 ([BOS, *ids, EOS] per docstring), cut into `samples` non-overlapping windows of
 `seq_len` tokens (drawn with `seed` among all the windows the tail holds).
@@ -41,7 +46,7 @@ INPUTS = ("untie_head",)
 TOOLCHAIN = ("torch", "transformers", "numpy", "safetensors")
 MEMORY_KEYS = ("calibrate.samples", "calibrate.seq_len")  # the settings that size its memory (named when the kernel kills it)
 
-DATASETS = ("stdlib_docstrings_heldout",)
+DATASETS = ("stdlib_docstrings_heldout",)  # the built-in one; any other value is a local path (textdata)
 HEAD = "lm_head"
 HESSIANS = "hessians.safetensors"
 CALIBRATION_JSON = "calibration.json"
@@ -58,9 +63,16 @@ def _settings(cfg) -> dict:
         "seq_len": int(c.seq_len),
         "min_samples": int(c.get("min_samples", c.samples)),
         "seed": int(c.get("seed", 0)),
+        "field": str(c.get("field") or "text"),
+        "chat_template": bool(c.get("chat_template", False)),
     }
     if s["dataset"] not in DATASETS:
-        raise StageError(f"calibrate.dataset={s['dataset']!r} is not known; supported: {', '.join(DATASETS)}")
+        from pipeline import textdata
+
+        try:
+            textdata.files_of(s["dataset"])
+        except textdata.TextDataError as err:
+            raise StageError(f"calibrate.dataset: {err}") from None
     if s["samples"] < 1 or s["seq_len"] < 2:
         raise StageError("calibrate.samples must be >= 1 and calibrate.seq_len >= 2")
     if not 1 <= s["min_samples"] <= s["samples"]:
@@ -69,43 +81,13 @@ def _settings(cfg) -> dict:
 
 
 def heldout_ids(src: Path, tokenizer, log=None) -> tuple[list[int], dict]:
-    """The held-out token ids of the corpus under this checkpoint's tokenizer."""
-    from pipeline import corpus
-
-    report_path = src / "training_report.json"
-    report = json.loads(report_path.read_text()) if report_path.is_file() else None
-    fraction = corpus.DEFAULT_HELDOUT_FRACTION
-    if report is not None:
-        fraction = float(report.get("recipe", {}).get("heldout_fraction", fraction))
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-    if bos is None or eos is None:
-        raise StageError("the checkpoint's tokenizer has no BOS or EOS token: cannot frame the corpus as training did")
-
-    def encode(docs):
-        return tokenizer(docs, add_special_tokens=False, verbose=False)["input_ids"]
+    """The held-out token ids of the corpus under this checkpoint's tokenizer (pipeline/textdata.heldout)."""
+    from pipeline import textdata
 
     try:
-        held, facts = corpus.heldout_tokens(encode, bos, eos, fraction)
-    except corpus.CorpusError as e:
-        raise StageError(str(e)) from None
-    facts["trained_on_this_corpus"] = report is not None
-    if report is not None:
-        trained_sha = report.get("corpus", {}).get("sha256")
-        if trained_sha and trained_sha != facts["corpus_sha256"]:
-            raise StageError(
-                f"this Python's stdlib docstrings (sha256 {facts['corpus_sha256'][:12]}) are not the corpus the model "
-                f"was trained on ({trained_sha[:12]}): the held-out split would not be held out"
-            )
-        trained_held = report.get("split", {}).get("heldout_tokens")
-        if trained_held is not None and int(trained_held) != len(held):
-            raise StageError(
-                f"held-out split has {len(held)} tokens under the checkpoint's tokenizer, training held out "
-                f"{trained_held}: the split does not reproduce"
-            )
-    elif log is not None:
-        log("no training_report.json: the checkpoint was not trained here; using the corpus tail "
-            f"({fraction:.0%}) as calibration text")
-    return held, facts
+        return textdata.heldout(src, tokenizer, log)
+    except textdata.TextDataError as err:
+        raise StageError(str(err)) from None
 
 
 def decoder_linears(model) -> dict:
@@ -135,17 +117,27 @@ def run(ctx) -> dict:
         raise StageError(f"{src} is already quantized: calibration needs the full-precision checkpoint")
 
     tokenizer = AutoTokenizer.from_pretrained(src)
-    held, facts = heldout_ids(src, tokenizer, ctx.log)
+    if s["dataset"] in DATASETS:
+        held, facts = heldout_ids(src, tokenizer, ctx.log)
+        where = "the held-out split"
+    else:
+        from pipeline import textdata
+
+        try:
+            held, facts = textdata.stream(tokenizer, s["dataset"], s["field"], s["chat_template"])
+        except textdata.TextDataError as err:
+            raise StageError(f"calibrate.dataset: {err}") from None
+        where = f"calibrate.dataset ({s['dataset']})"
     T = s["seq_len"]
     available = len(held) // T
     if available < s["min_samples"]:
         raise StageError(
-            f"calibration data too short: the held-out split has {len(held)} tokens, {available} windows of "
+            f"calibration data too short: {where} has {len(held)} tokens, {available} windows of "
             f"{T} tokens; calibrate.min_samples={s['min_samples']} (samples={s['samples']})"
         )
     n = min(s["samples"], available)
     if n < s["samples"]:
-        ctx.log(f"only {available} windows of {T} tokens in the held-out split: using {n} of the {s['samples']} asked")
+        ctx.log(f"only {available} windows of {T} tokens in {where}: using {n} of the {s['samples']} asked")
     gen = torch.Generator().manual_seed(s["seed"])
     picks = torch.randperm(available, generator=gen)[:n].sort().values
     held_t = torch.tensor(held[: available * T], dtype=torch.long).view(available, T)

@@ -32,6 +32,16 @@ Figures:
   |top5(ref) & top5(onnx)| / 5.
 - greedy_match: prompts whose free greedy continuations are identical.
 
+Perplexity and llama.cpp's KL statistics (pipeline/kld.py), for the artifact
+and every peer arm against the same fp32 eager model: `parity.eval_windows`
+windows of `parity.eval_n_ctx` tokens of `parity.eval_text` (BOS first where
+the model uses one), each arm fed the window (its first half in one prefill,
+then a step a token), the second half scored as llama-perplexity scores it.
+The default text is the embedded corpus's held-out tail, skipping windows that
+share a 32-token run with the calibration windows; a user's text that shares
+one is refused (pipeline/textdata.py). The phone's context binaries are not
+run over them (the HTP emulation costs seconds a step): said in the report.
+
 report.json is written only when every figure meets its parity.min_* threshold;
 otherwise the stage fails naming the figure and its threshold.
 """
@@ -48,7 +58,7 @@ from pathlib import Path
 from pipeline.context import StageContext, StageError
 
 READS = ("parity", "export")
-INPUTS = ("untie_head", "export", "pack", "compile_qnn")
+INPUTS = ("untie_head", "calibrate", "export", "pack", "compile_qnn")
 TOOLCHAIN = ("torch", "transformers", "onnxruntime", "numpy", "onnxruntime-qnn", "qnn-sdk", "gguf",
              "llama-cpp-python", "onnxruntime-genai")
 MEMORY_KEYS = ("export.context_length", "parity.decode_tokens")  # the settings that size its memory (named when the kernel kills it)
@@ -183,6 +193,101 @@ class _Sums:
         return _step_snr(self.sig, self.err)
 
 
+class _Evaluation:
+    """The evaluation windows, the reference's run of each, and the per-arm statistics (pipeline/kld.py)."""
+
+    def __init__(self, windows: list[list[int]], facts: dict):
+        self.windows, self.facts, self.runs = windows, facts, []
+
+    def reference(self, ref, ctx) -> None:
+        with ctx.progress(sum(map(len, self.windows)), "perplexity/KLD: eager fp32 reference") as bar:
+            self.runs = [ref.greedy_run(w, 0, progress=bar.advance) for w in self.windows]
+
+    def measure(self, dec, ctx, what: str) -> dict | None:
+        """llama.cpp's statistics of `dec` against the reference over the windows (None when there are none)."""
+        import numpy as np
+
+        from pipeline import kld
+        from pipeline.bench_arm import prefill
+
+        if not self.windows:
+            return None
+        acc = kld.Accumulator()
+        n_scored = sum(len(kld.scored_positions(len(w))) for w in self.windows)
+        with ctx.progress(n_scored, f"perplexity/KLD: {what}") as bar:
+            for w, run in zip(self.windows, self.runs):
+                pos = kld.scored_positions(len(w))
+                dec.reset()
+                rows = [prefill(dec, w[:pos.start + 1])]  # the logits at the first scored position
+                first = pos.start
+
+                def flush(rows, first):
+                    o = np.stack(rows).astype(np.float64)
+                    acc.add(run.logits(first, first + len(rows)), o, w[first + 1:first + 1 + len(rows)])
+                    bar.advance(len(rows))
+
+                for j in pos[1:]:
+                    rows.append(dec.step(w[j]))
+                    if len(rows) == CHUNK:
+                        flush(rows, first)
+                        first, rows = first + CHUNK, []
+                if rows:
+                    flush(rows, first)
+        out = acc.summary()
+        ctx.log(f"{what}: PPL {out['ppl']:.3f} (fp32 {out['ppl_base']:.3f}, ratio {out['ppl_ratio']:.4f}), KLD mean "
+                f"{out['kld_mean']:.4f} \u00b1 {out['kld_mean_err']:.4f}, p99 {out['kld_p99']:.4f}, max "
+                f"{out['kld_max']:.3f}, same top-1 {out['same_top1_pct']:.2f}%, RMS dp {out['rms_dp_pct']:.2f}% "
+                f"over {out['tokens']} tokens")
+        return {k: _finite(v) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def _evaluation(ctx, tokenizer, hf_dir: Path, bos, context_length: int) -> _Evaluation:
+    """The evaluation windows (module docstring), or StageError naming the setting."""
+    import numpy as np
+
+    from pipeline import kld, textdata
+
+    pc = ctx.cfg.parity
+    n_windows = int(pc.get("eval_windows", 0) or 0)
+    source = str(pc.get("eval_text") or textdata.BUILTIN)
+    if n_windows < 1:
+        return _Evaluation([], {"skipped": "parity.eval_windows=0"})
+    n_ctx = int(pc.get("eval_n_ctx") or min(512, context_length))
+    if not 4 <= n_ctx <= context_length:
+        raise StageError(f"parity.eval_n_ctx={n_ctx}: a window must be 4 .. export.context_length "
+                         f"({context_length}) tokens")
+    cal_path = Path(ctx.inputs["calibrate"]) / "token_ids.npy"
+    cal = np.load(cal_path).reshape(-1) if cal_path.is_file() else np.zeros(0, np.int32)
+    try:
+        if textdata.is_builtin(source):
+            stream, facts = textdata.heldout(hf_dir, tokenizer)
+        else:
+            stream, facts = textdata.stream(tokenizer, source, str(pc.get("eval_field") or "text"),
+                                            bool(pc.get("eval_chat_template", False)))
+    except textdata.TextDataError as err:
+        raise StageError(f"parity.eval_text: {err}") from None
+    candidates = kld.windows(stream, n_ctx, bos)
+    shared = {i: textdata.overlap(w, cal) for i, w in enumerate(candidates)}
+    if textdata.is_builtin(source):  # the held-out tail holds the calibration windows too: skip those
+        windows = [w for i, w in enumerate(candidates) if shared[i] == 0][:n_windows]
+    else:
+        hit = sum(shared.values())
+        if hit:
+            raise StageError(f"parity.eval_text {source} shares {hit} runs of {textdata.OVERLAP_TOKENS} tokens with "
+                             f"the calibration windows (calibrate.dataset): evaluate on text held out from "
+                             f"calibration")
+        windows = candidates[:n_windows]
+    if len(windows) < n_windows:
+        raise StageError(f"parity.eval_text {source}: {len(windows)} windows of {n_ctx} tokens clear of the "
+                         f"calibration text, parity.eval_windows={n_windows}: give a longer text or fewer windows")
+    facts = {**facts, "text": source, "windows": len(windows), "n_ctx": n_ctx,
+             "scored_tokens": sum(len(kld.scored_positions(len(w))) for w in windows),
+             "scored": "the second half of each window (llama-perplexity's first = n_ctx / 2)",
+             "calibration_overlap": f"no shared {textdata.OVERLAP_TOKENS}-token run with the calibration windows",
+             "windows_sha256": textdata.ids_sha256([t for w in windows for t in w])}
+    return _Evaluation(windows, facts)
+
+
 def _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, what: str, free_decode: bool = False):
     """Feed `dec` the reference's greedy sequence and compare logits at every step,
     CHUNK steps at a time (the figures kept as running sums: see the module docstring).
@@ -301,6 +406,8 @@ def run(ctx: StageContext) -> dict:
             raise StageError(f"parity prompt {text!r}: {len(ids)} + {decode_tokens} tokens stay inside the "
                              f"{window}-token sliding window; raise parity.decode_tokens past it")
         encoded.append(ids)
+    uses_bos = bos is not None and _prompt_ids(tokenizer, "x", bos, str(io.get("model_type", "")))[:1] == [bos]
+    evaluation = _evaluation(ctx, tokenizer, hf_dir, int(bos) if uses_bos else None, context_length)
 
     ref = TorchReference(hf_dir, threads=REF_THREADS)
     dec = OnnxDecoder(art, threads=THREADS)
@@ -313,6 +420,8 @@ def run(ctx: StageContext) -> dict:
             teacher = _teacher(ref, encoded, decode_tokens, ctx)
         except DecodeGraphError as err:
             raise StageError(f"verify_parity: {err}") from None
+    with _timed(seconds, "reference_eval"):
+        evaluation.reference(ref, ctx)
     with _timed(seconds, "fp32_onnx"):
         metrics, per_prompt = _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, "fp32 ONNX graph")
     thresholds = {
@@ -337,7 +446,7 @@ def run(ctx: StageContext) -> dict:
     # still held the xeon_amx build of Gemma 3 270M peaked at 6.09 GiB here)
     del ref, dec
     gc.collect()
-    artifact = _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds)
+    artifact = _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds, evaluation)
 
     report = {
         "passed": True,
@@ -366,16 +475,24 @@ def run(ctx: StageContext) -> dict:
                       "reference's tokens, its greedy outcome read off that fed run"),
         "seconds": seconds,
         "per_prompt": per_prompt,
+        "evaluation": evaluation.facts,
     }
+    report["definitions"]["kld"] = ("llama.cpp's perplexity / KL-divergence statistics (pipeline/kld.py) of each arm "
+                                    "against the fp32 eager model over the evaluation windows ('evaluation')")
     (Path(ctx.out) / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     out = {k: metrics[k] for k in ("logits_snr_db", "worst_step_snr_db", "top1_agreement",
                                    "top5_agreement", "greedy_match", "prompts", "steps")}
     if artifact.get("metrics"):
         am = artifact["metrics"]
         out.update({f"artifact_{k}": am[k] for k in ("logits_snr_db", "top1_agreement", "greedy_match", "kl_nats")})
+    if artifact.get("kld"):
+        out.update({f"artifact_{k}": artifact["kld"][k] for k in KLD_METRICS})
+        out["fp32_ppl"] = artifact["kld"]["ppl_base"]
     for name, peer in (artifact.get("peers") or {}).items():
         if "metrics" in peer:
             out.update({f"peer_{name}_{k}": peer["metrics"][k] for k in ("logits_snr_db", "greedy_match")})
+        if peer.get("kld"):
+            out.update({f"peer_{name}_{k}": peer["kld"][k] for k in KLD_METRICS})
     for precision, r in (artifact.get("precisions") or {}).items():
         out.update({f"qnn_{precision}_{k}": r["metrics"][k] for k in ("logits_snr_db", "top1_agreement",
                                                                        "greedy_match")})
@@ -428,12 +545,18 @@ def _artifact_decoder(path: str, pack_dir: Path, hf_dir: Path, context_length: i
     raise StageError(f"no runtime for weight path {path!r}")
 
 
-def _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds=None) -> dict:
+KLD_METRICS = ("ppl", "ppl_ratio", "kld_mean", "kld_p99", "same_top1_pct")  # in DVC metrics, per arm
+
+
+def _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds=None,
+                       evaluation: _Evaluation | None = None) -> dict:
     pack_dir = Path(ctx.inputs["pack"])
     sel = json.loads((pack_dir / "weight_path.json").read_text())
     path = sel["path"]
     if path == "qnn_graph":
-        return _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds)
+        return {**_qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds), "kld": None,
+                "kld_skipped": "the context binaries are not run over the evaluation windows: the HTP backend's x86 "
+                               "emulation costs seconds a step"}
     if path not in ARTIFACT_RUNTIMES:
         ctx.log(f"weight path {path}: no packed 4-bit artifact to compare (the fp32 graph is the artifact here)")
         return {"path": path, "applies": False}
@@ -443,20 +566,23 @@ def _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, se
     dec, note, runtime = _artifact_decoder(path, pack_dir, hf_dir, int(ctx.cfg.export.context_length))
     with _timed(seconds, path):
         metrics, per_prompt = _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, path)
-    checked = _gate(ctx, path, limits, metrics, len(prompts), note)
+    with _timed(seconds, f"{path}_eval"):
+        stats = evaluation.measure(dec, ctx, path) if evaluation is not None else None
+    checked = _gate(ctx, path, limits, metrics, len(prompts), note, stats)
     out = {
         "path": path,
         "applies": True,
         "runtime": runtime,
         "note": note,
         "metrics": _finite_metrics(metrics),
+        "kld": stats,
         "thresholds": checked,
         "per_prompt": per_prompt,
     }
     if path in PEER_PATHS and str(ctx.cfg.parity.get("peers", "auto")) == "off":
         out["peers"] = {name: {"skipped": "not run: parity.peers=off"} for name in PEERS}
     elif path in PEER_PATHS:
-        out["peers"] = _peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds)
+        out["peers"] = _peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds, evaluation)
         figures = ("logits_snr_db", "greedy_match", "top1_agreement")
         out["versus_peers"] = {name: {k: round(metrics[k] - p["metrics"][k], 4) for k in figures}
                                for name, p in out["peers"].items() if "metrics" in p}
@@ -468,7 +594,8 @@ PEER_PATHS = ("w4_ort_matmulnbits", "gguf_q4_0")
 PEERS = ("llamacpp_q4_0", "llamacpp_q4_k_m", "ortgenai_int4")
 
 
-def _peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds=None) -> dict:
+def _peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds=None,
+           evaluation: _Evaluation | None = None) -> dict:
     """What a user would otherwise run, from the same checkpoint, measured exactly as the
     artifact is: llama.cpp's own Q4_0 and Q4_K_M (its converter, then its quantizer: round to
     nearest, no calibration) and onnxruntime-genai's int4 build (its model builder).
@@ -485,7 +612,9 @@ def _peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds=None) 
             metrics, _ = _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, name)
         ctx.log(f"{name} vs fp32: SNR {metrics['logits_snr_db']:.1f} dB, top1 {metrics['top1_agreement']:.3f}, "
                 f"KL {metrics['kl_nats']:.4f}, greedy {metrics['greedy_match']}/{len(prompts)}")
-        return _finite_metrics(metrics)
+        with _timed(seconds, f"{name}_eval"):
+            stats = evaluation.measure(dec, ctx, name) if evaluation is not None else None
+        return {"metrics": _finite_metrics(metrics), **({"kld": stats} if stats else {})}
 
     n_ctx = int(ctx.cfg.export.context_length)
     with tempfile.TemporaryDirectory(prefix="edgekiln-peers-") as tmp:
@@ -504,7 +633,7 @@ def _peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds=None) 
                 peers[name] = {"skipped": f"llama.cpp peer not run: {reason}"}
                 continue
             dec = llamacpp.LlamaCppDecoder(str(files[name]), threads=THREADS, n_ctx=n_ctx)
-            peers[name] = {"metrics": measure(name, dec), "bytes": files[name].stat().st_size}
+            peers[name] = {**measure(name, dec), "bytes": files[name].stat().st_size}
             del dec
         ok, reason = ortgenai.available()
         if ok:
@@ -517,7 +646,7 @@ def _peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds=None) 
                 ok, reason = False, str(err)
         if ok:
             dec = ortgenai.GenaiDecoder(model, threads=THREADS, n_ctx=n_ctx)
-            peers["ortgenai_int4"] = {"metrics": measure("ortgenai_int4", dec),
+            peers["ortgenai_int4"] = {**measure("ortgenai_int4", dec),
                                       "version": ortgenai.version(), "note": repair or ""}
             del dec
         else:
@@ -525,7 +654,11 @@ def _peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds=None) 
     return peers
 
 
-def _gate(ctx, name: str, limits, metrics: dict, n_prompts: int, note: str = "") -> dict:
+# The gates in llama.cpp's units (parity.artifact.<path>.max_*; null: not gated): limit key -> statistic.
+KLD_GATES = {"max_kld_mean": "kld_mean", "max_kld_p99": "kld_p99", "max_ppl_ratio": "ppl_ratio"}
+
+
+def _gate(ctx, name: str, limits, metrics: dict, n_prompts: int, note: str = "", stats: dict | None = None) -> dict:
     """Log the figures; fail below `limits` (parity.artifact.<name>); the thresholds checked."""
     checks = [
         ("logits_snr_db", metrics["logits_snr_db"] >= limits.min_logits_snr_db, f">= {limits.min_logits_snr_db:g}"),
@@ -533,6 +666,15 @@ def _gate(ctx, name: str, limits, metrics: dict, n_prompts: int, note: str = "")
         ("greedy_match", metrics["greedy_match"] >= limits.min_greedy_match, f">= {limits.min_greedy_match}"),
         ("kl_nats", metrics["kl_nats"] <= limits.max_kl_nats, f"<= {limits.max_kl_nats:g}"),
     ]
+    for key, stat in KLD_GATES.items():
+        limit = limits.get(key)
+        if limit is None:
+            continue
+        if stats is None:
+            raise StageError(f"parity.artifact.{name}.{key} is set but no evaluation windows ran "
+                             f"(parity.eval_windows=0): set it to null or run some")
+        metrics = {**metrics, stat: float(stats[stat])}
+        checks.append((stat, metrics[stat] <= float(limit), f"<= {float(limit):g}"))
     ctx.log(
         f"{name} vs fp32: SNR {metrics['logits_snr_db']:.1f} dB, top1 {metrics['top1_agreement']:.3f}, "
         f"top5 {metrics['top5_agreement']:.3f}, KL {metrics['kl_nats']:.4f}, greedy {metrics['greedy_match']}/{n_prompts}"

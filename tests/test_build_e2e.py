@@ -38,6 +38,13 @@ def test_first_build_runs_every_stage_and_prints_parity_and_speed(built_repo):
         assert len(m["config_hash"]) == 64 and m["stage"] == stage
     parity = manifest(repo, "verify_parity")["result"]["metrics"]
     assert parity["logits_snr_db"] >= 60 and parity["greedy_match"] == 12
+    # perplexity and llama.cpp's KL statistics of the artifact, over 4 windows of the context (64) clear of
+    # the calibration windows, the second half of each scored
+    full = json.loads((repo / "artifacts" / BUILD / "verify_parity" / "report.json").read_text())
+    ev, art_kld = full["evaluation"], full["artifact"]["kld"]
+    assert ev["windows"] == 4 and ev["n_ctx"] == 64 and ev["scored_tokens"] == 4 * (64 - 32 - 1)
+    assert art_kld["tokens"] == ev["scored_tokens"] and art_kld["ppl"] > 1 and art_kld["kld_mean"] > 0
+    assert parity["artifact_kld_mean"] == art_kld["kld_mean"] and parity["fp32_ppl"] == art_kld["ppl_base"]
     bench = manifest(repo, "benchmark")["result"]["metrics"]
     assert bench["decode_tok_s"] > 0 and bench["peak_rss_mib"] > 0
     report = json.loads((repo / "artifacts" / BUILD / "benchmark" / "report.json").read_text())

@@ -76,3 +76,26 @@ def test_a_tampered_artifact_is_refused_before_it_runs(built_repo):
         assert proc.returncode == 1 and str(target) in proc.stderr and "sha256" in proc.stderr, proc.stderr
     finally:
         target.write_bytes(original)
+
+
+def test_the_chat_template_option_renders_one_user_turn():
+    """--chat-template: the prompt goes in as one user message through the tokenizer's own template, the
+    assistant's turn opened; without a template it is a one-line error; plain prompts are unchanged."""
+    from pipeline.generate import GenerateError, prompt_ids
+
+    class Tok:
+        chat_template = None
+
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [1] + [ord(c) for c in text]}
+
+        def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False):
+            assert tokenize and add_generation_prompt and messages == [{"role": "user", "content": "hi"}]
+            return {"input_ids": [1, 7, ord("h"), ord("i"), 8, 9]}
+
+    tok = Tok()
+    assert prompt_ids(tok, "hi") == [1, ord("h"), ord("i")]
+    with pytest.raises(GenerateError, match="no chat template"):
+        prompt_ids(tok, "hi", chat_template=True)
+    tok.chat_template = "{{ messages }}"
+    assert prompt_ids(tok, "hi", chat_template=True) == [1, 7, ord("h"), ord("i"), 8, 9]

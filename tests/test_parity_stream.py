@@ -40,6 +40,9 @@ class _Ctx:
         self.bars.append((total, description, []))
         return _Bar(self.bars[-1][2])
 
+    def log(self, message):
+        self.logged = [*getattr(self, "logged", []), message]
+
 
 # --------------------------------------------------------------------------
 # A fake reference (numpy head) and a fake decoder: the reference's logits plus noise
@@ -271,3 +274,30 @@ def test_a_head_the_reference_cannot_recompute_is_refused(one_torch_thread):
 
     with pytest.raises(DecodeGraphError, match="cannot recompute"):
         TorchReference(_qwen3(Scaled)).greedy_run([1, 5], 3)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, verify_parity.CHUNK])
+def test_evaluation_statistics_stream_over_the_second_half_of_each_window(monkeypatch, chunk):
+    """The perplexity / KLD statistics over evaluation windows (verify_parity._Evaluation): fed each window,
+    its first half in one prefill and a step a token after, they equal llama.cpp's formulas
+    (pipeline/kld.py) over the concatenated rows of the second half of every window, whatever CHUNK."""
+    from pipeline import kld
+
+    monkeypatch.setattr(verify_parity, "CHUNK", chunk)
+    windows = [[3, *range(20, 39)], [4, *range(50, 69)]]  # 20 tokens each: positions 10..18 scored
+    runs = _fake_teacher(windows, 0, 6, 80, seed=5)
+    ev = verify_parity._Evaluation(windows, {})
+    ev.runs = runs
+    dec = _FakeDecoder(runs, noise=[0.3, 0.6])
+    ctx = _Ctx()
+    got = ev.measure(dec, ctx, "fake")
+    acc = kld.Accumulator()
+    for w, run in zip(windows, runs):
+        dec.reset()
+        rows = np.stack([dec.step(t) for t in w[:-1]])
+        acc.add(run.logits(10, 19), rows[10:19], w[11:20])
+    want = acc.summary()
+    assert got["tokens"] == 18 == want["tokens"]
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
+    assert ctx.bars[-1][0] == 18 and sum(ctx.bars[-1][2]) == 18

@@ -157,3 +157,28 @@ def test_fp32_baselines_run_in_the_first_baseline_passes_only():
     assert order[:4] == [(0, a) for a in arms]  # still interleaved A B A B
     assert pass_order(arms, 3, None) == ([(p, a) for p in range(3) for a in arms], 3)
     assert pass_order(arms, 1, 2)[1] == 1
+
+
+def test_report_shows_each_arms_kld_statistics_and_distribution():
+    import numpy as np
+
+    from pipeline import kld
+
+    def stats(scale, seed):
+        rng = np.random.default_rng(seed)
+        acc = kld.Accumulator()
+        base = rng.standard_normal((64, 50))
+        acc.add(base, base + scale * rng.standard_normal((64, 50)), rng.integers(0, 50, 64))
+        return acc.summary()
+
+    parity = {"artifact": {"path": "w4_ort_matmulnbits", "per_prompt": [], "kld": stats(0.1, 1),
+                           "peers": {"llamacpp_q4_0": {"kld": stats(0.3, 2)},
+                                     "ortgenai_int4": {"skipped": "not installed"}}},
+              "evaluation": {"windows": 4, "n_ctx": 32, "text": "stdlib_docstrings_heldout", "scored_tokens": 64,
+                             "scored": "the second half"}}
+    page = report.render(synthetic_report(on_target=True), parity=parity, build="b1")
+    section = page[page.index("Perplexity and KL divergence"):]
+    assert "w4_ort_matmulnbits" in section and "llamacpp_q4_0" in section and "ortgenai_int4" not in section
+    assert section.count("<svg") == 1 and "KLD distribution per arm" in section
+    assert f"{parity['artifact']['kld']['kld_mean']:.4f}" in section
+    assert parity["artifact"]["kld"]["kld_distribution"]["100"] == parity["artifact"]["kld"]["kld_max"]
