@@ -301,3 +301,27 @@ def test_evaluation_statistics_stream_over_the_second_half_of_each_window(monkey
     for k, v in want.items():
         assert got[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
     assert ctx.bars[-1][0] == 18 and sum(ctx.bars[-1][2]) == 18
+
+
+def test_the_gate_in_llama_cpps_units():
+    """parity.artifact.<path>.max_kld_mean / max_kld_p99 / max_ppl_ratio gate the evaluation statistics (a
+    build above one fails naming it); null is not gated; a limit set with no evaluation run is refused."""
+    from omegaconf import OmegaConf
+
+    from pipeline.context import StageError
+
+    metrics = {"logits_snr_db": 20.0, "top1_agreement": 0.9, "greedy_match": 1, "kl_nats": 0.01,
+               "top5_agreement": 0.5}
+    stats = {"kld_mean": 0.3, "kld_p99": 1.0, "ppl_ratio": 1.1}
+    base = {"min_logits_snr_db": 10.0, "min_top1_agreement": 0.75, "min_greedy_match": 0, "max_kl_nats": 0.25}
+    limits = OmegaConf.create({**base, "max_kld_mean": None, "max_kld_p99": None, "max_ppl_ratio": None})
+    assert "kld_mean" not in verify_parity._gate(_Ctx(), "p", limits, metrics, 2, stats=stats)
+    limits = OmegaConf.create({**base, "max_kld_mean": 0.25, "max_kld_p99": 1.5, "max_ppl_ratio": 1.25})
+    with pytest.raises(StageError, match=r"kld_mean 0\.3 \(needs <= 0\.25\)") as exc:
+        verify_parity._gate(_Ctx(), "p", limits, metrics, 2, stats=stats)
+    assert "kld_p99" not in str(exc.value) and "\n" not in str(exc.value)
+    checked = verify_parity._gate(_Ctx(), "p", limits, metrics, 2, stats={**stats, "kld_mean": 0.2})
+    assert checked["kld_mean"] == "<= 0.25" and checked["ppl_ratio"] == "<= 1.25"
+    ctx = _Ctx()
+    assert "kld_mean" not in verify_parity._gate(ctx, "p", limits, metrics, 2, stats=None)
+    assert any("not checked" in m and "eval_windows=0" in m for m in ctx.logged)
