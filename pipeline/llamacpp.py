@@ -178,7 +178,8 @@ class LlamaCppDecoder(_Greedy):
 # llama.cpp's own perplexity tool, for cross-checking pipeline/kld.py
 # --------------------------------------------------------------------------
 
-PERPLEXITY_ENV = "EDGEKILN_LLAMA_PERPLEXITY"  # the llama-perplexity binary (benchmarks/build_llama_perplexity.sh)
+PERPLEXITY_ENV = "EDGEKILN_LLAMA_PERPLEXITY"
+PERPLEXITY_TRIES = 5  # the llama-perplexity binary (benchmarks/build_llama_perplexity.sh)
 _STAT_LINES = {  # llama-perplexity --kl-divergence's summary line -> pipeline/kld.py's key (value, uncertainty)
     "Mean PPL(Q)": ("ppl", "ppl_err"),
     "Mean PPL(base)": ("ppl_base", "ppl_base_err"),
@@ -229,12 +230,24 @@ def perplexity_kld(tool: Path, base_gguf: Path, q_gguf: Path, text_file: Path, n
                    work: Path, threads: int = 1) -> dict[str, float]:
     """llama-perplexity's own KL-divergence statistics of `q_gguf` against `base_gguf` on `text_file`: the base
     run saves its log-probabilities (--kl-divergence-base), the second run compares (--kl-divergence)."""
-    base_file = Path(work) / "base.kld"
+    base_file, log = Path(work) / "base.kld", Path(work) / "llama-perplexity.log"
     common = ["-c", str(n_ctx), "-b", str(n_ctx), "--chunks", str(chunks), "-t", str(threads)]
-    for cmd in ([str(tool), "-m", str(base_gguf), "-f", str(text_file), "--kl-divergence-base", str(base_file),
-                 *common],
-                [str(tool), "-m", str(q_gguf), "--kl-divergence-base", str(base_file), "--kl-divergence", *common]):
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if run.returncode != 0:
-            raise LlamaCppUnavailable(f"{Path(tool).name} exited {run.returncode}: {run.stderr.strip()[-300:]}")
-    return parse_kld_report(run.stdout + "\n" + run.stderr)
+
+    def run(cmd) -> str:
+        # into a file, not a pipe (a pipe lost the summary more often)
+        with log.open("w") as out:
+            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=600).returncode
+        if rc != 0:
+            raise LlamaCppUnavailable(f"{Path(tool).name} exited {rc}: {log.read_text()[-300:].strip()}")
+        return log.read_text()
+
+    run([str(tool), "-m", str(base_gguf), "-f", str(text_file), "--kl-divergence-base", str(base_file), *common])
+    # llama-perplexity prints through llama.cpp's asynchronous log thread, which at exit sometimes drops the
+    # last lines (the summary, seen 1 run in 3 here): the comparison run is repeated until it is complete
+    for _ in range(PERPLEXITY_TRIES):
+        stats = parse_kld_report(run([str(tool), "-m", str(q_gguf), "--kl-divergence-base", str(base_file),
+                                      "--kl-divergence", *common]))
+        if "kld_mean" in stats and "same_top1_pct" in stats:
+            return stats
+    raise LlamaCppUnavailable(f"{Path(tool).name} printed no complete KL-divergence summary in "
+                              f"{PERPLEXITY_TRIES} runs: {log.read_text()[-300:].strip()}")

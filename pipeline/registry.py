@@ -182,14 +182,15 @@ def parity_gate(report: dict | None, summary_metrics: dict | None = None) -> dic
            if not isinstance(metrics.get(k), (int, float)) or metrics[k] < v]
     art = report.get("artifact") or {}
     if art.get("applies"):
-        am = art.get("metrics") or {}
+        am = {**(art.get("metrics") or {}), **(art.get("kld") or {})}  # the KLD gates check its statistics
         low += [f"artifact {k} {am.get(k)} not {rule}" for k, rule in (art.get("thresholds") or {}).items()
                 if not _meets(am.get(k), rule)]
     if low:
         raise GateRefused("parity below thresholds: " + "; ".join(low))
     source = summary_metrics or metrics
     keep = ("logits_snr_db", "top1_agreement", "top5_agreement", "greedy_match", "prompts", "steps",
-            "artifact_logits_snr_db", "artifact_top1_agreement", "artifact_kl_nats", "artifact_greedy_match")
+            "artifact_logits_snr_db", "artifact_top1_agreement", "artifact_kl_nats", "artifact_greedy_match",
+            "artifact_kld_mean", "artifact_kld_p99", "artifact_ppl_ratio", "fp32_ppl")
     return {"passed": True, "thresholds": thresholds, "artifact_thresholds": art.get("thresholds"),
             "metrics": {k: source[k] for k in keep if k in source}}
 

@@ -10,8 +10,11 @@ computes the statistics. They must agree within what separates the two runs:
   last bits;
 - llama-perplexity stores the base log-probabilities in 16 bits (a step of 16/65535 nats near the top) and
   skips vocabulary entries 16 nats below the maximum.
-Tolerances: PPL 0.1% relative; mean KLD 2% relative (+ 2e-4 absolute); the median and 90th percentile 5%
-(+ 2e-4); same-top-1 within one token of the scored ones; RMS dp within 0.05 points.
+Seen (the head sharpened so that Q4_0's damage is measurable): PPL(base) 3994.315 against 3994.371, PPL(Q)
+3970.07 against 3965.84 (the Q4_0 kernels batched and stepped), mean KLD 0.025159 against 0.025139, median
+0.02391 / 0.02422, p90 0.03708 / 0.03741, same top-1 80.65% both, RMS dp 0.074 / 0.076 points. Tolerances:
+PPL(base) 0.01%, PPL(Q) 0.3%, mean KLD 1%, the median and 90th percentile 3%, same top-1 within one token of
+the scored ones, RMS dp 0.01 points.
 
 Needs the converter, llama-cpp-python and the llama-perplexity binary ($EDGEKILN_LLAMA_PERPLEXITY or on
 PATH; benchmarks/build_llama_perplexity.sh builds it from the llama.cpp llama-cpp-python vendors); skipped
@@ -44,6 +47,7 @@ def test_our_statistics_are_llama_perplexitys(tmp_path):
     from tests.test_gguf_q4 import _tiny, _tokenizer
 
     hf = _tiny("llama", tmp_path / "hf", _tokenizer(tmp_path), seed=4)
+    _sharpen(hf)
     base = llamacpp.convert(hf, tmp_path / "base-f32.gguf", outtype="f32", src=str(converter.find()))
     q = llamacpp.quantize(base, tmp_path / "q4_0.gguf", ftype=llamacpp.Q4_0)
     import argparse
@@ -78,14 +82,26 @@ def test_our_statistics_are_llama_perplexitys(tmp_path):
     ours = acc.summary()
 
     assert ours["tokens"] == CHUNKS * (N_CTX - 1 - N_CTX // 2)
-    assert ours["ppl"] == pytest.approx(theirs["ppl"], rel=1e-3)
-    assert ours["ppl_base"] == pytest.approx(theirs["ppl_base"], rel=1e-3)
-    assert ours["kld_mean"] == pytest.approx(theirs["kld_mean"], rel=0.02, abs=2e-4)
+    assert ours["ppl_base"] == pytest.approx(theirs["ppl_base"], rel=1e-4)  # f32: the same logits to ~1e-5
+    assert ours["ppl"] == pytest.approx(theirs["ppl"], rel=3e-3)  # Q4_0: batched vs stepped, ~1e-3 seen
+    assert ours["kld_mean"] == pytest.approx(theirs["kld_mean"], rel=0.01)
     for k in ("kld_median", "kld_p90"):
-        assert ours[k] == pytest.approx(theirs[k], rel=0.05, abs=2e-4), k
+        assert ours[k] == pytest.approx(theirs[k], rel=0.03), k
     assert abs(ours["same_top1_pct"] - theirs["same_top1_pct"]) <= 100.0 / ours["tokens"] + 1e-9
-    assert ours["rms_dp_pct"] == pytest.approx(theirs["rms_dp_pct"], abs=0.05)
-    assert ours["kld_mean"] > 1e-4  # the arm differs from its base: the agreement is not 0 == 0
+    assert ours["rms_dp_pct"] == pytest.approx(theirs["rms_dp_pct"], abs=0.01)
+    assert ours["kld_mean"] > 5e-3  # the arm differs from its base: the agreement is not 0 == 0
+
+
+def _sharpen(hf):
+    """A random tiny model's logits are nearly flat (PPL ~ its vocabulary), so any two builds agree to
+    1e-4 nats; a head 12x larger makes them peaked and Q4_0's damage measurable (mean KLD ~1e-2)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(12.0)
+    model.save_pretrained(hf)
 
 
 def test_the_report_parser_reads_llama_perplexitys_summary():

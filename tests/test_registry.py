@@ -52,6 +52,9 @@ def _parity_report(**over):
 def test_parity_gate_passes_a_passing_report():
     out = reg.parity_gate(_parity_report())
     assert out["passed"] is True and out["metrics"]["greedy_match"] == 12
+    kld = _parity_report(artifact={"applies": True, "metrics": {"kl_nats": 0.01}, "kld": {"kld_mean": 0.1},
+                                   "thresholds": {"kl_nats": "<= 0.25", "kld_mean": "<= 0.25"}})
+    assert reg.parity_gate(kld)["passed"] is True
 
 
 @pytest.mark.parametrize("report, words", [
@@ -61,6 +64,9 @@ def test_parity_gate_passes_a_passing_report():
                              "greedy_match": 12}), "logits_snr_db"),
     (_parity_report(artifact={"applies": True, "metrics": {"kl_nats": 0.5}, "thresholds": {"kl_nats": "<= 0.25"}}),
      "artifact kl_nats"),
+    # the gates in llama.cpp's units read the artifact's evaluation statistics ("kld")
+    (_parity_report(artifact={"applies": True, "metrics": {"kl_nats": 0.01}, "kld": {"kld_mean": 0.4},
+                              "thresholds": {"kl_nats": "<= 0.25", "kld_mean": "<= 0.25"}}), "artifact kld_mean 0.4"),
 ])
 def test_parity_gate_refuses(report, words):
     with pytest.raises(reg.GateRefused, match=words):
