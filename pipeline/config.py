@@ -163,6 +163,8 @@ def _translate(exc: Exception, overrides: list[str]) -> ConfigError:
             first += ": null is not allowed here"
     if "'NoneType' object has no attribute" in first:
         first = "cannot set keys inside a section that is null here"
+    if "Incompatible key type" in first:  # a mapping key written as null / a number ({null: 0})
+        first = "a mapping's keys must be names (a key was null or not text)"
     if full_key:
         return ConfigError(f"{_where(full_key, overrides)}: {full_key}: {first}")
     return ConfigError(first)
@@ -436,7 +438,7 @@ def _check_text_sources(c, where) -> None:
     checked before any stage runs: an absolute path outside artifacts/ holding text files."""
     from .textdata import BUILTIN, TextDataError, files_of
 
-    for key in ("calibrate.dataset", "parity.eval_text"):
+    for key in ("calibrate.dataset", "parity.eval_text", "parity.prompts_file"):
         raw = _get(c, key)
         if raw is None or str(raw) == BUILTIN:
             continue

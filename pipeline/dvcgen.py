@@ -109,7 +109,7 @@ def _stage_entry(stage, build: str, cfg: dict | None, model_ref: str | None = No
 
 
 # The stages that read a text source a setting names (a local file or folder, or the built-in corpus).
-TEXT_DEPS = {"calibrate": ("calibrate.dataset",), "verify_parity": ("parity.eval_text",)}
+TEXT_DEPS = {"calibrate": ("calibrate.dataset",), "verify_parity": ("parity.eval_text", "parity.prompts_file")}
 
 
 def _runner_file(build: str, stage: str) -> str | None:

@@ -124,7 +124,7 @@ def prompt_ids(tok, prompt: str, chat_template: bool = False) -> list[int]:
     if getattr(tok, "chat_template", None) is None:
         raise GenerateError("--chat-template: the checkpoint's tokenizer has no chat template")
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True, add_generation_prompt=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])  # a BatchEncoding on transformers 5
 
 
 def generate(dec, tok, prompt: str, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,

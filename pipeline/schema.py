@@ -106,6 +106,8 @@ class ParityConfig:
     """ONNX Runtime against the eager PyTorch model; a build below it fails."""
 
     prompts: list[str] = field(default_factory=list)
+    # Or the prompts from a local file: one a line (.txt), or a .jsonl's eval_field per record; replaces `prompts`.
+    prompts_file: Optional[str] = None
     # Tokens of greedy decode per prompt; must pass the sliding window so the
     # ring/window path is exercised. null: the model's largest window + 16
     # (80 for a model without sliding layers); pipeline/model_facts.py.

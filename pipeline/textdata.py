@@ -100,7 +100,7 @@ def documents(tokenizer, source: str | Path, field: str = "text", chat_template:
                 raise TextDataError(f"{path}: with chat_template=true, field {field!r} must hold a list of "
                                     f"{{role, content}} messages")
             ids = tokenizer.apply_chat_template(chat, tokenize=True, add_generation_prompt=False)
-            if isinstance(ids, dict):  # newer transformers return a BatchEncoding
+            if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding (a mapping, not a dict)
                 ids = ids["input_ids"]
             if ids:
                 out.append(list(ids) + ([eos] if eos is not None and ids[-1] != eos else []))
@@ -116,6 +116,24 @@ def stream(tokenizer, source: str | Path, field: str = "text", chat_template: bo
     return ids, {"source": str(source), "files": [str(p) for p in files_of(source)], "documents": len(docs),
                  "tokens": len(ids), "field": field, "chat_template": bool(chat_template),
                  "ids_sha256": ids_sha256(ids)}
+
+
+def prompts(source: str | Path, field: str = "text") -> list[str]:
+    """Parity prompts from a user's file: a .txt / .md file's non-empty lines, or a .jsonl file's `field` per
+    record (a prompt may then hold newlines)."""
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise TextDataError(f"{path}: no such file (a prompts file is one prompt a line, or .jsonl records)")
+    if path.suffix in JSONL_SUFFIXES:
+        out = [str(p) for p in _records(path, field)]
+    elif path.suffix in TEXT_SUFFIXES:
+        out = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    else:
+        raise TextDataError(f"{path}: not a prompts file this reads ({', '.join(TEXT_SUFFIXES + JSONL_SUFFIXES)})")
+    out = [p for p in out if p.strip()]
+    if not out:
+        raise TextDataError(f"{path}: no prompts in it")
+    return out
 
 
 def ids_sha256(ids: Sequence[int]) -> str:

@@ -369,7 +369,15 @@ def run(ctx: StageContext) -> dict:
     art = Path(ctx.inputs["export"])
     # The first max_prompts prompts: a model with a large window runs each one
     # past it, so fewer of them keep the steps (and the minutes) bounded.
-    prompts = [str(p) for p in pc.prompts][: int(pc.get("max_prompts") or len(pc.prompts))]
+    prompts = [str(p) for p in pc.prompts]
+    if pc.get("prompts_file"):
+        from pipeline import textdata
+
+        try:
+            prompts = textdata.prompts(pc.prompts_file, str(pc.get("eval_field") or "text"))
+        except textdata.TextDataError as err:
+            raise StageError(f"parity.prompts_file: {err}") from None
+    prompts = prompts[: int(pc.get("max_prompts") or len(prompts))]
     decode_tokens = int(pc.decode_tokens)
     if not prompts:
         raise StageError("parity.prompts is empty: nothing to compare")

@@ -726,3 +726,41 @@ def test_the_heads_width_is_measured_where_the_kernel_takes_8_bits(tiny_untied, 
     err.model.get_input_embeddings().weight.data.copy_(err.model.lm_head.weight.data)
     snr = -10 * np.log10(err())
     assert snr == pytest.approx(rec["options"][str(want)]["snr_db"], abs=0.01)
+
+
+def test_calibrate_on_a_users_chat_file_through_the_chat_template(tiny_untied, tmp_path):
+    """calibrate.dataset=FILE.jsonl with chat_template: each record's messages rendered by the checkpoint's
+    own template, framed, cut into windows; calibration.json records the source and the windows' sha256 is of
+    exactly those ids; a checkpoint without a template is refused in one line."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from pipeline import textdata
+    from stages import calibrate
+
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_untied, ck)
+    tc = json.loads((ck / "tokenizer_config.json").read_text())
+    tc["chat_template"] = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}"
+    (ck / "tokenizer_config.json").write_text(json.dumps(tc))
+    chats = tmp_path / "chats.jsonl"
+    import argparse
+    import collections
+
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"explain {m.__name__}"},
+                                      {"role": "assistant", "content": m.__doc__}]}) for m in (argparse, collections)]
+    chats.write_text("\n".join(lines) + "\n")
+    cfg = {"calibrate": {**CAL, "dataset": str(chats), "field": "messages", "chat_template": True,
+                         "samples": 4, "min_samples": 4}}
+    out = tmp_path / "cal"
+    calibrate.run(ctx("calibrate", out, cfg, {"untie_head": ck}))
+    info = json.loads((out / "calibration.json").read_text())
+    assert info["dataset"] == str(chats) and info["samples"] == 4
+    assert info["corpus"]["chat_template"] is True and info["corpus"]["documents"] == 2
+    ids, _ = textdata.stream(AutoTokenizer.from_pretrained(ck), chats, "messages", True)
+    windows = torch.tensor(ids[: info["windows_available"] * 32]).view(-1, 32)
+    picks = torch.randperm(info["windows_available"], generator=torch.Generator().manual_seed(0))[:4].sort().values
+    assert hashlib.sha256(windows[picks].numpy().astype("<i4").tobytes()).hexdigest() == info["data_sha256"]
+    with pytest.raises(StageError, match="no chat template"):
+        calibrate.run(ctx("calibrate", tmp_path / "c2", cfg, {"untie_head": tiny_untied}))

@@ -113,3 +113,25 @@ def test_a_user_calibration_text_rekeys_calibrate_and_nothing_upstream(tmp_path)
         validate(compose(["device=x86_avx512", f"calibrate.dataset={tmp_path / 'missing.txt'}"]))
     with pytest.raises(ConfigError, match=r"calibrate\.dataset must be an absolute"):
         validate(compose(["device=x86_avx512", "calibrate.dataset=relative.txt"]))
+
+
+def test_parity_prompts_from_a_users_file(tmp_path):
+    """parity.prompts_file: a .txt file's non-empty lines, or a .jsonl's field per record (newlines kept);
+    checked before any stage runs; verify_parity's DVC entry gains the file as a dependency."""
+    from pipeline import dvcgen
+    from pipeline.config import ConfigError, compose, validate
+
+    txt = tmp_path / "prompts.txt"
+    txt.write_text("def read(path):\n\n   class Foo:  \n")
+    assert textdata.prompts(txt) == ["def read(path):", "class Foo:"]
+    jl = tmp_path / "prompts.jsonl"
+    jl.write_text(json.dumps({"q": "line one\nline two"}) + "\n")
+    assert textdata.prompts(jl, field="q") == ["line one\nline two"]
+    (tmp_path / "empty.txt").write_text("\n \n")
+    with pytest.raises(textdata.TextDataError, match="no prompts"):
+        textdata.prompts(tmp_path / "empty.txt")
+    cfg = validate(compose(["device=x86_avx512", "build.name=b", f"parity.prompts_file={txt}"]))
+    stages = dvcgen.generate({"b": cfg}, with_exp=False)["stages"]
+    assert str(txt) in stages["b--verify_parity"]["deps"]
+    with pytest.raises(ConfigError, match=r"parity\.prompts_file: .*no such file"):
+        validate(compose(["device=x86_avx512", f"parity.prompts_file={tmp_path / 'nope.txt'}"]))
