@@ -147,17 +147,19 @@ def generate(builds: dict[str, dict] | None = None, with_exp: bool = True) -> di
 
 
 def reports(builds: list[str]) -> dict:
-    """Top-level `metrics` and `plots` for these builds' benchmark outputs.
+    """Top-level `metrics` and `plots` for these builds' benchmark outputs (and parity's metrics).
 
     Plot columns are fixed (a missing field fails `dvc plots show`), so the
     benchmark writes null where an arm did not run (e.g. llama.cpp absent).
     A build not yet run shows as '-' in `dvc metrics show`.
     """
     bench = declaration("benchmark").module
+    parity = declaration("verify_parity").module
     metrics, plots = [], []
     for build in builds:
         out = output_dir("benchmark", build)
         metrics.append(f"{out}/metrics.json")
+        metrics.append(f"{output_dir('verify_parity', build)}/{parity.METRICS_FILE}")  # parity and KLD figures
         plots.append({
             f"{build}--decode_tok_s_vs_context": {
                 "template": "linear",

@@ -504,6 +504,8 @@ def run(ctx: StageContext) -> dict:
     for precision, r in (artifact.get("precisions") or {}).items():
         out.update({f"qnn_{precision}_{k}": r["metrics"][k] for k in ("logits_snr_db", "top1_agreement",
                                                                        "greedy_match")})
+    # DVC's metrics (dvc.yaml's top-level `metrics`: `dvc metrics show` / `diff` across builds and versions)
+    (Path(ctx.out) / METRICS_FILE).write_text(json.dumps(_finite_metrics(out), indent=2, sort_keys=True) + "\n")
     return {"metrics": out, "weight_path": artifact["path"], "artifact_note": artifact.get("note", "")}
 
 
@@ -554,6 +556,7 @@ def _artifact_decoder(path: str, pack_dir: Path, hf_dir: Path, context_length: i
 
 
 KLD_METRICS = ("ppl", "ppl_ratio", "kld_mean", "kld_p99", "same_top1_pct")  # in DVC metrics, per arm
+METRICS_FILE = "metrics.json"
 
 
 def _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds=None,

@@ -45,6 +45,10 @@ def test_first_build_runs_every_stage_and_prints_parity_and_speed(built_repo):
     assert ev["windows"] == 4 and ev["n_ctx"] == 64 and ev["scored_tokens"] == 4 * (64 - 32 - 1)
     assert art_kld["tokens"] == ev["scored_tokens"] and art_kld["ppl"] > 1 and art_kld["kld_mean"] > 0
     assert parity["artifact_kld_mean"] == art_kld["kld_mean"] and parity["fp32_ppl"] == art_kld["ppl_base"]
+    # and in DVC's metrics (dvc.yaml's top-level metrics point at it)
+    dvc_metrics = json.loads((repo / "artifacts" / BUILD / "verify_parity" / "metrics.json").read_text())
+    assert dvc_metrics["artifact_kld_mean"] == art_kld["kld_mean"]
+    assert f"artifacts/{BUILD}/verify_parity/metrics.json" in (repo / "dvc.yaml").read_text()
     bench = manifest(repo, "benchmark")["result"]["metrics"]
     assert bench["decode_tok_s"] > 0 and bench["peak_rss_mib"] > 0
     report = json.loads((repo / "artifacts" / BUILD / "benchmark" / "report.json").read_text())

@@ -343,7 +343,7 @@ ARTIFACT_KINDS = {
     "export": ["model.onnx", "io.json", "config.json", "tokenizer.json"],
     "pack": ["model.safetensors", "tinygemm.json", "tinygemm.safetensors", "weight_path.json"],
     "deploy_profile": ["profile.json", "torch.json"],
-    "verify_parity": ["report.json"],
+    "verify_parity": ["report.json", "metrics.json"],
     "benchmark": ["metrics.json", "report.json", "report.html", "plots/resident_mib.json"],
 }
 
