@@ -135,3 +135,38 @@ def test_parity_prompts_from_a_users_file(tmp_path):
     assert str(txt) in stages["b--verify_parity"]["deps"]
     with pytest.raises(ConfigError, match=r"parity\.prompts_file: .*no such file"):
         validate(compose(["device=x86_avx512", f"parity.prompts_file={tmp_path / 'nope.txt'}"]))
+
+
+def test_an_evaluation_text_that_overlaps_the_calibration_is_refused_in_one_line(tmp_path):
+    """verify_parity's evaluation windows from a user's text: refused (one line, naming the setting) where
+    the text shares a 32-token run with the calibration windows; accepted, cut into llama-perplexity's
+    chunks, where it shares none."""
+    import numpy as np
+    from omegaconf import OmegaConf
+
+    from pipeline.context import StageError
+    from stages import verify_parity
+
+    tok = _Tok()
+    calib_text = "".join(chr(65 + (i * 7) % 50) for i in range(400))
+    cal = tmp_path / "calibrate"
+    cal.mkdir()
+    ids = tok(calib_text)["input_ids"]
+    np.save(cal / "token_ids.npy", np.asarray(ids[:320], np.int32).reshape(10, 32))
+
+    class Ctx:
+        inputs = {"calibrate": cal}
+
+        def __init__(self, text):
+            self.cfg = OmegaConf.create({"parity": {"eval_text": str(text), "eval_windows": 2, "eval_n_ctx": 64}})
+
+    overlapping = tmp_path / "eval.txt"
+    overlapping.write_text("some words first " + calib_text[40:200])
+    with pytest.raises(StageError, match=r"parity\.eval_text .* shares \d+ runs of 32 tokens") as exc:
+        verify_parity._evaluation(Ctx(overlapping), tok, tmp_path, 1, 256)
+    assert "\n" not in str(exc.value)
+    clean = tmp_path / "clean.txt"
+    clean.write_text("".join(chr(97 + (i * 3) % 26) for i in range(300)))
+    ev = verify_parity._evaluation(Ctx(clean), tok, tmp_path, 1, 256)
+    assert len(ev.windows) == 2 and all(len(w) == 64 and w[0] == 1 for w in ev.windows)
+    assert ev.facts["scored_tokens"] == 2 * (64 - 32 - 1) and ev.facts["text"] == str(clean)
