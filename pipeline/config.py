@@ -236,7 +236,9 @@ def _model_defaults(c: dict, where, refuse: bool):
     try:
         facts = model_facts.of(c["model"])
     except model_facts.FactsError as e:
-        key = "model.package" if c["model"].get("package") else "model.path"
+        named = re.match(r"(model\.train\.\w+)=", str(e))  # the embedded model's own setting, named by the error
+        key = (named.group(1) if named
+               else "model.package" if c["model"].get("package") else "model.path")
         raise ConfigError(f"{where(key)}: {e}") from None
     derived = model_facts.derive(facts)
     for key in unset:

@@ -70,8 +70,15 @@ def _read(model: dict) -> ModelFacts:
     name = str(model.get("name") or source)
     if source == "embedded":
         train = model.get("train") or {}
-        return ModelFacts(name, int(train.get("sliding_window", EMBEDDED_SLIDING_WINDOW)),
-                          int(train.get("max_position_embeddings", EMBEDDED_MAX_POSITIONS)))
+
+        def whole(key: str, default: int) -> int:
+            v = train.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v != int(v) or v < 0:
+                raise FactsError(f"model.train.{key}={v!r}: a whole number of positions (>= 0) is needed")
+            return int(v)
+
+        return ModelFacts(name, whole("sliding_window", EMBEDDED_SLIDING_WINDOW),
+                          whole("max_position_embeddings", EMBEDDED_MAX_POSITIONS))
     if source == "hf":
         return _hf_facts(name, Path(str(model["path"])).expanduser())
     if source == "gguf":
