@@ -131,6 +131,19 @@ def check_q4_0(layers: dict, meta: dict | None = None) -> None:
             )
 
 
+def _with_scales(codes, scales, pack_block, block_bytes: int) -> np.ndarray:
+    """uint8 [N, K/32 * block_bytes]: per 32-weight block, its scale as little-endian fp16 followed by
+    `pack_block(codes as [N, K/32, 32])`'s bytes (Q4_0's and Q8_0's shared block frame)."""
+    codes = np.asarray(codes, dtype=np.uint8)
+    scales = np.asarray(scales, dtype=np.float32)
+    n, k = codes.shape
+    if k % BLOCK or scales.shape != (n, k // BLOCK):
+        raise GgufQ4Error(f"codes {codes.shape} and scales {scales.shape} do not form {BLOCK}-weight blocks")
+    nb = k // BLOCK
+    d = scales.astype("<f2").reshape(n, nb, 1).view(np.uint8)  # [n, nb, 2]
+    return np.concatenate([d, pack_block(codes.reshape(n, nb, BLOCK))], axis=-1).reshape(n, nb * block_bytes)
+
+
 def pack_q4_0(codes, scales) -> np.ndarray:
     """Q4_0 blocks of codes uint8 [N, K] (0..15) and scales [N, K/32] (fp16 values): uint8 [N, K/32 * 18].
 
@@ -138,31 +151,20 @@ def pack_q4_0(codes, scales) -> np.ndarray:
     in its low nibble and weight j + 16 in its high nibble. Written by hand
     (see the module docstring): the codes are ours, not re-derived from floats.
     """
-    codes = np.asarray(codes, dtype=np.uint8)
-    scales = np.asarray(scales, dtype=np.float32)
-    n, k = codes.shape
-    if k % BLOCK or scales.shape != (n, k // BLOCK):
-        raise GgufQ4Error(f"codes {codes.shape} and scales {scales.shape} do not form {BLOCK}-weight blocks")
-    nb = k // BLOCK
-    d = scales.astype("<f2").reshape(n, nb, 1).view(np.uint8)  # [n, nb, 2]
-    halves = codes.reshape(n, nb, 2, BLOCK // 2)
-    qs = (halves[:, :, 0, :] & 0x0F) | ((halves[:, :, 1, :] & 0x0F) << 4)
-    return np.concatenate([d, qs.astype(np.uint8)], axis=-1).reshape(n, nb * BLOCK_BYTES)
+    def nibbles(blocks):
+        lo, hi = blocks[..., :BLOCK // 2], blocks[..., BLOCK // 2:]
+        return ((lo & 0x0F) | ((hi & 0x0F) << 4)).astype(np.uint8)
+
+    return _with_scales(codes, scales, nibbles, BLOCK_BYTES)
 
 
 def pack_q8_0(codes, scales) -> np.ndarray:
     """Q8_0 blocks of 8-bit symmetric codes uint8 [N, K] (0..255, zero 128) and scales [N, K/32] (fp16
     values): uint8 [N, K/32 * 34]. Per block: d as little-endian fp16, then the 32 weights as int8
     (code - 128), as gguf's `Q8_0.dequantize_blocks` reads them (checked in tests/test_gguf_q4.py)."""
-    codes = np.asarray(codes, dtype=np.uint8)
-    scales = np.asarray(scales, dtype=np.float32)
-    n, k = codes.shape
-    if k % BLOCK or scales.shape != (n, k // BLOCK):
-        raise GgufQ4Error(f"codes {codes.shape} and scales {scales.shape} do not form {BLOCK}-weight blocks")
-    nb = k // BLOCK
-    d = scales.astype("<f2").reshape(n, nb, 1).view(np.uint8)  # [n, nb, 2]
-    qs = (codes.astype(np.int16) - SYM_ZERO_8).astype(np.int8).view(np.uint8).reshape(n, nb, BLOCK)
-    return np.concatenate([d, qs], axis=-1).reshape(n, nb * BLOCK_BYTES_8)
+    return _with_scales(codes, scales,
+                        lambda blocks: (blocks.astype(np.int16) - SYM_ZERO_8).astype(np.int8).view(np.uint8),
+                        BLOCK_BYTES_8)
 
 
 def dequant(codes, scales, bits: int = 4) -> np.ndarray:
