@@ -148,10 +148,16 @@ def _runs(ids: Sequence[int], n: int) -> set[bytes]:
     return {hashlib.blake2b(row.tobytes(), digest_size=12).digest() for row in view}
 
 
+def overlaps(texts: Sequence[Sequence[int]], reference: Sequence[int], n: int = OVERLAP_TOKENS) -> list[int]:
+    """For each token sequence of `texts`, how many of its n-token runs also occur in `reference` (0: none);
+    the reference's runs are hashed once."""
+    other = _runs(reference, n)
+    return [sum(1 for r in _runs(a, n) if r in other) for a in texts]
+
+
 def overlap(a: Sequence[int], b: Sequence[int], n: int = OVERLAP_TOKENS) -> int:
     """How many n-token runs of `a` also occur in `b` (0: the two texts share no such run)."""
-    other = _runs(b, n)
-    return sum(1 for r in _runs(a, n) if r in other)
+    return overlaps([a], b, n)[0]
 
 
 def heldout(src: Path, tokenizer, log=None) -> tuple[list[int], dict]:

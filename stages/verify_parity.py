@@ -34,8 +34,8 @@ Figures:
 
 Perplexity and llama.cpp's KL statistics (pipeline/kld.py), for the artifact
 and every peer arm against the same fp32 eager model: `parity.eval_windows`
-windows of `parity.eval_n_ctx` tokens of `parity.eval_text` (BOS first where
-the model uses one), each arm fed the window (its first half in one prefill,
+windows of `parity.eval_n_ctx` tokens of `parity.eval_text` (the first token
+of each BOS where the model uses one), each arm fed the window (its first half in one prefill,
 then a step a token), the second half scored as llama-perplexity scores it.
 The default text is the embedded corpus's held-out tail, skipping windows that
 share a 32-token run with the calibration windows; a user's text that shares
@@ -267,7 +267,7 @@ def _evaluation(ctx, tokenizer, hf_dir: Path, bos, context_length: int) -> _Eval
     except textdata.TextDataError as err:
         raise StageError(f"parity.eval_text: {err}") from None
     candidates = kld.windows(stream, n_ctx, bos)
-    shared = {i: textdata.overlap(w, cal) for i, w in enumerate(candidates)}
+    shared = dict(enumerate(textdata.overlaps(candidates, cal)))
     if textdata.is_builtin(source):  # the held-out tail holds the calibration windows too: skip those
         windows = [w for i, w in enumerate(candidates) if shared[i] == 0][:n_windows]
     else:
