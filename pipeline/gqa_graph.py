@@ -124,7 +124,7 @@ DEFAULT_OPTIONS = {
                                # the untied checkpoint's fp32 table; "auto": shared where it can be, else fp32
     "kv_dtype": "float16",     # the KV cache (and the attention's rope caches) in fp16, as llama.cpp's default
                                # f16 cache: half the KV bytes; q/k/v are cast in and the attention cast out
-                               # (benchmarks/gqa_speed.py --kv-dtype; docs/results.md for the measurement)
+                               # (measured no slower on Gemma 3 270M: docs/small-artifacts.md)
 }
 KV_DTYPES = ("float16", "float32")
 

@@ -178,8 +178,8 @@ class LlamaCppDecoder(_Greedy):
 # llama.cpp's own perplexity tool, for cross-checking pipeline/kld.py
 # --------------------------------------------------------------------------
 
-PERPLEXITY_ENV = "EDGEKILN_LLAMA_PERPLEXITY"
-PERPLEXITY_TRIES = 5  # the llama-perplexity binary (benchmarks/build_llama_perplexity.sh)
+PERPLEXITY_ENV = "EDGEKILN_LLAMA_PERPLEXITY"  # the llama-perplexity binary (benchmarks/build_llama_perplexity.sh)
+PERPLEXITY_TRIES = 5  # comparison runs before giving up on a complete summary (perplexity_kld)
 _STAT_LINES = {  # llama-perplexity --kl-divergence's summary line -> pipeline/kld.py's key (value, uncertainty)
     "Mean PPL(Q)": ("ppl", "ppl_err"),
     "Mean PPL(base)": ("ppl_base", "ppl_base_err"),
