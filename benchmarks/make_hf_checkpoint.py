@@ -6,6 +6,12 @@ seeded) so the pipeline can benchmark it without a download:
     # a ~135M Llama-family shape with a tied head (SmolLM-135M's: 30 x 576, vocab 49,152)
     python benchmarks/make_hf_checkpoint.py --family llama --tie --layers 30 --hidden 576 --intermediate 1536 \
         --heads 9 --kv-heads 3 --head-dim 64 --vocab 49152 --tokenizer-from DIR --out /tmp/llama-135m
+    # the field notes' 1.7B geometry in a Gemma 3 config (~1.75B parameters, bf16 as Gemma ships: 3.5 GB):
+    # 28 layers, a 512-token sliding window on 3 of every 4 (21 sliding, 7 full), GEGLU 2048 -> 6656,
+    # 8 heads and 2 KV heads of head_dim 256, vocabulary 151,936, tied head
+    python benchmarks/make_hf_checkpoint.py --family gemma3 --tie --layers 28 --hidden 2048 --intermediate 6656 \
+        --heads 8 --kv-heads 2 --head-dim 256 --vocab 151936 --sliding-window 512 --full-every 4 \
+        --dtype bfloat16 --tokenizer-from DIR --out /tmp/gemma3-1.75b
 
 The defaults (8 layers, hidden 1024, intermediate 3072, 16 heads, 8 KV heads,
 head_dim 64, vocab from the tokenizer: 2048 for the embedded one) give ~105M
@@ -38,7 +44,12 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--max-positions", type=int, default=4096)
     p.add_argument("--tie", action="store_true", help="tie the head to the embedding (default: untied)")
-    p.add_argument("--family", choices=("qwen3", "llama"), default="qwen3")
+    p.add_argument("--family", choices=("qwen3", "llama", "gemma3"), default="qwen3")
+    p.add_argument("--sliding-window", type=int, default=512, help="gemma3: the sliding layers' window")
+    p.add_argument("--full-every", type=int, default=6,
+                   help="gemma3: every Nth layer attends to the whole context, the others to the window")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the weights' dtype on disk (Gemma 3 ships bfloat16)")
     p.add_argument("--vocab", type=int, default=None,
                    help="embedding rows (default: the tokenizer's); more rows than the tokenizer has size the "
                         "table and the head as a real vocabulary does, its ids stay the tokenizer's")
@@ -46,7 +57,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     src = a.tokenizer_from
     src_cfg = json.loads((src / "config.json").read_text())
@@ -56,12 +68,26 @@ def main(argv=None) -> int:
     if a.out.exists() and any(a.out.iterdir()):
         print(f"error: {a.out} exists and is not empty", file=sys.stderr)
         return 2
-    config_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if a.family == "qwen3" else (LlamaConfig, LlamaForCausalLM)
+    config_cls, model_cls = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM),
+                             "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}[a.family]
     vocab = int(a.vocab or src_cfg["vocab_size"])
     if vocab < int(src_cfg["vocab_size"]):
         print(f"error: --vocab {vocab} is below the tokenizer's {src_cfg['vocab_size']}", file=sys.stderr)
         return 2
+    family = {}
+    if a.family == "gemma3":  # Gemma 3's own settings (the 270M release's), the geometry from the flags
+        family = dict(
+            sliding_window=a.sliding_window,
+            sliding_window_pattern=a.full_every,  # the old name of the same pattern, which older readers take
+            layer_types=["full_attention" if (i + 1) % a.full_every == 0 else "sliding_attention"
+                         for i in range(a.layers)],
+            query_pre_attn_scalar=a.head_dim,
+            hidden_activation="gelu_pytorch_tanh",
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+        )
     cfg = config_cls(
+        **family,
         vocab_size=vocab,
         hidden_size=a.hidden,
         intermediate_size=a.intermediate,
@@ -78,8 +104,10 @@ def main(argv=None) -> int:
     torch.manual_seed(a.seed)
     model = model_cls(cfg).eval()
     n = sum(t.numel() for t in model.parameters())
+    if a.dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
     a.out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(a.out, safe_serialization=True)
+    model.save_pretrained(a.out, safe_serialization=True, max_shard_size="2GB")  # sharded, as releases are
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, a.out / name)

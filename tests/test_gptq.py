@@ -222,6 +222,62 @@ def test_calibrate_hessians_for_every_linear(tiny_untied, calibrated):
     assert result["metrics"]["samples"] == 16 and len(info["data_sha256"]) == 64
 
 
+def test_layer_by_layer_calibration_is_the_whole_model_forwards(tiny_untied, calibrated):
+    """The stage runs one decoder layer at a time over every batch (pipeline/layerwise.py); the same
+    windows through the whole model's forward, batch after batch, hooks on every linear, give the same
+    second moments (to float64 rounding: the order of the sums is the same) and so the same GPTQ codes."""
+    import numpy as np
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from pipeline import gptq
+    from stages import calibrate
+
+    out, _ = calibrated
+    info = json.loads((out / "calibration.json").read_text())
+    streamed = load_file(str(out / "hessians.safetensors"))
+    windows = torch.from_numpy(np.load(out / "token_ids.npy").astype("int64"))
+    model = AutoModelForCausalLM.from_pretrained(tiny_untied, dtype=torch.float32).eval()
+    linears = calibrate.decoder_linears(model)
+    whole: dict[str, torch.Tensor] = {}
+
+    def add(key, x):
+        x2 = x.detach().reshape(-1, x.shape[-1]).double()
+        whole[key] = whole.get(key, torch.zeros(x2.shape[1], x2.shape[1], dtype=torch.float64)).addmm_(x2.T, x2)
+
+    keys = {info["layers"][n]["hessian"] for n in info["layers"]}
+    handles = [m.register_forward_pre_hook(lambda _m, a, _n=n: add(_n, a[0]))
+               for n, m in linears.items() if n in keys and n != "lm_head"]
+    with torch.no_grad():
+        for i in range(0, len(windows), calibrate.BATCH):
+            add("lm_head", model.get_decoder()(input_ids=windows[i : i + calibrate.BATCH]).last_hidden_state)
+    for h in handles:
+        h.remove()
+    assert set(whole) == set(streamed) == keys
+    for key in keys:
+        assert torch.equal(whole[key].float(), streamed[key]), key
+    name = "model.layers.1.mlp.down_proj"
+    w = linears[name].weight.detach()
+    a = gptq.quantize_weight(w, whole[name].float().double(), group_size=32)  # the stage stores H as fp32
+    b = gptq.quantize_weight(w, streamed[name].double(), group_size=32)
+    assert torch.equal(a.qweight, b.qweight) and torch.equal(a.scales, b.scales)
+
+
+def test_layer_by_layer_run_refuses_a_loop_it_does_not_reproduce(tiny_untied, monkeypatch):
+    """A decoder whose loop does not call every layer once with the previous one's output is caught
+    before any long work: here the loop stops after the first of the two layers."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline import layerwise
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_untied, dtype=torch.float32).eval()
+    decoder = model.get_decoder()
+    layerwise.check(decoder, torch.arange(1, 17)[None])
+    monkeypatch.setattr(decoder.config, "num_hidden_layers", 1)
+    with pytest.raises(layerwise.LayerwiseError, match="called 1 of 2 layers"):
+        layerwise.check(decoder, torch.arange(1, 17)[None])
+
+
 def test_calibrate_data_sha_is_of_the_token_ids(tiny_untied, calibrated):
     from transformers import AutoTokenizer
 

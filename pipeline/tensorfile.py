@@ -1,0 +1,84 @@
+"""A safetensors file written one tensor at a time.
+
+safetensors' own writers (`save_file`, `serialize_file`) take every tensor at
+once, as one dict in memory. The calibration of a 1.75B model holds 6.3 GB of
+second moments (fp32) by the end; layer by layer, each layer's are final long
+before the next is done. This writer keeps only the one being written: the
+header region is reserved up front (its size bounded by the tensor names,
+known before the first tensor), the data follows it tensor after tensor, and
+the header is written last into the reserved room, padded with spaces, which
+the format allows (the JSON header may end in whitespace; offsets are relative
+to the data start, and the tensors cover the data contiguously, as the reader
+checks). The result is an ordinary safetensors file: `safe_open` reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+_DTYPES = {"torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16", "torch.float64": "F64",
+           "torch.int32": "I32", "torch.int64": "I64", "torch.uint8": "U8", "torch.int8": "I8"}
+_ENTRY_BOUND = 160  # bytes per entry beyond its name: {"dtype":"F32","shape":[a,b,...],"data_offsets":[x,y]}
+
+
+class TensorFileError(RuntimeError):
+    pass
+
+
+class StreamWriter:
+    """`with StreamWriter(path, names) as w: w.add(name, tensor) ...`: `names` are every name that may
+    be added (they bound the header); tensors are written in the order added. On an exception the
+    partial file is removed."""
+
+    def __init__(self, path, names, metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        self.metadata = dict(metadata or {})
+        bound = sum(len(json.dumps(n)) + _ENTRY_BOUND for n in names)
+        bound += len(json.dumps({"__metadata__": self.metadata})) + 64
+        self.reserved = (bound + 7) // 8 * 8  # the data starts 8-byte aligned, as safetensors' own files do
+        self.allowed = set(names)
+        self.entries: dict[str, dict] = {}
+        self.offset = 0
+        self.f = None
+
+    def __enter__(self):
+        self.f = open(self.path, "wb")
+        self.f.write(struct.pack("<Q", self.reserved))
+        self.f.write(b" " * self.reserved)
+        return self
+
+    def add(self, name: str, tensor) -> None:
+        if name not in self.allowed:
+            raise TensorFileError(f"{name} was not among the names the header was sized for")
+        if name in self.entries:
+            raise TensorFileError(f"{name} was written twice")
+        dtype = _DTYPES.get(str(tensor.dtype))
+        if dtype is None:
+            raise TensorFileError(f"{name}: dtype {tensor.dtype} is not written by this writer")
+        import torch
+
+        t = tensor.detach().contiguous().cpu()
+        n = t.numel() * t.element_size()
+        if n:
+            self.f.write(memoryview(t.view(-1).view(torch.uint8).numpy()))
+        self.entries[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [self.offset, self.offset + n]}
+        self.offset += n
+
+    def __exit__(self, exc_type, exc, tb):
+        ok = False
+        try:
+            if exc_type is None:
+                header = {**({"__metadata__": self.metadata} if self.metadata else {}), **self.entries}
+                raw = json.dumps(header, separators=(",", ":")).encode()
+                if len(raw) > self.reserved:  # the bound is generous; this would be a bug in it
+                    raise TensorFileError(f"the header ({len(raw)} bytes) outgrew its reserved {self.reserved}")
+                self.f.seek(8)
+                self.f.write(raw + b" " * (self.reserved - len(raw)))
+                ok = True
+        finally:
+            self.f.close()
+            if not ok:
+                self.path.unlink(missing_ok=True)
+        return False
