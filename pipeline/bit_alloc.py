@@ -27,6 +27,21 @@ is sensitive:
 - units are taken in order of gain per byte while the extra bytes fit the
   budget (a fraction of the decoder linears' 4-bit code bytes).
 
+Measured exactly, a unit of layer l costs the layers from l up: on average
+half a model run per unit, 4 units a layer, so about 2L runs for L layers
+(the 1.75B geometry: 112 units, ~58 runs of the model). Where that is more
+than EXACT_MAX_RUNS runs, the gains are the first-order ones instead
+(`first_order_gains`): the logits' error L is differentiated once with
+respect to every linear's output, at the all-at-codes point, and putting
+unit u back lowers L by about <dL/dW_u, W_u - W_u,fp> = sum(g_y * (x E_u^T))
+(y = x W^T, E_u its codes' error): one forward and one backward run for every
+unit at once, whatever the model's depth. It is the exact gain's leading term
+(for a linear map of the weights the gain is 2<JE, JE_u> - |JE_u|^2 and this
+is 2<JE, JE_u>); where the units' errors are uncorrelated, <JE, JE_u> =
+|JE_u|^2 and the gain is half of it, which is what is recorded as the gain.
+It ranks the units the same in that case; its agreement with the exact gains on the small models is in
+docs/eight-bit-units.md. The final choice's SNR is always measured exactly.
+
 Written by hand: this is a few lines of greedy selection around forward
 passes; the packages that do mixed precision (llama.cpp's quantize, ORT's
 quantizer) fix the policy per tensor name rather than measuring it.
@@ -35,6 +50,12 @@ quantizer) fix the policy per tensor name rather than measuring it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# The exact measure's cost, in runs of the whole model, above which the first-order gains are used
+# (sensitivity: auto): the embedded model's 2-4 layers stay exact; Gemma 3 270M (72 units, ~38 runs)
+# and deeper models take the first-order gains.
+EXACT_MAX_RUNS = 8
+SENSITIVITIES = ("auto", "exact", "first_order")
 
 
 @dataclass
@@ -210,6 +231,19 @@ class HeadError:
             self.cache = cache
         return out
 
+    def loss(self, w: int, hidden):
+        """Window `w`'s |z - z_ref|^2 / |z_ref|^2 (over every window's norm) as a differentiable tensor of
+        its final hidden state `hidden` [T, d]."""
+        dlt = hidden.double() - self.ref[w]
+        return (self.window_consts[w] + ((dlt @ self.gram) * dlt).sum() + 2 * (dlt * self.cross[w]).sum()) / self.norm
+
+    def exact_runs(self, units_) -> float:
+        """The exact measure's cost in runs of the whole model: a unit of layer l reruns layers l and up."""
+        if not self.reuse_prefix or not self.layers:
+            return float(len(units_))
+        n = len(self.layers)
+        return sum(n - min(self.layer_of(name) for name in u.layers) for u in units_) / n
+
     def _error(self, hidden) -> float:
         self.per_window = []  # each window's |z - z_ref|^2 (its own relative error: / window_norms)
         for h, m, cross, const in zip(hidden, self.ref, self.cross, self.window_consts):
@@ -282,42 +316,83 @@ def _parents(model, name: str):
         yield prefix, model.get_submodule(prefix)
 
 
-_REPLAY = []
+def _checkpointed(real):
+    """Decoder layer `real` run under torch.utils.checkpoint (non-reentrant)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from pipeline.layerwise import stand_in
+
+    return stand_in(real, lambda *args, **kwargs: checkpoint(real, *args, use_reentrant=False, **kwargs))
 
 
 def _replay(real, output):
-    """A module standing in for decoder layer `real` that returns `output`."""
-    if not _REPLAY:
-        _REPLAY.append(_replay_class())
-    return _REPLAY[0](real, output)
+    """A module standing in for decoder layer `real` that returns `output` (the cached run's, in the same
+    form: a tensor or a tuple)."""
+    from pipeline.layerwise import stand_in
+
+    return stand_in(real, lambda *args, **kwargs: output)
 
 
-def _replay_class():
+def first_order_gains(model, err: HeadError, units_: list[Unit], full, on_unit=None) -> dict[str, float]:
+    """Every unit's first-order gain (module docstring) from one forward and one backward run per window,
+    the model at its codes: half of sum over the unit's linears of sum(g_y * (x (W - W_fp)^T)), g_y the
+    loss's gradient at the linear's output y = x W^T. No weight gradient is made (the weights are frozen
+    and the graph starts at the embedding's output), so no second copy of the model is held."""
     import torch
 
-    class Replay(torch.nn.Module):
-        """Stands in for a decoder layer: returns the output that layer gave in the cached run (in the same
-        form: a tensor or a tuple), exposing the real layer's attributes to the model's loop."""
+    unit_of = {name: u.key for u in units_ for name in u.layers}
+    mods = {name: model.get_submodule(name) for name in unit_of}
+    gains = {u.key: 0.0 for u in units_}
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    seen: set[str] = set()  # the linears hooked in this window's forward (a checkpointed layer runs twice)
 
-        def __init__(self, real, output):
-            super().__init__()
-            object.__setattr__(self, "_real", real)
-            object.__setattr__(self, "_output", output)
+    def hook(name):
+        def on_forward(mod, args, out):
+            if name in seen or not out.requires_grad:  # the backward's recomputation of a checkpointed layer
+                return
+            seen.add(name)
+            x = args[0].detach()
 
-        def __getattr__(self, key):
-            try:
-                return super().__getattr__(key)
-            except AttributeError:
-                return getattr(object.__getattribute__(self, "_real"), key)
+            def on_grad(g):
+                e = mod.weight.detach() - full(name)
+                # half the first-order term: the gain itself where the units' errors are uncorrelated
+                gains[unit_of[name]] += 0.5 * float((g.double() * (x @ e.T).double()).sum())
 
-        def forward(self, *args, **kwargs):
-            return self._output
+            out.register_hook(on_grad)
+        return on_forward
 
-    return Replay
+    handles = [m.register_forward_hook(hook(n)) for n, m in mods.items()]
+    handles.append(err.decoder.get_input_embeddings().register_forward_hook(
+        lambda _m, _a, out: out.detach().requires_grad_()))
+    # Each decoder layer checkpointed (torch.utils.checkpoint): the backward recomputes a layer's
+    # activations from its input instead of holding every layer's (~4 GB for one 528-token window at 1.75B).
+    layers = err.layers if err.layers is not None else []
+    real = list(layers)
+    try:
+        for i, layer in enumerate(real):
+            layers[i] = _checkpointed(layer)
+        for w, ids in enumerate(err.windows):
+            seen.clear()
+            with torch.enable_grad():
+                hidden = err.decoder(ids[None], use_cache=False).last_hidden_state[0]
+                err.loss(w, hidden).backward()
+    finally:
+        for i, layer in enumerate(real):
+            layers[i] = layer
+        for h in handles:
+            h.remove()
+        for p in frozen:
+            p.requires_grad_(True)
+    if on_unit is not None:
+        for u in units_:
+            on_unit(u)
+    return gains
 
 
 def measure(model, windows, units_: list[Unit], names: list[str], at_codes, full, on_unit=None,
-            exact_logits: bool = False) -> dict:
+            exact_logits: bool = False, sensitivity: str = "exact") -> dict:
     """Each unit's gain. `names`: every linear to hold at its codes (the head included, at its own
     width); `at_codes(name)` / `full(name)`: that linear's dequantized / full-precision weight (made on
     demand, so no second copy of the model is held). Leaves the model's linears at their codes.
@@ -327,7 +402,11 @@ def measure(model, windows, units_: list[Unit], names: list[str], at_codes, full
 
     The error is HeadError's (exact, from the final hidden states and the head's Grams, the layers below
     a unit replayed) where the model allows it; else, or with `exact_logits`, LogitsError's (every
-    window's logits, every unit a full run)."""
+    window's logits, every unit a full run). `sensitivity`: "exact" puts each unit back in turn;
+    "first_order" takes first_order_gains (HeadError's error only); "auto" the first where it costs at most
+    EXACT_MAX_RUNS runs of the model. The record says which ("method", "exact_runs")."""
+    if sensitivity not in SENSITIVITIES:
+        raise ValueError(f"sensitivity must be one of {SENSITIVITIES}, got {sensitivity!r}")
     err = None if exact_logits else HeadError.of(model, windows)
     params = {name: model.get_submodule(name).weight for name in names}
     if err is None:
@@ -346,6 +425,12 @@ def measure(model, windows, units_: list[Unit], names: list[str], at_codes, full
         method = "head_gram" + ("+prefix_replay" if err.reuse_prefix else "")
     # each window's squared logits error (and its reference's squared norm), for the spread between windows
     per_window = {"norms": getattr(err, "window_norms", None), "base": getattr(err, "per_window", None), "units": {}}
+    runs = err.exact_runs(units_) if isinstance(err, HeadError) else float(len(units_))
+    if isinstance(err, HeadError) and (sensitivity == "first_order"
+                                       or (sensitivity == "auto" and runs > EXACT_MAX_RUNS)):
+        gains = first_order_gains(model, err, units_, full, on_unit)
+        return {"base": base, "gains": gains, "error": err, "method": "first_order+head_gram",
+                "exact_runs": round(runs, 2), "per_window": per_window}
     gains = {}
     for u in units_:
         for name in u.layers:
@@ -356,5 +441,6 @@ def measure(model, windows, units_: list[Unit], names: list[str], at_codes, full
             params[name].data.copy_(at_codes(name))
         if on_unit is not None:
             on_unit(u)
-    return {"base": base, "gains": gains, "error": err, "method": method, "per_window": per_window}
+    return {"base": base, "gains": gains, "error": err, "method": method, "exact_runs": round(runs, 2),
+            "per_window": per_window}
 

@@ -318,6 +318,9 @@ def _check(c: dict, where) -> None:
     if q.get("sensitivity_windows") is not None and q["sensitivity_windows"] < 1:
         raise ConfigError(f"{where('quantize.sensitivity_windows')}: quantize.sensitivity_windows="
                           f"{q['sensitivity_windows']} must be at least 1")
+    if q.get("sensitivity", "auto") not in ("auto", "exact", "first_order"):  # pipeline/bit_alloc.py SENSITIVITIES
+        raise ConfigError(f"{where('quantize.sensitivity')}: quantize.sensitivity={q['sensitivity']!r}: "
+                          f"use auto, exact or first_order")
     if not 0 <= q["damp"] < 1:
         raise ConfigError(f"{where('quantize.damp')}: quantize.damp={q['damp']} must be in [0, 1)")
     precisions = c["pack"]["qnn_precisions"]

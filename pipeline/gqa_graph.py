@@ -463,6 +463,25 @@ def _linear(g, x, prefix, names, layers, out, acc, fuse, records, bias_of=lambda
 EMBEDDINGS = ("auto", "shared", "fp32")
 
 
+def _embed_scale_fp32(emb, cfg):
+    """The embedding's scale as the fp32 model applies it (HF's Gemma3TextScaledWordEmbedding multiplies
+    by embed_scale cast to the weight's dtype: fp32 in the reference), or None for a plain embedding.
+    A model loaded in bf16 holds the buffer rounded to bf16 (sqrt(2048): 45.25 for 45.2548): the fp32
+    value is then sqrt(hidden_size), which must round to the buffer it stands for."""
+    import torch
+
+    buf = getattr(emb, "embed_scale", None)
+    if buf is None:
+        return None
+    if buf.dtype == torch.float32:
+        return buf.detach().clone()
+    exact = torch.tensor(float(cfg.hidden_size) ** 0.5, dtype=torch.float32)
+    if not torch.equal(exact.to(buf.dtype), buf.detach()):
+        raise GqaGraphError(f"the embedding's scale {float(buf):g} ({buf.dtype}) is not sqrt(hidden_size): "
+                            f"its fp32 value is unknown; load the checkpoint in fp32")
+    return exact
+
+
 def _can_share(emb, head, layers, widths) -> bool:
     """Whether the head's MatMulNBits weight can also be the embedding table (`_shared_embedding`)."""
     import torch
@@ -556,7 +575,11 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
     quantized = set(layers)  # `_linear` takes each layer's codes out of `layers` once packed
     widths = {n: int(info.get("bits", 4)) for n, info in meta["layers"].items()}
     linear = functools.partial(_linear, widths=widths)
-    model = load_hf_model(untied_dir)
+    # The checkpoint's own dtype, mapped: the graph reads the norms, the rotary tables and (unless the
+    # head's codes serve as the embedding) the embedding table, never the linears (their codes come from
+    # quant_dir); each read is cast to fp32 exactly (bf16 -> fp32 is exact). On the 1.75B geometry the
+    # fp32 load alone was 8.2 GB.
+    model = load_hf_model(untied_dir, dtype="auto")
     cfg = _text_config(model.config)
     family = _family(cfg)
     if getattr(cfg, "use_bidirectional_attention", False):
@@ -593,9 +616,8 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
     S = "S"
     # Embedding (scaled in the weight dtype, as HF's Gemma3TextScaledWordEmbedding does).
     emb = base.embed_tokens
-    table = emb.weight.detach().to(torch.float32)
-    scale = getattr(emb, "embed_scale", None)
-    scale_f = float(scale.to(emb.weight.dtype).to(torch.float32)) if scale is not None else 1.0
+    scale = _embed_scale_fp32(emb, cfg)
+    scale_f = float(scale) if scale is not None else 1.0
     if opts["embedding"] in ("auto", "shared"):
         share = _can_share(emb, model.lm_head, layers, widths)
         if opts["embedding"] == "shared" and not share:
@@ -604,14 +626,14 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
                                 "embedding='fp32'")
         opts["embedding"] = "shared" if share else "fp32"
     if opts["embedding"] == "fp32":
-        # scaled and written a row chunk at a time: no second [V, H] fp32 table (671 MB on Gemma 3)
-        mul = scale.to(emb.weight.dtype).to(torch.float32) if scale is not None else None
+        # cast, scaled and written a row chunk at a time: no whole [V, H] fp32 table (671 MB on Gemma 3)
+        table = emb.weight.detach()
         step = max(1, _CHUNK_BYTES // max(1, table[0].numel() * 4))
 
         def rows():
             for r in range(0, table.shape[0], step):
-                c = table[r:r + step]
-                yield (c * mul if mul is not None else c).numpy()
+                c = table[r:r + step].to(torch.float32)
+                yield (c * scale if scale is not None else c).numpy()
 
         g.init_chunks("embed_tokens", tuple(table.shape), np.float32, rows())
         h = g.node("Gather", ["embed_tokens", "input_ids"], ["h_0"], "embed", axis=0)  # [1, S, H]

@@ -26,29 +26,34 @@ class LayerwiseError(RuntimeError):
     pass
 
 
-def _standin_class():
-    import torch
+_STANDIN = []
 
-    class StandIn(torch.nn.Module):
-        """Takes a decoder layer's place for one run: records (hidden, args, kwargs), returns hidden;
-        the real layer's attributes (its attention type, its index) stay readable by the loop."""
 
-        def __init__(self, real, calls: list):
-            super().__init__()
-            object.__setattr__(self, "_real", real)
-            object.__setattr__(self, "_calls", calls)
+def stand_in(real, forward):
+    """A module taking decoder layer `real`'s place in its ModuleList: calling it calls `forward(*args,
+    **kwargs)`, and the real layer's attributes (its attention type, its index) stay readable by the
+    decoder's loop. Used to record a layer's arguments (capture), to replay a cached output, and to run
+    a layer under activation checkpointing (pipeline/bit_alloc.py)."""
+    if not _STANDIN:
+        import torch
 
-        def __getattr__(self, key):
-            try:
-                return super().__getattr__(key)
-            except AttributeError:
-                return getattr(object.__getattribute__(self, "_real"), key)
+        class StandIn(torch.nn.Module):
+            def __init__(self, real, forward):
+                super().__init__()
+                object.__setattr__(self, "_real", real)
+                object.__setattr__(self, "_forward", forward)
 
-        def forward(self, hidden, *args, **kwargs):
-            self._calls.append((args, kwargs))
-            return hidden
+            def __getattr__(self, key):
+                try:
+                    return super().__getattr__(key)
+                except AttributeError:
+                    return getattr(object.__getattribute__(self, "_real"), key)
 
-    return StandIn
+            def forward(self, *args, **kwargs):
+                return self._forward(*args, **kwargs)
+
+        _STANDIN.append(StandIn)
+    return _STANDIN[0](real, forward)
 
 
 def layers_of(decoder):
@@ -67,14 +72,18 @@ def capture(decoder, ids):
     import torch
 
     layers = layers_of(decoder)
-    standin = _standin_class()
     calls: list = []
+
+    def record(hidden, *args, **kwargs):
+        calls.append((args, kwargs))
+        return hidden
+
     real = list(layers)
     embedded: list = []
     hook = decoder.get_input_embeddings().register_forward_hook(lambda _m, _a, out: embedded.append(out))
     try:
         for i, layer in enumerate(real):
-            layers[i] = standin(layer, calls)
+            layers[i] = stand_in(layer, record)
         with torch.no_grad():
             decoder(input_ids=ids, use_cache=False)
     finally:

@@ -261,6 +261,12 @@ class QuantizeConfig:
     # null: as many windows as make ~512 tokens (the 4 x 128 the choice was
     # tuned on): 4 on the embedded model, 1 for Gemma 3's 528-token windows.
     sensitivity_windows: Optional[int] = None
+    # How each unit's gain is measured: exact (each unit put back at full
+    # precision in turn: about 2 runs of the model per layer), first_order (one
+    # forward and backward run for every unit at once: the gain's leading term,
+    # docs/eight-bit-units.md), or auto: exact where it costs at most 8 runs of
+    # the model (the embedded model), first_order beyond (Gemma 3 270M, 1-2B).
+    sensitivity: str = "auto"
 
 
 @dataclass

@@ -45,7 +45,6 @@ calibration inputs, the quantity GPTQ minimizes.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from pathlib import Path
@@ -97,7 +96,7 @@ _QUANTIZED_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "zeros")
 
 
 def _settings(cfg) -> dict:
-    from pipeline import gptq
+    from pipeline import bit_alloc, gptq
 
     q = cfg.quantize
     path = _weight_path(cfg)  # resolved once: every null default below depends on it
@@ -129,6 +128,7 @@ def _settings(cfg) -> dict:
         "eight_bit_budget": _by_kernel(q, path, "eight_bit_budget", EIGHT_BIT_BUDGET_ORT, 0.0),
         # null: enough windows for SENSITIVITY_TOKENS tokens (_promote); an int: that many windows
         "sensitivity_windows": _optional_int(q.get("sensitivity_windows", 4)),
+        "sensitivity": str(q.get("sensitivity", "auto")),
     }
     if s["method"] not in gptq.METHODS:
         raise StageError(f"quantize.method={s['method']!r} is not known; use {' or '.join(gptq.METHODS)}")
@@ -139,6 +139,8 @@ def _settings(cfg) -> dict:
     if not 0 <= s["eight_bit_budget"] <= 1:
         raise StageError(f"quantize.eight_bit_budget={s['eight_bit_budget']}: "
                          f"a fraction of the 4-bit code bytes, 0 to 1")
+    if s["sensitivity"] not in bit_alloc.SENSITIVITIES:
+        raise StageError(f"quantize.sensitivity={s['sensitivity']!r}: use {' or '.join(bit_alloc.SENSITIVITIES)}")
     if s["sensitivity_windows"] is not None and s["sensitivity_windows"] < 1:
         raise StageError("quantize.sensitivity_windows must be at least 1")
     if s["group_size"] < 1:
@@ -286,7 +288,7 @@ def _promote(ctx, s, src: Path, cal_dir: Path, layers: dict, tensors: dict, grou
     model = load_hf_model(src)  # fp32, eager attention: the parity stage's reference model
     with ctx.progress(len(units), f"8-bit candidates ({windows.size} tokens each)") as bar:
         found = bit_alloc.measure(model, windows, units, list(layers), at_codes, lambda n: weight(n).float(),
-                                  on_unit=lambda u: bar.advance())
+                                  on_unit=lambda u: bar.advance(), sensitivity=s["sensitivity"])
     chosen = bit_alloc.choose(found["gains"], units, budget_bytes)
     by_key = {u.key: u for u in units}
     for key in chosen:
@@ -304,6 +306,8 @@ def _promote(ctx, s, src: Path, cal_dir: Path, layers: dict, tensors: dict, grou
         "windows": int(len(windows)),
         "tokens": int(windows.size),
         "measured_by": found["method"],
+        # what measuring every unit exactly would have cost, in runs of the model (sensitivity: auto's test)
+        "exact_runs": found.get("exact_runs"),
         "snr_db_all_4bit": _snr_db(found["base"]),
         "snr_db": _snr_db(after),
         "chosen": chosen,
@@ -409,81 +413,87 @@ def run(ctx) -> dict:
 
     tensors: dict[str, torch.Tensor] = {}
     report: dict[str, dict] = {}
-    with contextlib.ExitStack() as stack:
-        shards: dict[str, object] = {}
+    # Each read opens its file and closes it: a handle held open keeps every page it has read mapped,
+    # and counted resident (on the 1.75B geometry the Hessians' 6.4 GB and the shards' 3.5 GB).
+    def weight(name: str) -> torch.Tensor:
+        with safe_open(str(src / weight_map[f"{name}.weight"]), framework="pt") as f:
+            return f.get_tensor(f"{name}.weight")
 
-        def weight(name: str) -> torch.Tensor:
-            shard = weight_map[f"{name}.weight"]
-            if shard not in shards:
-                shards[shard] = stack.enter_context(safe_open(str(src / shard), framework="pt"))
-            return shards[shard].get_tensor(f"{name}.weight")
+    def hessian(key: str) -> torch.Tensor:
+        with safe_open(str(cal_dir / "hessians.safetensors"), framework="pt") as f:
+            return f.get_tensor(key)
 
-        hess = stack.enter_context(safe_open(str(cal_dir / "hessians.safetensors"), framework="pt"))
-        h_cache: dict[str, torch.Tensor] = {}
+    h_cache: dict[str, tuple] = {}  # key -> (H float64, its factor or None until GPTQ needs it)
 
-        def quantize_layer(name: str, bits: int) -> None:
-            info = layers[name]
-            w = weight(name).float()
-            n_out, k_in = int(info["out_features"]), int(info["in_features"])
-            if tuple(w.shape) != (n_out, k_in):
-                raise StageError(
-                    f"{name}.weight is {list(w.shape)} but calibration saw a [{n_out}, {k_in}] linear: "
-                    f"calibrate and untie_head outputs do not belong together"
-                )
-            key = info["hessian"]
-            if key not in h_cache:
-                h_cache.clear()  # shared H are used by neighbouring layers: keep one
-                h_cache[key] = hess.get_tensor(key).double()
-            h = h_cache[key]
-            g = group_sizes[name]
-            try:
-                q = gptq.quantize_weight(
-                    w, h, method=s["method"], group_size=g, sym=s["sym"], scale_search=s["scale_search"],
-                    damp=s["damp"], block_size=s["block_size"], scale_dtype=s["scale_dtype"], bits=bits,
-                    name=name,
-                )
-            except gptq.QuantError as e:
-                raise StageError(str(e)) from None
-            err = gptq.errors(w, q, h)  # by row slabs: no whole float64 copies of a tall head
-            entry = {
-                "in_features": k_in,
-                "out_features": n_out,
-                "weight_rel_mse": err["weight_rel_mse"],
-                "out_rel_err_h": err["out_rel_err_h"],
-            }
-            if g != s["group_size"]:
-                entry["group_size"] = g
-            if bits != s["bits"]:
-                entry["bits"] = bits
-            report[name] = entry
-            tensors[f"{name}.qweight"] = q.qweight.contiguous()
-            tensors[f"{name}.scales"] = q.scales.contiguous()
-            tensors[f"{name}.zeros"] = q.zeros.contiguous()
+    def quantize_layer(name: str, bits: int) -> None:
+        info = layers[name]
+        w = weight(name).float()
+        n_out, k_in = int(info["out_features"]), int(info["in_features"])
+        if tuple(w.shape) != (n_out, k_in):
+            raise StageError(
+                f"{name}.weight is {list(w.shape)} but calibration saw a [{n_out}, {k_in}] linear: "
+                f"calibrate and untie_head outputs do not belong together"
+            )
+        key = info["hessian"]
+        if key not in h_cache:
+            h_cache.clear()  # shared H are used by neighbouring layers: keep one, and its factor
+            h_cache[key] = [hessian(key).double(), None]
+        h = h_cache[key][0]
 
-        with ctx.progress(len(layers), f"{s['method']} int4 g{s['group_size']}") as bar:
-            for name in layers:
-                quantize_layer(name, s["head_bits"] if name == HEAD else s["bits"])
-                bar.advance()
-        head_alt = None
-        if s["head_bits_measured"]:  # the 4-bit head beside the 8-bit one, for _head_width to weigh
-            kept = ({k: tensors[f"{HEAD}.{k}"] for k in ("qweight", "scales", "zeros")}, report[HEAD])
-            quantize_layer(HEAD, 4)
-            head_alt = {**{k: tensors[f"{HEAD}.{k}"] for k in ("qweight", "scales", "zeros")}, "report": report[HEAD]}
-            for k, t in kept[0].items():
-                tensors[f"{HEAD}.{k}"] = t
-            report[HEAD] = kept[1]
-        eight_bit = head = None
-        if s["eight_bit_budget"] > 0 or head_alt is not None:
-            eight_bit, head = _promote(ctx, s, src, cal_dir, layers, tensors, group_sizes, weight, quantize_layer,
-                                       head_alt)
-            if s["eight_bit_budget"] == 0:
-                eight_bit = None  # measured for the head only
-        if head is not None and head["chosen"] == 4:
-            for k in ("qweight", "scales", "zeros"):
-                tensors[f"{HEAD}.{k}"] = head_alt[k]
-            report[HEAD] = head_alt["report"]
-            s["head_bits"] = 4
-        head_alt = None
+        def factor():
+            if h_cache[key][1] is None:
+                h_cache[key][1] = gptq.hessian_factor(h, s["damp"], name)
+            return h_cache[key][1]
+
+        g = group_sizes[name]
+        try:
+            q = gptq.quantize_weight(
+                w, h, method=s["method"], group_size=g, sym=s["sym"], scale_search=s["scale_search"],
+                damp=s["damp"], block_size=s["block_size"], scale_dtype=s["scale_dtype"], bits=bits,
+                name=name, factor=factor,
+            )
+        except gptq.QuantError as e:
+            raise StageError(str(e)) from None
+        err = gptq.errors(w, q, h)  # by row slabs: no whole float64 copies of a tall head
+        entry = {
+            "in_features": k_in,
+            "out_features": n_out,
+            "weight_rel_mse": err["weight_rel_mse"],
+            "out_rel_err_h": err["out_rel_err_h"],
+        }
+        if g != s["group_size"]:
+            entry["group_size"] = g
+        if bits != s["bits"]:
+            entry["bits"] = bits
+        report[name] = entry
+        tensors[f"{name}.qweight"] = q.qweight.contiguous()
+        tensors[f"{name}.scales"] = q.scales.contiguous()
+        tensors[f"{name}.zeros"] = q.zeros.contiguous()
+
+    with ctx.progress(len(layers), f"{s['method']} int4 g{s['group_size']}") as bar:
+        for name in layers:
+            quantize_layer(name, s["head_bits"] if name == HEAD else s["bits"])
+            bar.advance()
+    head_alt = None
+    if s["head_bits_measured"]:  # the 4-bit head beside the 8-bit one, for _head_width to weigh
+        kept = ({k: tensors[f"{HEAD}.{k}"] for k in ("qweight", "scales", "zeros")}, report[HEAD])
+        quantize_layer(HEAD, 4)
+        head_alt = {**{k: tensors[f"{HEAD}.{k}"] for k in ("qweight", "scales", "zeros")}, "report": report[HEAD]}
+        for k, t in kept[0].items():
+            tensors[f"{HEAD}.{k}"] = t
+        report[HEAD] = kept[1]
+    eight_bit = head = None
+    if s["eight_bit_budget"] > 0 or head_alt is not None:
+        eight_bit, head = _promote(ctx, s, src, cal_dir, layers, tensors, group_sizes, weight, quantize_layer,
+                                   head_alt)
+        if s["eight_bit_budget"] == 0:
+            eight_bit = None  # measured for the head only
+    if head is not None and head["chosen"] == 4:
+        for k in ("qweight", "scales", "zeros"):
+            tensors[f"{HEAD}.{k}"] = head_alt[k]
+        report[HEAD] = head_alt["report"]
+        s["head_bits"] = 4
+    head_alt = None
 
     save_file(tensors, str(ctx.out / gptq.QUANT_TENSORS), metadata={"format": gptq.FORMAT})
     meta = {

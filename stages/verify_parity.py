@@ -67,6 +67,16 @@ THREADS = 2  # onnxruntime intra-op threads
 # shared 2-core host two OpenMP threads spent ~8 ms per tiny op in barriers
 # (measured: 115 ms/step at 2 threads vs ~5 ms at 1 on the embedded model).
 REF_THREADS = 1
+# ... while a wide model's ops are large matrix products that two threads share well (its steps are
+# memory-bound: ~7 GB of fp32 weights a step at 1.75B): the reference then takes THREADS.
+REF_WIDE_HIDDEN = 1024
+
+
+def _ref_threads(hf_dir: Path) -> int:
+    """REF_THREADS, or THREADS for a model of hidden size REF_WIDE_HIDDEN or more."""
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    hidden = int((config.get("text_config") or config).get("hidden_size") or 0)
+    return THREADS if hidden >= REF_WIDE_HIDDEN else REF_THREADS
 # Steps whose full-vocabulary logits are held at once, a side (float64): memory is
 # O(CHUNK x vocab) whatever the step count (Gemma 3: 16 x 262,144 x 8 B = 32 MiB a side,
 # a few times that with the softmax temporaries), and each chunk's reference rows are one
@@ -417,10 +427,10 @@ def run(ctx: StageContext) -> dict:
     uses_bos = bos is not None and _prompt_ids(tokenizer, "x", bos, str(io.get("model_type", "")))[:1] == [bos]
     evaluation = _evaluation(ctx, tokenizer, hf_dir, int(bos) if uses_bos else None, context_length)
 
-    ref = TorchReference(hf_dir, threads=REF_THREADS)
-    dec = OnnxDecoder(art, threads=THREADS)
-    if ref.vocab_size != dec.vocab_size:
-        raise StageError(f"vocab mismatch: checkpoint {ref.vocab_size}, export {dec.vocab_size}: rerun export")
+    ref_threads = _ref_threads(hf_dir)
+    ref = TorchReference(hf_dir, threads=ref_threads)
+    if ref.vocab_size != int(io["vocab_size"]):
+        raise StageError(f"vocab mismatch: checkpoint {ref.vocab_size}, export {io['vocab_size']}: rerun export")
 
     seconds: dict[str, float] = {}
     with _timed(seconds, "reference"):
@@ -430,6 +440,11 @@ def run(ctx: StageContext) -> dict:
             raise StageError(f"verify_parity: {err}") from None
     with _timed(seconds, "reference_eval"):
         evaluation.reference(ref, ctx)
+    # The reference model goes before the fp32 graph comes (the runs keep their hidden states and the
+    # head): both at once are two fp32 copies of the model, 16.5 GB for the 1.75B geometry.
+    del ref
+    gc.collect()
+    dec = OnnxDecoder(art, threads=THREADS)
     with _timed(seconds, "fp32_onnx"):
         metrics, per_prompt = _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, "fp32 ONNX graph")
     thresholds = {
@@ -449,10 +464,10 @@ def run(ctx: StageContext) -> dict:
                     f"top1 {p['top1_agreement']:.3f} greedy {p['greedy_match']}")
         raise StageError("parity failed: " + "; ".join(failures))
 
-    # Memory: the reference model and the fp32 graph are done (the runs keep their hidden states and the
-    # head); the artifact's own model comes next (the GPTQ reference alone is an fp32 model: with these
-    # still held the xeon_amx build of Gemma 3 270M peaked at 6.09 GiB here)
-    del ref, dec
+    # Memory: the fp32 graph is done; the artifact's own model comes next (the GPTQ reference alone is an
+    # fp32 model: with the reference and the graph still held the xeon_amx build of Gemma 3 270M peaked at
+    # 6.09 GiB here)
+    del dec
     gc.collect()
     artifact = _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds, evaluation)
 
@@ -476,7 +491,7 @@ def run(ctx: StageContext) -> dict:
         "decode_tokens": decode_tokens,
         "context_length": context_length,
         "sliding_window": window,
-        "threads": {"onnxruntime": THREADS, "torch": REF_THREADS},
+        "threads": {"onnxruntime": THREADS, "torch": ref_threads},
         "reference": ("transformers eager fp32, own DynamicCache: the prompt in one forward, then its greedy "
                       "continuation one cached step at a time; each step's logits recomputed from its final hidden "
                       "state (lm_head, final softcap) as compared. Every decoder is teacher-forced: fed the "

@@ -713,9 +713,11 @@ def test_errors_by_row_slabs_equal_the_whole_formula():
     for rows in (7, 128, 1000):
         slabs = gptq.errors(w, q, h, rows=rows)
         for k in ("weight_rel_mse", "out_rel_err_h"):
-            assert abs(slabs[k] - whole[k]) <= 1e-12 * abs(whole[k]), (rows, k)
+            # the [rows, K] x [K, K] products are float32 (the sums float64): slabs differ in rounding only
+            assert abs(slabs[k] - whole[k]) <= 1e-6 * abs(whole[k]), (rows, k)
     e = (w - q.dequantize()).double()
-    assert abs(whole["out_rel_err_h"] - float(((e @ h.double()) * e).sum() / ((w.double() @ h.double()) * w.double()).sum())) < 1e-12
+    exact = float(((e @ h.double()) * e).sum() / ((w.double() @ h.double()) * w.double()).sum())
+    assert abs(whole["out_rel_err_h"] - exact) <= 1e-6 * exact
 
 
 def _at_codes_model(untied: Path, quant_dir: Path):

@@ -31,11 +31,11 @@ MAX_LEN = 48
 GROUP = 32
 
 
-def _gemma3():
+def _gemma3(hidden: int = 64):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     cfg = Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=WINDOW,
         layer_types=["sliding_attention"] * 3 + ["full_attention"], max_position_embeddings=256,
         query_pre_attn_scalar=24, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
@@ -79,7 +79,7 @@ def _llama_bias():
     return model
 
 
-BUILDERS = {"gemma3": _gemma3, "qwen3": _qwen3, "llama": _llama, "llama_bias": _llama_bias}
+BUILDERS = {"gemma3": _gemma3, "gemma3_96": lambda: _gemma3(96), "qwen3": _qwen3, "llama": _llama, "llama_bias": _llama_bias}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -685,3 +685,38 @@ def test_a_long_prefill_hands_its_workspace_back(ckpts, monkeypatch):
     dec.prefill(ids[:8])
     assert calls == [1]
     assert pages.release_heap() in (True, False)  # glibc here: True; elsewhere a no-op
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_bf16_checkpoint_builds_the_graph_its_fp32_copy_builds(ckpts, tmp_path, tied):
+    """The pack reads the checkpoint in its own dtype, mapped (a bf16 1.75B model then costs no resident
+    memory, against 8.2 GB loaded in fp32): the graph of a bf16 checkpoint is byte for byte the graph of
+    the same weights written in fp32, with an fp32 embedding table and with the head's codes as the
+    table. Gemma 3's embedding scale is what the fp32 model applies (sqrt(96) = 9.798, which the bf16
+    model's buffer holds rounded to 9.8125)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    ck = ckpts("gemma3_96", tied=tied)
+    bf16, fp32 = tmp_path / "bf16", tmp_path / "fp32"
+    model = AutoModelForCausalLM.from_pretrained(ck["hf"], dtype=torch.bfloat16)
+    assert float(model.model.embed_tokens.embed_scale) == 9.8125
+    model.save_pretrained(bf16)
+    AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32).save_pretrained(fp32)
+    quant = tmp_path / "quant"
+    shutil.copytree(ck["quant"], quant)
+    if tied:  # the head's codes of the bf16-rounded table, so that the two tensors stay equal
+        from safetensors.numpy import load_file, save_file
+
+        t = load_file(str(quant / "quantized.safetensors"))
+        w = model.lm_head.weight.detach().float().numpy()
+        t["lm_head.qweight"], t["lm_head.scales"], t["lm_head.zeros"] = _rtn(w, True)
+        save_file(t, str(quant / "quantized.safetensors"))
+    graphs = {}
+    for tag, d in (("bf16", bf16), ("fp32", fp32)):
+        out = tmp_path / f"gqa_{tag}"
+        facts = build_gqa_graph(d, quant, out, max_len=MAX_LEN, accuracy_level=0)
+        assert facts["options"]["embedding"] == ("shared" if tied else "fp32")
+        graphs[tag] = {p.name: p.read_bytes() for p in out.iterdir() if p.name != "io.json"}
+    assert graphs["bf16"] == graphs["fp32"]
