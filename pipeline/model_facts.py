@@ -43,6 +43,10 @@ QNN_PROMPTS_SHORT, QNN_PROMPTS_LONG, QNN_LONG_RUN = 4, 1, 128
 # Parity's steps over all prompts (each prompt + decode_tokens): the embedded
 # model's 12 prompts x ~88 steps; a 512-token window gets 2 prompts past it.
 PARITY_STEPS, PROMPT_TOKENS = 1024, 8
+# From this many parameters one parity prompt (still past the window): every step of the eager fp32
+# reference and of the fp32 graph reads the whole model (the 1.75B geometry: ~0.3 s a step here, a
+# prompt of 536 steps ~3 minutes for each of the two).
+LARGE_MODEL_PARAMETERS = 1_000_000_000
 
 
 class FactsError(ValueError):
@@ -54,6 +58,7 @@ class ModelFacts:
     name: str  # what the messages call it
     sliding_window: int  # the largest window of any sliding layer; 0: none
     max_positions: int  # positions the model was trained for
+    parameters: int = 0  # the checkpoint's parameter count (its safetensors headers); 0: not read
 
 
 def of(model: dict) -> ModelFacts:
@@ -61,7 +66,7 @@ def of(model: dict) -> ModelFacts:
     facts = _read(model)
     if facts.max_positions and facts.sliding_window >= facts.max_positions:
         # A window no sequence can fill never binds: the model attends fully.
-        return ModelFacts(facts.name, 0, facts.max_positions)
+        return ModelFacts(facts.name, 0, facts.max_positions, facts.parameters)
     return facts
 
 
@@ -101,7 +106,27 @@ def _hf_facts(name: str, folder: Path) -> ModelFacts:
     # without sliding layers means none slides either.
     if raw.get("use_sliding_window") is False or (types and "sliding_attention" not in types):
         window = 0
-    return ModelFacts(name, int(window), int(raw.get("max_position_embeddings") or 0))
+    return ModelFacts(name, int(window), int(raw.get("max_position_embeddings") or 0), _parameters(folder))
+
+
+def _parameters(folder: Path) -> int:
+    """The parameter count of a checkpoint folder from its safetensors headers alone (8 bytes and a
+    JSON header per file: no weight is read); 0 where a header cannot be read."""
+    total = 0
+    for shard in sorted(folder.glob("*.safetensors")):
+        try:
+            with open(shard, "rb") as f:
+                n = struct.unpack("<Q", f.read(8))[0]
+                header = json.loads(f.read(n)) if n < 100 << 20 else {}
+        except (OSError, ValueError, struct.error):
+            return 0
+        for key, info in header.items():
+            if key != "__metadata__" and isinstance(info, dict):
+                count = 1
+                for d in info.get("shape", []):
+                    count *= int(d)
+                total += count
+    return total
 
 
 def gguf_parts(model: dict) -> list[Path]:
@@ -238,7 +263,8 @@ def derive(facts: ModelFacts) -> dict[str, int]:
         "calibrate.samples": samples,
         "calibrate.min_samples": samples,
         "parity.qnn_prompts": QNN_PROMPTS_SHORT if decode <= QNN_LONG_RUN else QNN_PROMPTS_LONG,
-        "parity.max_prompts": max(1, -(-PARITY_STEPS // (decode + PROMPT_TOKENS))),
+        "parity.max_prompts": 1 if facts.parameters >= LARGE_MODEL_PARAMETERS
+        else max(1, -(-PARITY_STEPS // (decode + PROMPT_TOKENS))),
     }
 
 

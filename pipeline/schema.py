@@ -119,7 +119,8 @@ class ParityConfig:
     min_greedy_match: Optional[int] = None
     # Parity runs the first max_prompts prompts. null: derived from the model
     # (pipeline/model_facts.py): as many as keep ~1000 steps (all 12 on the
-    # embedded model; 2 for a 512-token window, each run past it).
+    # embedded model; 2 for a 512-token window, each run past it), one from 1B
+    # parameters (each step of the fp32 reference reads the whole model).
     max_prompts: Optional[int] = None
     # llama.cpp's Q4_0 / Q4_K_M and onnxruntime-genai's int4 build of the same
     # checkpoint, measured beside the artifact on the CPU 4-bit paths: auto runs

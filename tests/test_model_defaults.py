@@ -56,6 +56,26 @@ def test_large_window_derives_past_it(tmp_path):
     assert c["parity"]["max_prompts"] == 2  # ~1000 steps: two prompts, each past the window
 
 
+def test_a_large_checkpoint_runs_one_parity_prompt(tmp_path):
+    """From LARGE_MODEL_PARAMETERS (counted from the safetensors headers, no weight read) parity runs one
+    prompt past the window: each of its ~536 steps costs the eager fp32 reference and the fp32 graph a
+    read of the whole model."""
+    import struct
+
+    d = _hf_dir(tmp_path, "big", sliding_window=512, max_position_embeddings=32768,
+                layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    header = {"__metadata__": {"format": "pt"},
+              "model.embed_tokens.weight": {"dtype": "BF16", "shape": [151936, 2048], "data_offsets": [0, 0]},
+              "model.layers.0.mlp.down_proj.weight": {"dtype": "BF16", "shape": [2048, 6656 * 52],
+                                                      "data_offsets": [0, 0]}}
+    raw = json.dumps(header).encode()
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)  # a header alone is enough
+    facts = model_facts.of({"source": "hf", "path": str(d), "name": "big"})
+    assert facts.parameters == 151936 * 2048 + 2048 * 6656 * 52 >= model_facts.LARGE_MODEL_PARAMETERS
+    c = build(["model=hf", f"model.path={d}"])
+    assert c["parity"]["max_prompts"] == 1 and c["parity"]["decode_tokens"] == 528
+
+
 def test_no_window_and_unused_window(tmp_path):
     llama = _hf_dir(tmp_path, "llama", max_position_embeddings=2048)
     qwen = _hf_dir(tmp_path, "qwen", sliding_window=4096, use_sliding_window=False, max_position_embeddings=4096)
