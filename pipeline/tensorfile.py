@@ -82,3 +82,55 @@ class StreamWriter:
             if not ok:
                 self.path.unlink(missing_ok=True)
         return False
+
+
+class SpilledTensors:
+    """A dict of tensors whose first value for each name goes to a spill file as it is set, and is read
+    back from it when asked for; a name set again is held in memory from then on. For the quantize stage's
+    codes: 1.75 GB of uint8 on the 1.75B geometry, each read once or twice after it is made, a few
+    (the units requantized at 8 bits, the head's two widths) replaced. `write(path, order)` writes the
+    final file a tensor at a time; `close()` removes the spill."""
+
+    def __init__(self, spill, names):
+        self.names = list(names)
+        self.spill = StreamWriter(spill, self.names).__enter__()
+        self.held: dict = {}
+        self._reader = None
+
+    def __setitem__(self, name: str, tensor) -> None:
+        if name in self.spill.entries or name in self.held:
+            self.held[name] = tensor
+        else:
+            self.spill.add(name, tensor)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.held or name in self.spill.entries
+
+    def __getitem__(self, name: str):
+        import torch
+
+        if name in self.held:
+            return self.held[name]
+        entry = self.spill.entries[name]
+        self.spill.f.flush()
+        if self._reader is None:
+            self._reader = open(self.spill.path, "rb")
+        begin, end = entry["data_offsets"]
+        self._reader.seek(8 + self.spill.reserved + begin)
+        raw = bytearray(self._reader.read(end - begin))
+        dtype = {v: k for k, v in _DTYPES.items()}[entry["dtype"]]
+        t = torch.frombuffer(raw, dtype=getattr(torch, dtype.split(".")[1])) if raw else torch.empty(0)
+        return t.reshape(entry["shape"])
+
+    def write(self, path, metadata: dict[str, str] | None = None) -> None:
+        """Every name set, in the order the names were given, into an ordinary safetensors file."""
+        present = [n for n in self.names if n in self]
+        with StreamWriter(path, present, metadata) as out:
+            for name in present:
+                out.add(name, self[name])
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+        self.spill.f.close()
+        self.spill.path.unlink(missing_ok=True)

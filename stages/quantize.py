@@ -92,6 +92,7 @@ TOOLCHAIN = ("torch", "transformers", "numpy", "safetensors")
 MEMORY_KEYS = ("quantize.sensitivity_windows",)  # the settings that size its memory (named when the kernel kills it)
 
 FALLBACKS = ("error", "divisor")
+SPILL = ".codes.spill"  # the codes as they are made (run); removed once quantized.safetensors is written
 _QUANTIZED_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "zeros")
 
 
@@ -375,9 +376,9 @@ def _head_width(s, found, model, error_8bit_head: float, tensors: dict, head_alt
 def run(ctx) -> dict:
     import torch
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     from pipeline import gptq
+    from pipeline.tensorfile import SpilledTensors
 
     s = _settings(ctx.cfg)
     src = Path(ctx.inputs["untie_head"])
@@ -411,91 +412,96 @@ def run(ctx) -> dict:
                     f"divide every in_features K, and it takes one group size for the whole model")
     group_sizes = {name: _layer_group_size(name, int(info["in_features"]), s) for name, info in layers.items()}
 
-    tensors: dict[str, torch.Tensor] = {}
-    report: dict[str, dict] = {}
-    # Each read opens its file and closes it: a handle held open keeps every page it has read mapped,
-    # and counted resident (on the 1.75B geometry the Hessians' 6.4 GB and the shards' 3.5 GB).
-    def weight(name: str) -> torch.Tensor:
-        with safe_open(str(src / weight_map[f"{name}.weight"]), framework="pt") as f:
-            return f.get_tensor(f"{name}.weight")
+    # The codes go to a spill file as they are made and are read back when needed (pipeline/tensorfile.py):
+    # held, they were 1.75 GB of the 1.75B geometry's 15.9 GB peak, with the fp32 model loaded beside them.
+    tensors = SpilledTensors(ctx.out / SPILL, [f"{n}.{k}" for n in layers for k in ("qweight", "scales", "zeros")])
+    try:
+        report: dict[str, dict] = {}
+        # Each read opens its file and closes it: a handle held open keeps every page it has read mapped,
+        # and counted resident (on the 1.75B geometry the Hessians' 6.4 GB and the shards' 3.5 GB).
+        def weight(name: str) -> torch.Tensor:
+            with safe_open(str(src / weight_map[f"{name}.weight"]), framework="pt") as f:
+                return f.get_tensor(f"{name}.weight")
 
-    def hessian(key: str) -> torch.Tensor:
-        with safe_open(str(cal_dir / "hessians.safetensors"), framework="pt") as f:
-            return f.get_tensor(key)
+        def hessian(key: str) -> torch.Tensor:
+            with safe_open(str(cal_dir / "hessians.safetensors"), framework="pt") as f:
+                return f.get_tensor(key)
 
-    h_cache: dict[str, tuple] = {}  # key -> (H float64, its factor or None until GPTQ needs it)
+        h_cache: dict[str, tuple] = {}  # key -> (H float64, its factor or None until GPTQ needs it)
 
-    def quantize_layer(name: str, bits: int) -> None:
-        info = layers[name]
-        w = weight(name).float()
-        n_out, k_in = int(info["out_features"]), int(info["in_features"])
-        if tuple(w.shape) != (n_out, k_in):
-            raise StageError(
-                f"{name}.weight is {list(w.shape)} but calibration saw a [{n_out}, {k_in}] linear: "
-                f"calibrate and untie_head outputs do not belong together"
-            )
-        key = info["hessian"]
-        if key not in h_cache:
-            h_cache.clear()  # shared H are used by neighbouring layers: keep one, and its factor
-            h_cache[key] = [hessian(key).double(), None]
-        h = h_cache[key][0]
+        def quantize_layer(name: str, bits: int) -> None:
+            info = layers[name]
+            w = weight(name).float()
+            n_out, k_in = int(info["out_features"]), int(info["in_features"])
+            if tuple(w.shape) != (n_out, k_in):
+                raise StageError(
+                    f"{name}.weight is {list(w.shape)} but calibration saw a [{n_out}, {k_in}] linear: "
+                    f"calibrate and untie_head outputs do not belong together"
+                )
+            key = info["hessian"]
+            if key not in h_cache:
+                h_cache.clear()  # shared H are used by neighbouring layers: keep one, and its factor
+                h_cache[key] = [hessian(key).double(), None]
+            h = h_cache[key][0]
 
-        def factor():
-            if h_cache[key][1] is None:
-                h_cache[key][1] = gptq.hessian_factor(h, s["damp"], name)
-            return h_cache[key][1]
+            def factor():
+                if h_cache[key][1] is None:
+                    h_cache[key][1] = gptq.hessian_factor(h, s["damp"], name)
+                return h_cache[key][1]
 
-        g = group_sizes[name]
-        try:
-            q = gptq.quantize_weight(
-                w, h, method=s["method"], group_size=g, sym=s["sym"], scale_search=s["scale_search"],
-                damp=s["damp"], block_size=s["block_size"], scale_dtype=s["scale_dtype"], bits=bits,
-                name=name, factor=factor,
-            )
-        except gptq.QuantError as e:
-            raise StageError(str(e)) from None
-        err = gptq.errors(w, q, h)  # by row slabs: no whole float64 copies of a tall head
-        entry = {
-            "in_features": k_in,
-            "out_features": n_out,
-            "weight_rel_mse": err["weight_rel_mse"],
-            "out_rel_err_h": err["out_rel_err_h"],
-        }
-        if g != s["group_size"]:
-            entry["group_size"] = g
-        if bits != s["bits"]:
-            entry["bits"] = bits
-        report[name] = entry
-        tensors[f"{name}.qweight"] = q.qweight.contiguous()
-        tensors[f"{name}.scales"] = q.scales.contiguous()
-        tensors[f"{name}.zeros"] = q.zeros.contiguous()
+            g = group_sizes[name]
+            try:
+                q = gptq.quantize_weight(
+                    w, h, method=s["method"], group_size=g, sym=s["sym"], scale_search=s["scale_search"],
+                    damp=s["damp"], block_size=s["block_size"], scale_dtype=s["scale_dtype"], bits=bits,
+                    name=name, factor=factor,
+                )
+            except gptq.QuantError as e:
+                raise StageError(str(e)) from None
+            err = gptq.errors(w, q, h)  # by row slabs: no whole float64 copies of a tall head
+            entry = {
+                "in_features": k_in,
+                "out_features": n_out,
+                "weight_rel_mse": err["weight_rel_mse"],
+                "out_rel_err_h": err["out_rel_err_h"],
+            }
+            if g != s["group_size"]:
+                entry["group_size"] = g
+            if bits != s["bits"]:
+                entry["bits"] = bits
+            report[name] = entry
+            tensors[f"{name}.qweight"] = q.qweight.contiguous()
+            tensors[f"{name}.scales"] = q.scales.contiguous()
+            tensors[f"{name}.zeros"] = q.zeros.contiguous()
 
-    with ctx.progress(len(layers), f"{s['method']} int4 g{s['group_size']}") as bar:
-        for name in layers:
-            quantize_layer(name, s["head_bits"] if name == HEAD else s["bits"])
-            bar.advance()
-    head_alt = None
-    if s["head_bits_measured"]:  # the 4-bit head beside the 8-bit one, for _head_width to weigh
-        kept = ({k: tensors[f"{HEAD}.{k}"] for k in ("qweight", "scales", "zeros")}, report[HEAD])
-        quantize_layer(HEAD, 4)
-        head_alt = {**{k: tensors[f"{HEAD}.{k}"] for k in ("qweight", "scales", "zeros")}, "report": report[HEAD]}
-        for k, t in kept[0].items():
-            tensors[f"{HEAD}.{k}"] = t
-        report[HEAD] = kept[1]
-    eight_bit = head = None
-    if s["eight_bit_budget"] > 0 or head_alt is not None:
-        eight_bit, head = _promote(ctx, s, src, cal_dir, layers, tensors, group_sizes, weight, quantize_layer,
-                                   head_alt)
-        if s["eight_bit_budget"] == 0:
-            eight_bit = None  # measured for the head only
-    if head is not None and head["chosen"] == 4:
-        for k in ("qweight", "scales", "zeros"):
-            tensors[f"{HEAD}.{k}"] = head_alt[k]
-        report[HEAD] = head_alt["report"]
-        s["head_bits"] = 4
-    head_alt = None
+        with ctx.progress(len(layers), f"{s['method']} int4 g{s['group_size']}") as bar:
+            for name in layers:
+                quantize_layer(name, s["head_bits"] if name == HEAD else s["bits"])
+                bar.advance()
+        head_alt = None
+        if s["head_bits_measured"]:  # the 4-bit head beside the 8-bit one, for _head_width to weigh
+            kept = ({k: tensors[f"{HEAD}.{k}"] for k in ("qweight", "scales", "zeros")}, report[HEAD])
+            quantize_layer(HEAD, 4)
+            head_alt = {**{k: tensors[f"{HEAD}.{k}"] for k in ("qweight", "scales", "zeros")}, "report": report[HEAD]}
+            for k, t in kept[0].items():
+                tensors[f"{HEAD}.{k}"] = t
+            report[HEAD] = kept[1]
+        eight_bit = head = None
+        if s["eight_bit_budget"] > 0 or head_alt is not None:
+            eight_bit, head = _promote(ctx, s, src, cal_dir, layers, tensors, group_sizes, weight, quantize_layer,
+                                       head_alt)
+            if s["eight_bit_budget"] == 0:
+                eight_bit = None  # measured for the head only
+        if head is not None and head["chosen"] == 4:
+            for k in ("qweight", "scales", "zeros"):
+                tensors[f"{HEAD}.{k}"] = head_alt[k]
+            report[HEAD] = head_alt["report"]
+            s["head_bits"] = 4
+        head_alt = None
 
-    save_file(tensors, str(ctx.out / gptq.QUANT_TENSORS), metadata={"format": gptq.FORMAT})
+        tensors.write(ctx.out / gptq.QUANT_TENSORS, {"format": gptq.FORMAT})
+    finally:
+        tensors.close()
     meta = {
         "format": gptq.FORMAT,
         "bits": s["bits"],
