@@ -20,8 +20,8 @@ batch, then layer i + 1: pipeline/layerwise.py, checked exact against the
 model's own forward first); a forward pre-hook on every nn.Linear inside the
 decoder layers accumulates H in float64, only the current layer's held, each
 layer's written as soon as it is done (pipeline/tensorfile.py) and its weights
-dropped: on the 1.75B geometry the whole-model order held 12.7 GB of H. The head's input is the decoder's
-final hidden state, accumulated directly from it (for the supported families,
+dropped: on the 1.75B geometry the whole-model order would hold 12.7 GB of H.
+The head's input is the decoder's final hidden state, accumulated directly from it (for the supported families,
 Llama / Qwen3 / Gemma3, the head is applied to exactly that tensor), so the
 [tokens, vocab] logits are never materialized (262k columns for Gemma 3).
 Linears fed the same tensor (q/k/v; gate/up) share one H, stored once.
@@ -166,7 +166,7 @@ def run(ctx) -> dict:
     if len(linears) < 2:
         raise StageError("found no linear layers inside the decoder layers (expected *.layers.N.*)")
 
-    # Layer by layer (pipeline/layerwise.py): checked before the hooks go on
+    # the layer-by-layer run (below) checked against the forward before the hooks go on
     decoder = model.get_decoder()
     try:
         layer_list = layerwise.layers_of(decoder)

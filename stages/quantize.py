@@ -287,7 +287,7 @@ def _promote(ctx, s, src: Path, cal_dir: Path, layers: dict, tensors: dict, grou
                                group_sizes[name])
 
     model = load_hf_model(src)  # fp32, eager attention: the parity stage's reference model
-    with ctx.progress(len(units), f"8-bit candidates ({windows.size} tokens each)") as bar:
+    with ctx.progress(len(units), f"8-bit sensitivities of {len(units)} units ({windows.size} tokens)") as bar:
         found = bit_alloc.measure(model, windows, units, list(layers), at_codes, lambda n: weight(n).float(),
                                   on_unit=lambda u: bar.advance(), sensitivity=s["sensitivity"])
     chosen = bit_alloc.choose(found["gains"], units, budget_bytes)
