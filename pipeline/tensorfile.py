@@ -20,6 +20,7 @@ from pathlib import Path
 
 _DTYPES = {"torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16", "torch.float64": "F64",
            "torch.int32": "I32", "torch.int64": "I64", "torch.uint8": "U8", "torch.int8": "I8"}
+_TORCH_NAMES = {code: name.split(".")[1] for name, code in _DTYPES.items()}  # "F32" -> "float32"
 _ENTRY_BOUND = 160  # bytes per entry beyond its name: {"dtype":"F32","shape":[a,b,...],"data_offsets":[x,y]}
 
 
@@ -118,8 +119,8 @@ class SpilledTensors:
         begin, end = entry["data_offsets"]
         self._reader.seek(8 + self.spill.reserved + begin)
         raw = bytearray(self._reader.read(end - begin))
-        dtype = {v: k for k, v in _DTYPES.items()}[entry["dtype"]]
-        t = torch.frombuffer(raw, dtype=getattr(torch, dtype.split(".")[1])) if raw else torch.empty(0)
+        dtype = getattr(torch, _TORCH_NAMES[entry["dtype"]])
+        t = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
         return t.reshape(entry["shape"])
 
     def write(self, path, metadata: dict[str, str] | None = None) -> None:

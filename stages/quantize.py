@@ -427,7 +427,7 @@ def run(ctx) -> dict:
             with safe_open(str(cal_dir / "hessians.safetensors"), framework="pt") as f:
                 return f.get_tensor(key)
 
-        h_cache: dict[str, tuple] = {}  # key -> (H float64, its factor or None until GPTQ needs it)
+        h_cache: dict[str, list] = {}  # key -> [H float64, its factor or None until GPTQ needs it]
 
         def quantize_layer(name: str, bits: int) -> None:
             info = layers[name]
