@@ -532,17 +532,30 @@ def supervise(argv: list[str] | None = None, child: list[str] | None = None) -> 
     args, label = _parse(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd = [*(child or [sys.executable, "-m", "pipeline.run_stage"]), f"{CHILD_FLAG}={os.getpid()}", *argv]
-    proc = subprocess.Popen(cmd, process_group=0)
     forwarded: list[int] = []
+    started: list = []  # the child, once it exists
 
     def forward(sig, _frame):
         forwarded.append(sig)
         try:
-            os.kill(proc.pid, sig)
+            if started:
+                os.kill(started[0].pid, sig)
         except ProcessLookupError:
             pass
 
+    # The handlers go on before the child starts: a signal this process ignores (SIGINT under `cmd &`
+    # in a non-interactive shell, or nohup) would otherwise be ignored by the child too, which then
+    # never sees the Ctrl-C forwarded to it; a caught one is reset to the default in the child.
     before = {s: signal.signal(s, forward) for s in FORWARDED}
+    try:
+        proc = subprocess.Popen(cmd, process_group=0)
+    except BaseException:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+        raise
+    started.append(proc)
+    if forwarded:  # a signal that came while it was starting
+        os.kill(proc.pid, forwarded[-1])
     try:
         try:
             watch = os.pidfd_open(proc.pid)  # wakes the moment the child exits
