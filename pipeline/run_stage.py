@@ -549,14 +549,9 @@ def supervise(argv: list[str] | None = None, child: list[str] | None = None) -> 
     before = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
         proc = subprocess.Popen(cmd, process_group=0)
-    except BaseException:
-        for s, handler in before.items():
-            signal.signal(s, handler)
-        raise
-    started.append(proc)
-    if forwarded:  # a signal that came while it was starting
-        os.kill(proc.pid, forwarded[-1])
-    try:
+        started.append(proc)
+        if forwarded:  # a signal that came while it was starting
+            os.kill(proc.pid, forwarded[-1])
         try:
             watch = os.pidfd_open(proc.pid)  # wakes the moment the child exits
         except (AttributeError, OSError):
