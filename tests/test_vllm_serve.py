@@ -168,10 +168,12 @@ def test_vllm_serves_the_xeon_amx_build_as_its_deploy_profile_says(tmp_path, req
         model = _get(port, "/v1/models")["data"][0]["id"]
         steps = exact = 0
         worst = 0.0
+        first_tokens = None
         for text in PROMPTS:
             ids = tok(text)["input_ids"]
             out = _complete(port, model, ids)
             got, finish = out["token_ids"], out["finish_reason"]
+            first_tokens = first_tokens or got
             assert finish in ("stop", "length") and (finish == "stop" or len(got) == NEW_TOKENS), out
             # teacher-forced: every token vLLM chose is the bf16 reference's argmax, or ties it in bf16
             ref.reset()
@@ -191,6 +193,14 @@ def test_vllm_serves_the_xeon_amx_build_as_its_deploy_profile_says(tmp_path, req
         os.killpg(server.pid, 2)  # Ctrl-C, as a user stops it
         server.wait(timeout=60)
     assert server.returncode == 130
+    # `generate` runs a vLLM build through vLLM too: the same greedy text as the server gave
+    gen = subprocess.run([sys.executable, "-m", "pipeline", "generate", build, PROMPTS[0], "--max-new-tokens", "8"],
+                         cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert gen.returncode == 0, gen.stderr
+    eos = {tok.eos_token_id} | set(_eos_ids(gptq))
+    want = tok.decode([t for t in first_tokens[:8] if t not in eos], skip_special_tokens=True)
+    assert gen.stdout.rstrip("\n") == (PROMPTS[0] + want).rstrip("\n"), (gen.stdout, want)
+    assert "on vLLM (CPUWNA16LinearKernel)" in gen.stderr
     report_line(request.config,
                 f"vLLM serve: {build} (tiny model) ready in {start_s:.0f} s; {steps} greedy tokens over "
                 f"{len(PROMPTS)} prompts, {exact} the bf16 GPTQ reference's argmax, the rest bf16 ties "
