@@ -9,7 +9,9 @@ profile says (env.sh's binding, vllm.yaml's settings), measured as its users see
 streamed completions of a seeded random prompt of each length, ignoring EOS:
 prefill tok/s = prompt / time to the first token, decode tok/s = (tokens - 1) /
 (last token - first token); resident memory = the server's whole process tree
-(API server, engine core, worker). With `--w4a16` a second server runs with
+(API server, engine core, worker), in PSS (each shared page split among the
+processes mapping it; RSS beside it counts the three processes' shared libraries
+three times). ORT's is the RSS of its one process. With `--w4a16` a second server runs with
 VLLM_CPU_INT4_W4A8=0: the W4A16 fallback beside AMX's W4A8, same weights.
 ORT: pipeline.bench_arm's `ort_int4` arm, a fresh process per pass (as the benchmark
 stage runs it), 2 threads.
@@ -75,13 +77,13 @@ def vllm_arm(build: str, prompts: list[int], decode: int, passes: int, env: dict
             for p in prompts:
                 rows[p].append(stream(server, np.random.default_rng(k).integers(4, vocab, size=p).tolist(), decode))
         resident = server.resident_mib()
-    return {"arm": label, "start_s": start, "resident_mib": resident,
+    return {"arm": label, "start_s": start, "resident_mib": resident["pss"], "resident": resident,
             "by_prompt": {p: {"decode": spread([r["decode_tok_s"] for r in rs]),
                               "prefill": spread([r["prefill_tok_s"] for r in rs])} for p, rs in rows.items()}}
 
 
 def ort_arm(build: str, prompts: list[int], decode: int, passes: int, threads: int) -> dict:
-    pack = ROOT / "artifacts" / build / "pack"
+    pack = Path(build) if Path(build).is_dir() else ROOT / "artifacts" / build / "pack"
     rows = {p: [] for p in prompts}
     resident = []
     for k in range(passes):
@@ -101,7 +103,7 @@ def ort_arm(build: str, prompts: list[int], decode: int, passes: int, threads: i
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm-build", required=True)
-    ap.add_argument("--ort-build", default=None)
+    ap.add_argument("--ort-build", default=None, help="a build name, or a pack folder (another checkout's)")
     ap.add_argument("--prompts", default="32,512")
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--passes", type=int, default=5)

