@@ -259,7 +259,7 @@ def _generate_vllm(args) -> int:
             print(f"[{args.build}: w4a8_gptq_vllm on vLLM ({server.linear_kernel()}), ready in "
                   f"{server.start_s:.0f} s]", file=sys.stderr, flush=True)
             body = {"model": server.model_name(), "prompt": ids, "max_tokens": args.max_new_tokens,
-                    "temperature": args.temperature, "seed": args.seed, "stream": True}
+                    "temperature": args.temperature, "seed": args.seed, "stream": True, "return_token_ids": True}
             req = urllib.request.Request(f"{server.url}/v1/completions", json.dumps(body).encode(),
                                          {"Content-Type": "application/json"})
             sys.stdout.write(args.prompt)
@@ -278,7 +278,8 @@ def _generate_vllm(args) -> int:
                         sys.stdout.flush()
                     last = time.perf_counter()
                     first = first or last
-                    pieces += 1
+                    # tokens, where vLLM returns their ids; else one per chunk (one engine step each)
+                    pieces += len(choice["token_ids"]) if choice.get("token_ids") is not None else 1
                     finish = choice.get("finish_reason") or finish
         except vllm_server.ServeError as e:
             print(f"error: {e}", file=sys.stderr)
