@@ -199,17 +199,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    if _runtime(args.build) == "vllm-cpu":
-        return _generate_vllm(args)
     try:
-        dec, tok, facts = open_build(args.build, args.threads)
-        print(f"[{args.build}: {facts['weight_path']} on {facts['runtime']}, {facts['threads']} threads]",
-              file=sys.stderr, flush=True)
-        sys.stdout.write(args.prompt)
-        sys.stdout.flush()
-        res = generate(dec, tok, args.prompt, args.max_new_tokens, args.temperature, args.seed,
-                       emit=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
-                       chat_template=args.chat_template)
+        if _runtime(args.build) == "vllm-cpu":
+            res = _generate_vllm(args)
+        else:
+            dec, tok, facts = open_build(args.build, args.threads)
+            print(f"[{args.build}: {facts['weight_path']} on {facts['runtime']}, {facts['threads']} threads]",
+                  file=sys.stderr, flush=True)
+            sys.stdout.write(args.prompt)
+            sys.stdout.flush()
+            res = generate(dec, tok, args.prompt, args.max_new_tokens, args.temperature, args.seed,
+                           emit=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
+                           chat_template=args.chat_template)
     except GenerateError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -218,9 +219,11 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     print()
     pre = res["prompt_tokens"] / res["prefill_s"] if res["prefill_s"] > 0 else float("inf")
-    dec_rate = res["new_tokens"] / res["decode_s"] if res["decode_s"] > 0 else float("inf")
-    print(f"[{res['prompt_tokens']} prompt tokens at {pre:.1f} tok/s; {res['new_tokens']} new at "
-          f"{dec_rate:.1f} tok/s; stopped: {res['stop']}]", file=sys.stderr)
+    # the tokens decode_s covers: all new ones here; over HTTP, those after the first
+    timed = res.get("decode_tokens", res["new_tokens"])
+    dec_rate = timed / res["decode_s"] if res["decode_s"] > 0 else float("inf")
+    print(f"[{res['prompt_tokens']} prompt tokens at {pre:.1f} tok/s{res.get('prefill_how', '')}; "
+          f"{res['new_tokens']} new at {dec_rate:.1f} tok/s; stopped: {res['stop']}]", file=sys.stderr)
     return 0
 
 
@@ -235,8 +238,9 @@ def _runtime(build: str) -> str | None:
         return None
 
 
-def _generate_vllm(args) -> int:
-    """Stream a completion from vLLM's server, started from the build's deploy profile."""
+def _generate_vllm(args) -> dict:
+    """Stream a completion from vLLM's server, started from the build's deploy profile;
+    the same result keys as generate()'s. GenerateError says why it could not."""
     import urllib.request
 
     from transformers import AutoTokenizer
@@ -247,52 +251,46 @@ def _generate_vllm(args) -> int:
         folder = vllm_server.profile_dir(args.build)
         server = vllm_server.VllmServer(folder, vllm_server.find_python(), vllm_server.free_port())
     except vllm_server.ServeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        raise GenerateError(str(e)) from None
     with server:
+        print(f"[{args.build}: starting vLLM from its deploy profile (about a minute); log: {server.log}]",
+              file=sys.stderr, flush=True)
         try:
-            print(f"[{args.build}: starting vLLM from its deploy profile (about a minute); log: {server.log}]",
-                  file=sys.stderr, flush=True)
             server.wait_ready()
-            tok = AutoTokenizer.from_pretrained(str(folder.parent / "untie_head"), local_files_only=True)
-            ids = prompt_ids(tok, args.prompt, args.chat_template)
-            print(f"[{args.build}: w4a8_gptq_vllm on vLLM ({server.linear_kernel()}), ready in "
-                  f"{server.start_s:.0f} s]", file=sys.stderr, flush=True)
-            body = {"model": server.model_name(), "prompt": ids, "max_tokens": args.max_new_tokens,
-                    "temperature": args.temperature, "seed": args.seed, "stream": True, "return_token_ids": True}
-            req = urllib.request.Request(f"{server.url}/v1/completions", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
-            sys.stdout.write(args.prompt)
-            sys.stdout.flush()
-            t0 = time.perf_counter()
-            first = last = None
-            pieces, finish = 0, None
-            with urllib.request.urlopen(req, timeout=3600) as r:
-                for raw in r:
-                    line = raw.decode().strip()
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    choice = json.loads(line[6:])["choices"][0]
-                    if choice.get("text"):
-                        sys.stdout.write(choice["text"])
-                        sys.stdout.flush()
-                    last = time.perf_counter()
-                    first = first or last
-                    # tokens, where vLLM returns their ids; else one per chunk (one engine step each)
-                    pieces += len(choice["token_ids"]) if choice.get("token_ids") is not None else 1
-                    finish = choice.get("finish_reason") or finish
         except vllm_server.ServeError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            print("\ninterrupted", file=sys.stderr)
-            return 130
-    print()
-    pre = len(ids) / (first - t0) if first else float("nan")
-    dec_rate = (pieces - 1) / (last - first) if first and last > first else float("nan")
-    print(f"[{len(ids)} prompt tokens at {pre:.1f} tok/s (time to first token, over HTTP); {pieces} new at "
-          f"{dec_rate:.1f} tok/s; stopped: {'eos' if finish == 'stop' else finish}]", file=sys.stderr)
-    return 0
+            raise GenerateError(str(e)) from None
+        tok = AutoTokenizer.from_pretrained(str(folder.parent / "untie_head"), local_files_only=True)
+        ids = prompt_ids(tok, args.prompt, args.chat_template)
+        print(f"[{args.build}: w4a8_gptq_vllm on vLLM ({server.linear_kernel()}), ready in "
+              f"{server.start_s:.0f} s]", file=sys.stderr, flush=True)
+        body = {"model": server.model_name(), "prompt": ids, "max_tokens": args.max_new_tokens,
+                "temperature": args.temperature, "seed": args.seed, "stream": True, "return_token_ids": True}
+        req = urllib.request.Request(f"{server.url}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        sys.stdout.write(args.prompt)
+        sys.stdout.flush()
+        t0 = time.perf_counter()
+        first = last = None
+        new, finish = 0, None
+        with urllib.request.urlopen(req, timeout=3600) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                if choice.get("text"):
+                    sys.stdout.write(choice["text"])
+                    sys.stdout.flush()
+                last = time.perf_counter()
+                first = first or last
+                # tokens, where vLLM returns their ids; else one per chunk (one engine step each)
+                new += len(choice["token_ids"]) if choice.get("token_ids") is not None else 1
+                finish = choice.get("finish_reason") or finish
+    if first is None:
+        raise GenerateError("vLLM streamed nothing back")
+    return {"prompt_tokens": len(ids), "new_tokens": new, "decode_tokens": new - 1, "prefill_s": first - t0,
+            "decode_s": last - first, "prefill_how": " (time to the first token, over HTTP)",
+            "stop": "eos" if finish == "stop" else "max_new_tokens" if finish == "length" else finish}
 
 
 if __name__ == "__main__":

@@ -62,9 +62,9 @@ SHIM = (
     "    sys.argv[0] = 'vllm'\n"
     "    sys.exit(main())\n"
 )
-# vLLM's log lines that name why the engine did not start, most specific first.
-_CAUSES = (re.compile(r"(ValueError|RuntimeError|OSError|ImportError|ModuleNotFoundError|AssertionError|"
-                      r"TypeError|KeyError|PackageNotFoundError)[:(] ?(.+)"),)
+# A log line naming why the engine did not start: an exception and its message.
+_CAUSE = re.compile(r"(ValueError|RuntimeError|OSError|ImportError|ModuleNotFoundError|AssertionError|"
+                    r"TypeError|KeyError|PackageNotFoundError)[:(] ?(.+)")
 
 
 class ServeError(Exception):
@@ -231,19 +231,15 @@ class VllmServer:
             lines = self.log.read_text(errors="replace").splitlines()
         except OSError:
             return "no log"
-        for line in reversed(lines):
-            for pat in _CAUSES:
-                m = pat.search(line)
-                if m and m.group(2).strip() and "Engine core initialization failed" not in line:
-                    return f"{m.group(1)}: {m.group(2).strip()[:400]}"
+        for line in reversed(lines):  # the last exception, past vLLM's generic wrapper
+            m = _CAUSE.search(line)
+            if m and m.group(2).strip() and "Engine core initialization failed" not in line:
+                return f"{m.group(1)}: {m.group(2).strip()[:400]}"
         return (lines[-1].strip()[:400] if lines else "no output")
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
 
     def linear_kernel(self) -> str | None:
         """The linear kernel vLLM logged for the GPTQ layers (e.g. CPUWNA16LinearKernel)."""
-        m = re.search(r"Using (\w+) for AutoGPTQLinearMethod", self.log_text())
+        m = re.search(r"Using (\w+) for AutoGPTQLinearMethod", self.log.read_text(errors="replace"))
         return m.group(1) if m else None
 
     def model_name(self) -> str:
