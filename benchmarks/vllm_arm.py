@@ -61,6 +61,12 @@ def stream(server, prompt: list[int], n: int) -> dict:
             "decode_tok_s": (n - 1) / (stamps[-1] - stamps[0]), "chunks": len(stamps)}
 
 
+def _spreads(rows: dict) -> dict:
+    """Per prompt length: the spread of the passes' decode and prefill rates."""
+    return {p: {"decode": spread([r["decode_tok_s"] for r in rs]), "prefill": spread([r["prefill_tok_s"] for r in rs])}
+            for p, rs in rows.items()}
+
+
 def vllm_arm(build: str, prompts: list[int], decode: int, passes: int, env: dict | None, label: str) -> dict:
     import numpy as np
 
@@ -78,8 +84,7 @@ def vllm_arm(build: str, prompts: list[int], decode: int, passes: int, env: dict
                 rows[p].append(stream(server, np.random.default_rng(k).integers(4, vocab, size=p).tolist(), decode))
         resident = server.resident_mib()
     return {"arm": label, "start_s": start, "resident_mib": resident["pss"], "resident": resident,
-            "by_prompt": {p: {"decode": spread([r["decode_tok_s"] for r in rs]),
-                              "prefill": spread([r["prefill_tok_s"] for r in rs])} for p, rs in rows.items()}}
+            "by_prompt": _spreads(rows)}
 
 
 def ort_arm(build: str, prompts: list[int], decode: int, passes: int, threads: int) -> dict:
@@ -96,8 +101,7 @@ def ort_arm(build: str, prompts: list[int], decode: int, passes: int, threads: i
             rows[p].append(r)
             resident.append(r["resident_mib"])
     return {"arm": "onnxruntime MatMulNBits (the x86_avx512 artifact)", "resident_mib": max(resident),
-            "by_prompt": {p: {"decode": spread([r["decode_tok_s"] for r in rs]),
-                              "prefill": spread([r["prefill_tok_s"] for r in rs])} for p, rs in rows.items()}}
+            "by_prompt": _spreads(rows)}
 
 
 def main(argv=None) -> int:

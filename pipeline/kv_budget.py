@@ -35,6 +35,14 @@ def _round_up(n: int, block: int) -> int:
     return int(math.ceil(n / block) * block)
 
 
+def _geometry(config: dict) -> tuple[dict, int, int, int]:
+    """(text config, layers, KV heads, head dim) of a (possibly multimodal) HF config."""
+    text = config.get("text_config") or config
+    heads = int(text["num_attention_heads"])
+    head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
+    return text, int(text["num_hidden_layers"]), int(text.get("num_key_value_heads") or heads), head_dim
+
+
 def kv_budget(
     config: dict,
     context_length: int,
@@ -44,11 +52,7 @@ def kv_budget(
     headroom: float = HEADROOM,
 ) -> dict:
     """KV bytes for one stream of `context_length` tokens; see the module docstring."""
-    text = config.get("text_config") or config
-    layers = int(text["num_hidden_layers"])
-    heads = int(text["num_attention_heads"])
-    kv_heads = int(text.get("num_key_value_heads") or heads)
-    head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
+    text, layers, kv_heads, head_dim = _geometry(config)
     if context_length < 1:
         raise ValueError(f"context_length must be positive, got {context_length}")
     elem = DTYPE_BYTES[kv_dtype]
@@ -105,11 +109,7 @@ def vllm_kv_bytes(config: dict, context_length: int, *, block_size: int, max_num
       _max_memory_usage_bytes_from_groups).
     The budget passed is that times `headroom`, rounded up to whole pool blocks.
     """
-    text = config.get("text_config") or config
-    layers = int(text["num_hidden_layers"])
-    heads = int(text["num_attention_heads"])
-    kv_heads = int(text.get("num_key_value_heads") or heads)
-    head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
+    text, layers, kv_heads, head_dim = _geometry(config)
     page = block_size * 2 * kv_heads * head_dim * DTYPE_BYTES[kv_dtype]  # one layer's K and V for one block
     in_flight = min(int(max_num_batched_tokens), int(context_length))
     full_blocks = math.ceil(context_length / block_size)
