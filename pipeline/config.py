@@ -60,6 +60,7 @@ CHOICES = {
     "benchmark.huge_pages": ("auto", "off"),
     "quantize.scale_dtype": ("fp32", "fp16"),  # pipeline/gptq.py SCALE_DTYPES
     "pack.gguf_token_embedding": ("auto", "shared", "keep", "q8_0", "q4_0"),  # pipeline/gguf_q4.py OTHERS
+    "pack.qnn_weights": ("per_channel", "per_tensor"),  # pipeline/qnn.py WEIGHT_GRANULARITIES
 }
 # Phone NPU precisions (pipeline/qnn.py PRECISIONS); no uncalibrated option.
 QNN_PRECISIONS = ("fp16", "w8a16", "w4a16")

@@ -289,7 +289,7 @@ class PackConfig:
     # Phone NPU (weight path qnn_graph): the precisions built for the HTP, the
     # first one deployed; each is compiled to a context binary and verified.
     # fp16: the float graph with the HTP's fp16 math. w8a16: calibrated QDQ,
-    # 8-bit per-channel weights, 16-bit activations. w4a16: 4-bit weights.
+    # 8-bit weights, 16-bit activations. w4a16: 4-bit weights.
     # Calibration is always from real activations (no uncalibrated option).
     qnn_precisions: list[str] = field(default_factory=lambda: ["w8a16", "fp16"])
     # QDQ calibration: decode steps of the fp32 graph over calibration windows
@@ -301,6 +301,10 @@ class PackConfig:
     # (one sequence on Gemma 3 270M at context 1024, four on the embedded model).
     qnn_calibration_steps: Optional[int] = None
     qnn_calibration_stride: int = 4
+    # MatMul weights of the QDQ graphs: per_channel (one scale per output
+    # channel, symmetric) or per_tensor (ONNX Runtime's QNN config's own
+    # choice for MatMul; 10-15 dB worse on real checkpoints, kept to measure).
+    qnn_weights: str = "per_channel"
     # llama.cpp devices (weight path gguf_q4_0): the GGUF's token embedding:
     # `auto` = the head's own quantized tensor where the checkpoint is tied
     # (one copy), else `keep`; `shared` (tied only); `keep` it as llama.cpp's

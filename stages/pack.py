@@ -25,8 +25,9 @@ The weight path is chosen by `pipeline.weight_path.select(device, priority)`
   (pipeline/npu_rewrite.py: sanitized, rotary tables, fused RMSNorm; checked
   against the export on a decode past the window), and per QDQ precision in
   `pack.qnn_precisions` `<precision>/model.onnx`, calibrated on the calibrate
-  stage's windows run through the float graph (16-bit activations; fp16 runs
-  the float graph itself in the HTP's fp16 math). `npu.json` lists them with
+  stage's windows run through the float graph (16-bit activations, MatMul
+  weights symmetric with a scale per output channel, `pack.qnn_weights`;
+  fp16 runs the float graph itself in the HTP's fp16 math). `npu.json` lists them with
   the rewrites and the calibration; `io.json` and the tokenizer travel along.
   stages/compile_qnn.py turns each into a context binary.
 - gguf_q4_0 (llama.cpp devices): `model.gguf`, llama.cpp's own conversion of
@@ -205,11 +206,11 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     import gc
     import shutil
 
-    import numpy as np
     import onnx
 
     from pipeline import npu_rewrite, qnn
     from pipeline.decode_graph import OnnxDecoder, snr_db
+    from pipeline.tensorfile import load_onnx
 
     cfg = ctx.cfg.pack
     precisions = [str(p) for p in cfg.qnn_precisions]
@@ -219,7 +220,7 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     float_dir = out / "float"
     float_dir.mkdir()
     try:
-        prepared, rewrites = npu_rewrite.prepare(onnx.load(str(export_dir / "model.onnx")),
+        prepared, rewrites = npu_rewrite.prepare(load_onnx(export_dir / "model.onnx"),
                                                  position="position", context_length=C)
     except npu_rewrite.RewriteError as err:
         raise StageError(f"pack: the exported graph cannot be made QNN-ready: {err}") from None
@@ -298,7 +299,7 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
             with ctx.progress(None, f"QDQ {p}: ONNX Runtime's quantizer over {len(paths)} samples"):
                 try:
                     facts = qnn.qdq_quantize(float_dir / "model.onnx", out / p / "model.onnx",
-                                             qnn.read_samples(paths), p, overrides)
+                                             qnn.read_samples(paths), p, overrides, str(cfg.qnn_weights))
                 except qnn.QnnError as err:
                     raise StageError(f"pack: {err}") from None
             graphs[p] = {"graph": f"{p}/model.onnx", **facts}

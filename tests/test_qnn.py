@@ -170,10 +170,13 @@ def test_qdq_quantize_calibrates_16_bit_activations_and_n_bit_weights(tmp_path, 
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), str(tmp_path / "f.onnx"))
     samples = [{"x": rng.standard_normal((1, 32)).astype(np.float32)} for _ in range(16)]
     facts = qnn.qdq_quantize(tmp_path / "f.onnx", tmp_path / "q.onnx", samples, precision, {})
-    assert facts["samples"] == 16 and facts["activation_type"] == "uint16" and facts["per_channel"]
+    assert facts["samples"] == 16 and facts["activation_type"] == "uint16"
+    assert facts["matmul_weights"] == {"granularity": "per_channel", "type": f"int{bits}", "symmetric": True,
+                                       "count": 1, "scales": 16}
     q = onnx.load(str(tmp_path / "q.onnx"))
     kinds = {numpy_helper.to_array(i).dtype.name for i in q.graph.initializer}
-    assert ("uint16" in kinds) and ({"uint8"} if bits == 8 else {"int4"}) & kinds, kinds
+    assert ("uint16" in kinds) and ({"int8"} if bits == 8 else {"int4"}) & kinds, kinds
+    assert qnn.weight_scales(tmp_path / "q.onnx") == {"w_quantized": 16}
     import onnxruntime as ort
 
     s = ort.InferenceSession(str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"])
@@ -184,6 +187,74 @@ def test_qdq_quantize_calibrates_16_bit_activations_and_n_bit_weights(tmp_path, 
     assert snr > (30 if bits == 8 else 12), snr
     if qnn.missing() is None:  # and the HTP takes it
         qnn.compile_context(tmp_path / "q.onnx", tmp_path / "ctx", S25, precision)
+
+
+def _outlier_decoder(tmp_path):
+    """A tiny two-layer MLP block whose first weight has a few output channels
+    40x the rest, as real checkpoints do (Gemma 3 270M: a down_proj weight 34
+    standard deviations out), then a residual add: the activation those
+    channels feed is an outlier too."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    k, n = 128, 192
+    w1 = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
+    w1[:, :6] *= 40
+    w2 = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, k])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, k])
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Gelu", ["h"], ["a"]),
+                           helper.make_node("MatMul", ["a", "w2"], ["d"]), helper.make_node("Add", ["x", "d"], ["y"])],
+                          "g", [x], [y], [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), str(tmp_path / "f.onnx"))
+    return tmp_path / "f.onnx", [{"x": rng.standard_normal((1, 1, k)).astype(np.float32)} for _ in range(24)]
+
+
+@pytest.mark.parametrize("precision,floor,gain", [("w8a16", 35.0, 6.0), ("w4a16", 16.5, 2.0)])
+def test_per_channel_weights_keep_an_outlier_channel_model_within_the_floor(tmp_path, precision, floor, gain):
+    """The phone-fidelity fix (docs/phone-fidelity.md): ONNX Runtime's QNN
+    config gives a MatMul weight one scale, so outlier channels set the grid
+    of every other one. Per tensor this block falls below the floor; per
+    output channel it passes, on the CPU EP's QDQ and on the HTP backend."""
+    import onnxruntime as ort
+
+    model, samples = _outlier_decoder(tmp_path)
+    ref = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+
+    def snr(session):
+        num = den = 0.0
+        for feed in samples:
+            want = ref.run(None, feed)[0]
+            got = session.run(None, feed)[0]
+            num, den = num + float((want ** 2).sum()), den + float(((want - got) ** 2).sum())
+        return 10 * np.log10(num / den)
+
+    got = {}
+    for weights in ("per_tensor", "per_channel"):
+        q = tmp_path / f"{weights}.onnx"
+        facts = qnn.qdq_quantize(model, q, samples, precision, {}, weights)
+        assert facts["matmul_weights"]["granularity"] == weights and facts["matmul_weights"]["count"] == 2
+        assert set(qnn.weight_scales(q).values()) == ({1} if weights == "per_tensor" else {192, 128})
+        got[weights] = {"cpu": snr(ort.InferenceSession(str(q), providers=["CPUExecutionProvider"]))}
+        if qnn.missing() is None:
+            qnn.compile_context(q, tmp_path / f"ctx_{weights}", S25, precision)
+            got[weights]["htp"] = snr(qnn.htp_session(tmp_path / f"ctx_{weights}" / qnn.CONTEXT_MODEL, S25,
+                                                      precision))
+    for arm, per_channel in got["per_channel"].items():
+        assert got["per_tensor"][arm] < floor <= per_channel, (arm, got)
+        assert per_channel - got["per_tensor"][arm] > gain, (arm, got)
+    if "htp" in got["per_channel"]:  # the CPU EP's QDQ is a bound for the HTP (which measured 4 dB better here)
+        assert got["per_channel"]["htp"] > got["per_channel"]["cpu"] - 2, got
+
+
+def test_weight_overrides_name_every_matmul_weight_and_refuse_an_unknown_granularity(tmp_path):
+    model, _ = _outlier_decoder(tmp_path)
+    o = qnn.weight_overrides(model, "w8a16", "per_channel")
+    assert set(o) == {"w1", "w2"} and all(v[0]["axis"] == 1 and v[0]["symmetric"] for v in o.values())
+    assert qnn.weight_overrides(model, "w8a16", "per_tensor") == {}
+    with pytest.raises(ValueError, match="pack.qnn_weights"):
+        qnn.weight_overrides(model, "w8a16", "per_row")
 
 
 def _tiny_matmul(tmp_path, rng):
