@@ -109,7 +109,7 @@ def decode_feeds(ref_dir: Path, tokens: list[int], model_file: str = "model.onnx
 
 
 def main(argv: list[str] | None = None) -> int:
-    import onnx
+    from pipeline.tensorfile import load_onnx
 
     ap = argparse.ArgumentParser(prog="python -m pipeline.graph_diff", description=__doc__.split("\n\n")[0])
     ap.add_argument("ref", type=Path, help="the reference graph (e.g. the fp32 export)")
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     io_dir = a.io.parent
     ref_rel = Path(a.ref).resolve()
     feeds = decode_feeds(io_dir, tokens, model_file=str(ref_rel))
-    rows = compare(onnx.load(str(a.ref)), onnx.load(str(a.test)), feeds)
+    rows = compare(load_onnx(a.ref), load_onnx(a.test), feeds)
     if a.json:
         print(json.dumps(rows, indent=1, default=str))
         return 0

@@ -312,8 +312,10 @@ def quantize_onnx_matmuls(fp32_onnx_path, quant_dir, out_path, accuracy_level: i
     import onnx
     from onnx import helper, numpy_helper
 
+    from pipeline.tensorfile import load_onnx
+
     meta, layers = read_quant(quant_dir)
-    model = onnx.load(str(fp32_onnx_path))
+    model = load_onnx(fp32_onnx_path)
     graph = model.graph
     deq = {name: L.dequant(q, s, z, g) for name, (q, s, z, g) in layers.items()}
     cands = _weight_candidates(graph)

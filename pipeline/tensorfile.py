@@ -135,3 +135,49 @@ class SpilledTensors:
             self._reader.close()
         self.spill.f.close()
         self.spill.path.unlink(missing_ok=True)
+
+
+def load_onnx(path) -> "onnx.ModelProto":  # noqa: F821 - onnx is imported inside
+    """`onnx.load(path)` with its external data, read by hand.
+
+    Why not onnx.load: onnx 1.23 refuses external data whose file has more than
+    one hard link ("potential hardlink attack"), and DVC's hardlink cache
+    (`cache.type hardlink`, what a multi-GB build wants) links every stage
+    output into the cache. The files read here are the pipeline's own stage
+    outputs, and the attack guarded against (a model naming another file) is
+    refused the same way: a location must be a plain file name beside the model."""
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    path = Path(path)
+    model = onnx.load(str(path), load_external_data=False)
+    handles = {}
+    try:
+        for tensor in _all_tensors(model):
+            if not uses_external_data(tensor):
+                continue
+            info = ExternalDataInfo(tensor)
+            if Path(info.location).name != info.location or info.location in ("", ".", ".."):
+                raise TensorFileError(f"{path}: tensor {tensor.name!r} names external data "
+                                      f"{info.location!r}, not a file beside the model")
+            f = handles.get(info.location)
+            if f is None:
+                f = handles[info.location] = open(path.parent / info.location, "rb")
+            f.seek(info.offset or 0)
+            data = f.read() if info.length is None else f.read(info.length)
+            if info.length is not None and len(data) != info.length:
+                raise TensorFileError(f"{path}: external data of {tensor.name!r} is truncated")
+            tensor.raw_data = data
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            del tensor.external_data[:]
+    finally:
+        for f in handles.values():
+            f.close()
+    return model
+
+
+def _all_tensors(model):
+    """Every TensorProto of a model: initializers and Constant values, subgraphs included."""
+    from onnx.external_data_helper import _get_all_tensors
+
+    return _get_all_tensors(model)

@@ -40,9 +40,11 @@ def with_accuracy_level(src_dir, level: int, dst_dir) -> None:
 
     import onnx
 
+    from .tensorfile import load_onnx
+
     src, dst = Path(src_dir), Path(dst_dir)
     dst.mkdir(parents=True, exist_ok=True)
-    model = onnx.load(str(src / "model.onnx"))
+    model = load_onnx(src / "model.onnx")
     for node in model.graph.node:
         if node.op_type == "MatMulNBits":
             attrs = [a for a in node.attribute if a.name != "accuracy_level"]
