@@ -10,7 +10,13 @@ same calibration samples for every variant) after cumulative sets of rewrites
 - sanitize: only what QNN needs to compile at all;
 - + embedding ranges: the lookup's quantization range from the whole table;
 - + rotary tables: cos/sin gathered from tables, no in-graph angle;
-- + RMSNorm fused: the pack stage's graph.
+- + RMSNorm fused: the pack stage's graph before per-channel weights;
+- + per-channel MatMul weights: the pack stage's graph and recipe
+  (`pack.qnn_weights`; before it, ONNX Runtime's QNN config quantized every
+  MatMul weight with one scale).
+
+`--only 3,4` runs just those variants (a real model's QDQ pass and CPU-EP
+parity cost minutes each).
 
 Each is compared with the eager fp32 model by the verify_parity stage's own
 code (teacher-forced logits SNR, top-1, greedy outcome read off the fed run),
@@ -58,6 +64,7 @@ def main(argv=None) -> int:
 
     from pipeline import npu_rewrite, qnn
     from pipeline.decode_graph import OnnxDecoder, TorchReference
+    from pipeline.tensorfile import load_onnx
     from stages import verify_parity as vp
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -67,6 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("--random-prompts", type=int, default=0,
                     help="also compare on N prompts of random token ids (seeded): tokens the calibration text "
                          "may never have held, where a clipped range shows")
+    ap.add_argument("--only", help="comma-separated variant numbers (0-4) to run; default all")
     a = ap.parse_args(argv)
 
     base = ROOT / "artifacts" / a.build
@@ -93,27 +101,34 @@ def main(argv=None) -> int:
     seqs = qnn.calibration_sequences(np.load(base / "calibrate" / "token_ids.npy"), C,
                                      int(cfg.pack.qnn_calibration_sequences))
     samples = qnn.decode_samples(OnnxDecoder(export_dir, threads=2), seqs, int(cfg.pack.qnn_calibration_stride))
+    work = Path(tempfile.mkdtemp(prefix="edgekiln-qnn-ablation-"))
+    # Spilled once, read by every variant: the samples are a one-pass stream (qnn.qdq_quantize).
+    sample_paths = qnn.spill_samples(samples, work / "samples")
 
-    export = onnx.load(str(export_dir / "model.onnx"))
+    export = load_onnx(export_dir / "model.onnx")
     clean, _ = npu_rewrite.sanitize(export)
     tabled, _ = npu_rewrite.rope_tables(clean, "position", C)
     fused, _ = npu_rewrite.fuse_rms_norm(tabled)
     variants = [
-        ("sanitize only", clean, False),
-        ("+ embedding ranges", clean, True),
-        ("+ rotary tables", tabled, True),
-        ("+ RMSNorm fused (the pack stage's graph)", fused, True),
+        ("sanitize only", clean, False, "per_tensor"),
+        ("+ embedding ranges", clean, True, "per_tensor"),
+        ("+ rotary tables", tabled, True, "per_tensor"),
+        ("+ RMSNorm fused", fused, True, "per_tensor"),
+        ("+ per-channel MatMul weights (the pack stage's graph)", fused, True, "per_channel"),
     ]
+    chosen = {int(k) for k in a.only.split(",")} if a.only else set(range(len(variants)))
     rows = []
-    work = Path(tempfile.mkdtemp(prefix="edgekiln-qnn-ablation-"))
     try:
-        for k, (name, graph, ranges) in enumerate(variants):
+        for k, (name, graph, ranges, weights) in enumerate(variants):
+            if k not in chosen:
+                continue
             d = work / str(k)
             d.mkdir()
-            onnx.save(graph, str(d / "float.onnx"))
+            onnx.save(graph, str(d / "float.onnx"), save_as_external_data=True, location="float.onnx.data")
             shutil.copy2(export_dir / "io.json", d / "io.json")
             overrides = npu_rewrite.embedding_ranges(graph) if ranges else {}
-            qnn.qdq_quantize(d / "float.onnx", d / "model.onnx", samples, "w8a16", overrides)
+            qnn.qdq_quantize(d / "float.onnx", d / "model.onnx", qnn.read_samples(sample_paths), "w8a16",
+                             overrides, weights)
             arms = {"cpu_qdq": OnnxDecoder(d, threads=2)}
             if a.htp:
                 target = OmegaConf.to_container(cfg.device.qnn)
