@@ -433,6 +433,48 @@ def embedding_ranges(model: onnx.ModelProto) -> dict[str, list[dict]]:
     return out
 
 
+RESIDUAL_NORMS = ("SimplifiedLayerNormalization",)
+
+
+def residual_stream(model: onnx.ModelProto) -> dict[str, list[str]]:
+    """The residual stream's nodes, by name: {"adds": the Add nodes that carry it from layer to layer,
+    "norms": the (fused) RMSNorms that read it}.
+
+    Followed from the token embedding's lookup (and its scaling by a constant, Gemma's embed_scale): the
+    stream's tensor r has one Add consumer (r + a sublayer's output -> the next r) and reads by norms;
+    the last r feeds the final norm only. Why these (docs/phone-fidelity.md): real checkpoints carry
+    massive activations in a few residual channels (Gemma 3 270M's stream reaches 28,686 in its last
+    layers while most channels are O(1-10)), so one uint16 grid over the stream is steps of ~0.5 and the
+    small channels are lost before every norm. Left in float, the HTP runs these nodes in fp16 (ulp 16
+    at 28,686, relative 2^-11 everywhere); everything a matmul reads stays 16-bit."""
+    consumers = _consumers(model)
+    inits = {i.name for i in model.graph.initializer}
+    consts = _consts(model)
+    start = None
+    for n in model.graph.node:
+        if n.op_type == "Gather" and n.input[0] in inits and not n.input[0].endswith("__table"):
+            start = n.output[0]
+            for c in consumers.get(start, []):
+                other = [i for i in c.input if i != start]
+                if c.op_type == "Mul" and len(other) == 1 and other[0] in consts and consts.size(other[0]) == 1:
+                    start = c.output[0]
+            break
+    adds, norms = [], []
+    r = start
+    while r is not None:
+        nxt = None
+        for c in consumers.get(r, []):
+            if c.op_type == "Add" and nxt is None:
+                adds.append(c.name)
+                nxt = c.output[0]
+            elif c.op_type in RESIDUAL_NORMS:
+                norms.append(c.name)
+        r = nxt
+    if any(not name for name in adds + norms):
+        raise RewriteError("a residual-stream node has no name: ONNX Runtime's quantizer excludes nodes by name")
+    return {"adds": adds, "norms": norms}
+
+
 def prepare(model: onnx.ModelProto, *, position: str, context_length: int) -> tuple[onnx.ModelProto, dict]:
     """All rewrites, in order; (the QNN-ready float graph, what was done).
 

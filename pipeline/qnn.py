@@ -69,10 +69,10 @@ def provider_options(target: dict, precision: str) -> dict[str, str]:
     """The QNN EP's options for an HTP target {soc_model, htp_arch, soc_id}."""
     _, q = _module()
     arch = str(target["htp_arch"]).lstrip("vV")
-    opts = {"backend_path": q.get_qnn_htp_path(), "htp_arch": arch, "soc_model": str(int(target["soc_id"]))}
-    if precision == "fp16":
-        opts["enable_htp_fp16_precision"] = "1"
-    return opts
+    # fp16 math for every float node: the whole fp16 graph, and a QDQ graph's float islands (its residual
+    # stream, npu_rewrite.residual_stream); a fully quantized graph has none for it to touch.
+    return {"backend_path": q.get_qnn_htp_path(), "htp_arch": arch, "soc_model": str(int(target["soc_id"])),
+            "enable_htp_fp16_precision": "1"}
 
 
 def session_options(target: dict, precision: str, *, context_file: Path | None = None):
@@ -181,12 +181,14 @@ def weight_scales(model: Path) -> dict[str, int]:
 
 
 def qdq_quantize(model: Path, out: Path, samples: Iterable[dict[str, np.ndarray]], precision: str,
-                 overrides: dict[str, list[dict]], weights: str = "per_channel") -> dict[str, Any]:
+                 overrides: dict[str, list[dict]], weights: str = "per_channel",
+                 range_margin: float = 1.0, float_nodes: Iterable[str] = ()) -> dict[str, Any]:
     """Calibrated QDQ for the HTP with ONNX Runtime's QNN quantization config:
     16-bit activations (asymmetric uint16), symmetric 8- or 4-bit MatMul
     weights with one scale per output channel (`weights`: weight_overrides
     says why ORT's own config does not give that), min/max ranges from
-    `samples` (real decode-step inputs).
+    `samples` (real decode-step inputs). `float_nodes` are left out of the
+    quantization (float islands: the HTP runs them in fp16, provider_options).
 
     `samples` is consumed lazily, one at a time, as the calibrator asks for it
     (pass a generator: decode_samples). Holding them would not fit: a sample
@@ -227,9 +229,12 @@ def qdq_quantize(model: Path, out: Path, samples: Iterable[dict[str, np.ndarray]
             return feed
 
     weight = QuantType.QUInt8 if precision == "w8a16" else QuantType.QInt4
-    overrides = {**weight_overrides(model, precision, weights), **overrides}
+    for_weights = weight_overrides(model, precision, weights)
+    ranges = sorted(overrides)
+    overrides = {**for_weights, **overrides}
+    float_nodes = sorted(float_nodes)
     cfg = get_qnn_qdq_config(str(model), Reader(), activation_type=QuantType.QUInt16, weight_type=weight,
-                             per_channel=True, init_overrides=overrides)
+                             per_channel=True, init_overrides=overrides, nodes_to_exclude=float_nodes or None)
     t0 = time.perf_counter()
     # ONNX Runtime's quantizer logs a root-level "consider pre-processing"
     # warning meant for image models; its shape pre-processing changes
@@ -240,7 +245,7 @@ def qdq_quantize(model: Path, out: Path, samples: Iterable[dict[str, np.ndarray]
     try:
         with tempfile.TemporaryDirectory(prefix=".qdq-", dir=Path(out).parent) as tmp:
             cache = Path(tmp) / "ranges.json"
-            _calibrate(model, cfg, Path(tmp), cache)
+            _calibrate(model, cfg, Path(tmp), cache, range_margin)
             # the ranges from the cache: quantize_static then loads the model once and calibrates nothing
             quantize_static(str(model), str(out), None, calibrate_method=cfg.calibrate_method,
                             quant_format=cfg.quant_format, activation_type=cfg.activation_type,
@@ -261,8 +266,9 @@ def qdq_quantize(model: Path, out: Path, samples: Iterable[dict[str, np.ndarray]
     return {"activation_type": "uint16", "weight_type": weight.name.lower(),
             "matmul_weights": {"granularity": weights, "type": matmul_type, "symmetric": weights == "per_channel",
                                "count": len(scales), "scales": sum(scales.values())},
-            "calibration_method": "MinMax", "samples": count[0], "streamed": True,
-            "range_overrides": sorted(k for k in overrides if k not in scales),
+            "float_nodes": len(float_nodes),
+            "calibration_method": "MinMax", "range_margin": range_margin, "samples": count[0], "streamed": True,
+            "range_overrides": ranges,
             "quantize_s": round(time.perf_counter() - t0, 3)}
 
 
@@ -272,7 +278,26 @@ _CALIB_OPTIONS = (("CalibTensorRangeSymmetric", "symmetric"), ("CalibMovingAvera
                   ("CalibMaxIntermediateOutputs", "max_intermediate_outputs"), ("CalibPercentile", "percentile"))
 
 
-def _calibrate(model: Path, cfg, tmp: Path, cache: Path) -> None:
+def widen(ranges, margin: float):
+    """Each calibrated [lowest, highest] (a TensorsData) scaled by `margin` about zero (which every range
+    holds), in place.
+
+    Why (docs/phone-fidelity.md): a 16-bit grid has resolution to spare and clipping is what fails. Real
+    checkpoints have rare activation spikes on a few tokens: Gemma 3 270M's layer-2 down_proj reaches
+    14.2 over its calibration sequence, 9.6 at the calibrated (every 4th) steps, and 20.4 on a parity
+    prompt's line-start token. Clipped there, the residual stream downstream fell to ~10 dB. A range
+    `margin` times wider costs 20*log10(margin) dB of a grid that sits near 80 dB on typical values."""
+    if margin == 1:
+        return ranges
+    for name in list(ranges.keys()):
+        td = ranges[name]
+        lo, hi = td.range_value
+        ranges[name] = type(td)(lowest=(np.asarray(lo) * margin).astype(np.asarray(lo).dtype),
+                                highest=(np.asarray(hi) * margin).astype(np.asarray(hi).dtype))
+    return ranges
+
+
+def _calibrate(model: Path, cfg, tmp: Path, cache: Path, margin: float = 1.0) -> None:
     """The activation ranges of `cfg` (a get_qnn_qdq_config) over its reader's samples, written to
     `cache` (ONNX Runtime's calibration cache, which quantize_static reads instead of calibrating).
 
@@ -290,7 +315,7 @@ def _calibrate(model: Path, cfg, tmp: Path, cache: Path) -> None:
                                    providers=cfg.calibration_providers, extra_options=extra)
     calibrator.model.graph.ClearField("initializer")
     calibrator.collect_data(cfg.calibration_data_reader)
-    ranges = calibrator.compute_data()
+    ranges = widen(calibrator.compute_data(), margin)
     del calibrator
     save_tensors_data(ranges, cache)
 

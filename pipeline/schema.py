@@ -130,16 +130,18 @@ class ParityConfig:
     # path (keys as pipeline/weight_path.py names them). A path without an
     # entry cannot pass parity.
     artifact: dict[str, FidelityThresholds] = field(default_factory=dict)
-    # Phone builds: the context binaries run on the HTP backend's x86 emulation
+    # Phone builds: each QDQ graph runs on the CPU EP (the HTP's quantization
+    # arithmetic) over every prompt and the evaluation windows, the bulk measure;
+    # the context binaries confirm it on the HTP backend's x86 emulation
     # (seconds per step on a real model), over the first qnn_prompts prompts.
     # null: 4, or 1 where a prompt's run passes 128 steps (a large window).
     qnn_prompts: Optional[int] = None
-    # HTP steps a prompt for the deployed precision (null: 96; Gemma 3 270M's
+    # HTP steps a prompt for the deployed precision (null: 32; Gemma 3 270M's
     # w8a16 costs ~9-10 s a step on the emulation): the whole run when it fits,
     # else a cold run from position 0 and one across the first sliding-window
     # wrap (from the fp32 export's prefilled cache), both gated.
     qnn_steps: Optional[int] = None
-    # The other precisions: the first prompt only, cut to this many steps (null: 48).
+    # The other precisions: the first prompt only, cut to this many steps (null: 24).
     qnn_short_steps: Optional[int] = None
     # Perplexity and llama.cpp's KL statistics (pipeline/kld.py) of the artifact
     # and every peer against the fp32 model, over eval_windows windows of
@@ -305,6 +307,10 @@ class PackConfig:
     # channel, symmetric) or per_tensor (ONNX Runtime's QNN config's own
     # choice for MatMul; 10-15 dB worse on real checkpoints, kept to measure).
     qnn_weights: str = "per_channel"
+    # The QDQ graphs' residual stream (its Adds and the RMSNorms reading it):
+    # fp16 (left float, run in the HTP's fp16) or uint16 (quantized like the
+    # rest; real checkpoints' massive activations make its grid coarse).
+    qnn_residual: str = "fp16"
     # llama.cpp devices (weight path gguf_q4_0): the GGUF's token embedding:
     # `auto` = the head's own quantized tensor where the checkpoint is tied
     # (one copy), else `keep`; `shared` (tied only); `keep` it as llama.cpp's

@@ -308,8 +308,9 @@ def _qnn(ctx, comp_dir) -> dict:
         "provider": {"name": "QNNExecutionProvider", "register": "register_execution_provider_library, then "
                      "add_provider_for_devices (the providers=[...] form silently runs on the CPU)",
                      "options": {"backend_path": "libQnnHtp.so", "htp_arch": str(t["htp_arch"]).lstrip("vV"),
-                                 "soc_model": str(t["soc_id"])},
-                     "fp16_option": {"enable_htp_fp16_precision": "1"}},
+                                 "soc_model": str(t["soc_id"]), "enable_htp_fp16_precision": "1"},
+                     "fp16": "every float node runs in the HTP's fp16: the fp16 variant whole, and the QDQ "
+                             "variants' float residual stream (pack.qnn_residual)"},
         "session_config": {"session.disable_cpu_ep_fallback": "1"},
         "inputs": io["inputs"],
         "outputs": io["outputs"],

@@ -26,7 +26,8 @@ The weight path is chosen by `pipeline.weight_path.select(device, priority)`
   against the export on a decode past the window), and per QDQ precision in
   `pack.qnn_precisions` `<precision>/model.onnx`, calibrated on the calibrate
   stage's windows run through the float graph (16-bit activations, MatMul
-  weights symmetric with a scale per output channel, `pack.qnn_weights`;
+  weights symmetric with a scale per output channel, `pack.qnn_weights`, the
+  residual stream left float for the HTP's fp16, `pack.qnn_residual`;
   fp16 runs the float graph itself in the HTP's fp16 math). `npu.json` lists them with
   the rewrites and the calibration; `io.json` and the tokenizer travel along.
   stages/compile_qnn.py turns each into a context binary.
@@ -226,6 +227,8 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
         raise StageError(f"pack: the exported graph cannot be made QNN-ready: {err}") from None
     qdq = [p for p in precisions if p != "fp16"]
     overrides = npu_rewrite.embedding_ranges(prepared) if qdq else {}  # before the save moves the data out
+    residual = npu_rewrite.residual_stream(prepared)
+    float_nodes = residual["adds"] + residual["norms"] if str(cfg.qnn_residual) == "fp16" else []
     # External data: ONNX Runtime's QNN quantization config loads the graph without it and runs ONNX shape
     # inference on what it loaded; with the weights inline that one call held ~4 copies of the 1.7 GB
     # graph (8.5 GiB on Gemma 3 270M), without them it is the graph's structure only.
@@ -299,10 +302,13 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
             with ctx.progress(None, f"QDQ {p}: ONNX Runtime's quantizer over {len(paths)} samples"):
                 try:
                     facts = qnn.qdq_quantize(float_dir / "model.onnx", out / p / "model.onnx",
-                                             qnn.read_samples(paths), p, overrides, str(cfg.qnn_weights))
+                                             qnn.read_samples(paths), p, overrides, str(cfg.qnn_weights),
+                                             float_nodes=float_nodes)
                 except qnn.QnnError as err:
                     raise StageError(f"pack: {err}") from None
-            graphs[p] = {"graph": f"{p}/model.onnx", **facts}
+            graphs[p] = {"graph": f"{p}/model.onnx", **facts,
+                         "residual_stream": {"math": str(cfg.qnn_residual), "adds": len(residual["adds"]),
+                                             "norms": len(residual["norms"])}}
     finally:
         shutil.rmtree(spill, ignore_errors=True)
     copy_side_files(export_dir, out)

@@ -207,7 +207,8 @@ def test_a_phone_profile_names_the_binary_its_io_kv_layout_and_sdk(tmp_path):
     assert p["context_binary"] == {"model": "../compile_qnn/w8a16/model_ctx.onnx",
                                    "binaries": ["../compile_qnn/w8a16/model_ctx_qnn.bin"], "bytes": 10}
     assert set(p["variants"]) == {"w8a16", "fp16"} and p["qnn_sdk"] == "2.51.0"
-    assert p["provider"]["options"] == {"backend_path": "libQnnHtp.so", "htp_arch": "79", "soc_model": "69"}
+    assert p["provider"]["options"] == {"backend_path": "libQnnHtp.so", "htp_arch": "79", "soc_model": "69",
+                                        "enable_htp_fp16_precision": "1"}  # the QDQ graphs' float residual
     assert p["session_config"] == {"session.disable_cpu_ep_fallback": "1"}
     assert p["inputs"] == PHONE_IO["inputs"] and p["kv_layout"] == PHONE_IO["layers"]
     assert "mod (window-1)" in p["slot_rules"]["sliding_attention"]

@@ -149,6 +149,27 @@ def test_embedding_ranges_cover_the_whole_table_not_the_calibration_tokens():
     assert float(ov["y"][0]["rmax"]) == pytest.approx(-2 * table.min())
 
 
+def test_residual_stream_follows_the_scaled_embedding_through_each_layers_adds():
+    """Gemma's shape: the lookup scaled by a constant, then per layer a norm reading the stream and an Add
+    writing a sublayer's output back; the rotary tables' Gathers and the sublayers' own Adds are not it."""
+    table = RNG.standard_normal((50, 8)).astype(np.float32)
+    g = np.ones(8, np.float32)
+    ids = helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 1])
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["emb"], name="embed", axis=0),
+             helper.make_node("Mul", ["emb", "scale"], ["r0"], name="scale"),
+             helper.make_node("Gather", ["cos__table", "pos"], ["cos"], name="rope"),
+             helper.make_node("SimplifiedLayerNormalization", ["r0", "g"], ["n0"], name="ln0", axis=-1),
+             helper.make_node("Add", ["n0", "cos"], ["s0"], name="sublayer_add"),  # inside a sublayer
+             helper.make_node("Add", ["r0", "s0"], ["r1"], name="res0"),
+             helper.make_node("SimplifiedLayerNormalization", ["r1", "g"], ["n1"], name="ln1", axis=-1),
+             helper.make_node("Add", ["r1", "n1"], ["r2"], name="res1"),
+             helper.make_node("SimplifiedLayerNormalization", ["r2", "g"], ["y"], name="final", axis=-1)]
+    model = _model(nodes, [ids, helper.make_tensor_value_info("pos", TensorProto.INT64, [1])], [_f32("y", [1, 1, 8])],
+                   [("table", table), ("scale", np.array(2.0, np.float32)), ("g", g),
+                    ("cos__table", np.ones((4, 8), np.float32))])
+    assert npu_rewrite.residual_stream(model) == {"adds": ["res0", "res1"], "norms": ["ln0", "ln1", "final"]}
+
+
 def test_graph_diff_names_the_first_tensor_a_qdq_range_clips():
     from pipeline import graph_diff
 
