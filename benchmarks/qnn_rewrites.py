@@ -65,6 +65,7 @@ def main(argv=None) -> int:
     from pipeline import npu_rewrite, qnn
     from pipeline.decode_graph import OnnxDecoder, TorchReference
     from pipeline.tensorfile import load_onnx
+    from stages import pack as pack_stage
     from stages import verify_parity as vp
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -75,6 +76,11 @@ def main(argv=None) -> int:
                     help="also compare on N prompts of random token ids (seeded): tokens the calibration text "
                          "may never have held, where a clipped range shows")
     ap.add_argument("--only", help="comma-separated variant numbers (0-4) to run; default all")
+    ap.add_argument("--keep", type=Path, help="build the variants in this folder and keep them (for "
+                                             "python -m pipeline.graph_diff); default a temporary one")
+    ap.add_argument("--no-parity", action="store_true", help="build the variants only (with --keep)")
+    ap.add_argument("--decode", type=int, help="continuation tokens a prompt (default the build's "
+                                               "parity.decode_tokens; Gemma 3 270M's ~540 cost minutes a variant)")
     a = ap.parse_args(argv)
 
     base = ROOT / "artifacts" / a.build
@@ -88,20 +94,24 @@ def main(argv=None) -> int:
     bos = tok.bos_token_id if tok.bos_token_id is not None else io.get("bos_token_id")
     encoded = [vp._prompt_ids(tok, t, bos, str(io.get("model_type", ""))) for t in prompts]
     ctx = _Ctx()
+    decode = int(a.decode or pc.decode_tokens)
     ref = TorchReference(hf_dir, threads=1)
-    sets = {"parity prompts": (prompts, encoded, vp._teacher(ref, encoded, int(pc.decode_tokens), ctx))}
-    if a.random_prompts:
+    sets = {} if a.no_parity else {"parity prompts": (prompts, encoded, vp._teacher(ref, encoded, decode, ctx))}
+    if a.random_prompts and not a.no_parity:
         rng = np.random.default_rng(0)
         r_enc = [[int(bos)] + rng.integers(3, int(io["vocab_size"]), 8).tolist() for _ in range(a.random_prompts)]
         r_txt = [f"random ids #{k}" for k in range(a.random_prompts)]
-        sets["random-token prompts"] = (r_txt, r_enc, vp._teacher(ref, r_enc, int(pc.decode_tokens), ctx))
+        sets["random-token prompts"] = (r_txt, r_enc, vp._teacher(ref, r_enc, decode, ctx))
 
     # Calibration samples: the graph inputs of decode steps over the build's
     # calibration windows, exactly as the pack stage draws them.
     seqs = qnn.calibration_sequences(np.load(base / "calibrate" / "token_ids.npy"), C,
                                      int(cfg.pack.qnn_calibration_sequences))
+    budget = cfg.pack.get("qnn_calibration_steps", None)  # the pack stage's bound on the calibration's decode steps
+    seqs = seqs[:qnn.calibration_plan(C, len(seqs), pack_stage.QNN_CALIBRATION_STEPS if budget is None else int(budget))]
     samples = qnn.decode_samples(OnnxDecoder(export_dir, threads=2), seqs, int(cfg.pack.qnn_calibration_stride))
-    work = Path(tempfile.mkdtemp(prefix="edgekiln-qnn-ablation-"))
+    work = a.keep or Path(tempfile.mkdtemp(prefix="edgekiln-qnn-ablation-"))
+    work.mkdir(parents=True, exist_ok=True)
     # Spilled once, read by every variant: the samples are a one-pass stream (qnn.qdq_quantize).
     sample_paths = qnn.spill_samples(samples, work / "samples")
 
@@ -129,8 +139,8 @@ def main(argv=None) -> int:
             overrides = npu_rewrite.embedding_ranges(graph) if ranges else {}
             qnn.qdq_quantize(d / "float.onnx", d / "model.onnx", qnn.read_samples(sample_paths), "w8a16",
                              overrides, weights)
-            arms = {"cpu_qdq": OnnxDecoder(d, threads=2)}
-            if a.htp:
+            arms = {} if a.no_parity else {"cpu_qdq": OnnxDecoder(d, threads=2)}
+            if a.htp and not a.no_parity:
                 target = OmegaConf.to_container(cfg.device.qnn)
                 qnn.compile_context(d / "model.onnx", d / "ctx", target, "w8a16")
                 arms["htp"] = OnnxDecoder(d, session=qnn.htp_session(d / "ctx" / qnn.CONTEXT_MODEL, target, "w8a16"))
@@ -138,12 +148,12 @@ def main(argv=None) -> int:
                 for what, (texts, enc, teacher) in sets.items():
                     if arm == "htp" and what != "parity prompts":
                         continue  # the emulation is slow; CPU QDQ shows the same arithmetic
-                    m, _ = vp._compare(teacher, decoder, texts, enc, int(pc.decode_tokens), ctx,
+                    m, _ = vp._compare(teacher, decoder, texts, enc, decode, ctx,
                                        f"{name} {arm}", free_decode=False)
                     rows.append((name, arm, what, m, len(texts)))
                     print(f"{name:<44} {arm:<8} {what:<22} SNR {m['logits_snr_db']:6.1f} dB  "
                           f"top1 {m['top1_agreement']:.3f}  greedy {m['greedy_match']}/{len(texts)}", flush=True)
-        if a.htp:  # fp16 numerics exist only on the HTP: the float graph before and after the rewrites
+        if a.htp and not a.no_parity:  # fp16 numerics exist only on the HTP: the float graph before and after the rewrites
             target = OmegaConf.to_container(cfg.device.qnn)
             texts, enc, teacher = sets["parity prompts"]
             for k, (name, graph) in enumerate((("sanitize only", clean), ("all rewrites (the pack stage's graph)",
@@ -154,13 +164,16 @@ def main(argv=None) -> int:
                 shutil.copy2(export_dir / "io.json", d / "io.json")
                 qnn.compile_context(d / "model.onnx", d / "ctx", target, "fp16")
                 dec16 = OnnxDecoder(d, session=qnn.htp_session(d / "ctx" / qnn.CONTEXT_MODEL, target, "fp16"))
-                m, _ = vp._compare(teacher, dec16, texts, enc, int(pc.decode_tokens), ctx, f"fp16 {name}",
+                m, _ = vp._compare(teacher, dec16, texts, enc, decode, ctx, f"fp16 {name}",
                                    free_decode=False)
                 rows.append((f"fp16: {name}", "htp", "parity prompts", m, len(texts)))
                 print(f"fp16 {name:<40} htp SNR {m['logits_snr_db']:6.1f} dB (worst step "
                       f"{m['worst_step_snr_db']:.1f})", flush=True)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if a.keep:
+            shutil.rmtree(work / "samples", ignore_errors=True)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     print("\n| rewrites | runs on | prompts | logits SNR dB | top-1 | greedy |\n|---|---|---|---|---|---|")
     for name, arm, what, m, n in rows:
         print(f"| {name} | {arm} | {what} | {m['logits_snr_db']:.1f} | {m['top1_agreement']:.3f} | "

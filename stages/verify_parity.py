@@ -526,6 +526,7 @@ def run(ctx: StageContext) -> dict:
 
 # The packed artifact, run as its runtime runs it, against the fp32 eager model.
 QNN_RUNTIME = "QNN HTP context binary on onnxruntime-qnn's HTP backend (x86 emulation: the HTP's numerics)"
+CPU_QDQ_RUNTIME = "the pack stage's QDQ graph on ONNX Runtime's CPU EP (the HTP's quantization arithmetic)"
 ARTIFACT_RUNTIMES = {
     "w4_ort_matmulnbits": "ONNX Runtime, GroupQueryAttention + MatMulNBits (the packed graph)",
     "w4a16_tinygemm": "PyTorch, tinygemm int4 kernel with bf16 activations",
@@ -581,9 +582,7 @@ def _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, se
     sel = json.loads((pack_dir / "weight_path.json").read_text())
     path = sel["path"]
     if path == "qnn_graph":
-        return {**_qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds), "kld": None,
-                "kld_skipped": "the context binaries are not run over the evaluation windows: the HTP backend's x86 "
-                               "emulation costs seconds a step"}
+        return _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds, evaluation)
     if path not in ARTIFACT_RUNTIMES:
         ctx.log(f"weight path {path}: no packed 4-bit artifact to compare (the fp32 graph is the artifact here)")
         return {"path": path, "applies": False}
@@ -714,14 +713,28 @@ def _gate(ctx, name: str, limits, metrics: dict, n_prompts: int, note: str = "",
     return {k: want for k, _, want in checks}
 
 
-def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None) -> dict:
-    """Each compiled context binary, run on the HTP backend, against the eager
-    fp32 model; gated by parity.artifact.qnn_<precision>.
+def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
+                  evaluation: _Evaluation | None = None) -> dict:
+    """Each phone precision against the eager fp32 model, gated by
+    parity.artifact.qnn_<precision>, in two measures:
+
+    - the bulk, for each QDQ precision (w8a16, w4a16): the pack stage's QDQ
+      graph on ONNX Runtime's CPU EP, which runs QDQ with the HTP's
+      quantization arithmetic (the per-channel fix measured the two within a
+      few tenths of a dB; docs/phone-fidelity.md), over every parity prompt in
+      full, and for the deployed precision the perplexity/KLD evaluation
+      windows: ~0.06 s a step on Gemma 3 270M, so the whole run costs about a
+      minute.
+    - the confirmation: each compiled context binary on the HTP backend over
+      a bounded subset of those steps, gated on its own, with the CPU EP's
+      figures on the same steps beside it (report.json `cpu_qdq_same_steps`).
+      fp16 has no CPU stand-in (its arithmetic is the HTP's fp16): its HTP run
+      is its only measure.
 
     The x86 emulation is slow and single-threaded: ~3 s a step on a 135M
     model; on Gemma 3 270M (1024 context, 262k vocab) 9-14 s a step for
     w8a16 and ~5 s for fp16, so its deployed run of one prompt past the
-    512-token window (~550 steps) alone would take ~90 minutes. The runs are
+    512-token window (~550 steps) alone would take ~90 minutes. The HTP runs are
     bounded by parity.qnn_steps (null: STEPS) HTP steps a prompt:
     - the deployed precision, each of the first parity.qnn_prompts prompts:
       the whole run when it fits; else a cold run from position 0 (the
@@ -735,14 +748,13 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None) -
     The continuation fed is the reference's (cut), the greedy outcome over the
     steps run. Every step advances a progress bar; each run's and each
     binary's load seconds go to report.json's "seconds"."""
-    import numpy as np
 
     from pipeline import qnn
     from pipeline.decode_graph import OnnxDecoder
 
-    # Gemma 3 270M on this emulation: 96 w8a16 steps ~16 min, 48 fp16 steps ~4 min.
-    STEPS = 96
-    SHORT_STEPS = 48
+    # Gemma 3 270M on this emulation: 32 w8a16 steps ~5 min, 24 fp16 steps ~2 min (the bulk is the CPU EP's).
+    STEPS = 32
+    SHORT_STEPS = 24
 
     class _Cut:
         """A reference run cut to its prompt and the first `k` tokens of its continuation."""
@@ -787,6 +799,7 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None) -
             return self.htp.step(token)
 
     comp = Path(ctx.inputs["compile_qnn"])
+    pack = Path(ctx.inputs["pack"])
     info = json.loads((comp / "qnn.json").read_text())
     io = json.loads((comp / "io.json").read_text())
     reason = qnn.missing()
@@ -814,6 +827,19 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None) -
                              f"backend: {str(err).strip().splitlines()[-1][:300]}") from None
         dec = OnnxDecoder(comp, session=session)
         what = f"{precision} context binary on the HTP backend"
+        parts, stats, cpu = {}, None, None
+        if precision != "fp16":
+            cpu = OnnxDecoder(pack, model_file=f"{precision}/model.onnx", threads=2)
+            on_cpu = f"{precision} QDQ graph on the CPU EP"
+            with _timed(seconds, f"{name}_cpu_qdq"):
+                metrics, per_prompt = _compare(teacher, cpu, prompts, encoded, decode_tokens, ctx, on_cpu)
+            if deployed and evaluation is not None:
+                with _timed(seconds, f"{name}_eval"):
+                    stats = evaluation.measure(cpu, ctx, on_cpu)
+            how = f"every parity prompt in full ({len(prompts)}), the pack's QDQ graph on the CPU EP"
+            checked = _gate(ctx, name, limits, metrics, len(prompts), note=f"{name} cpu_qdq: {how}", stats=stats)
+            parts["cpu_qdq"] = {"metrics": _finite_metrics(metrics), "run": how, "prompts": len(prompts),
+                                "thresholds": checked, "per_prompt": per_prompt, "runtime": CPU_QDQ_RUNTIME}
         segs = []
         if not deployed:
             runs = [_Cut(teacher[0], short - len(teacher[0].prompt))]
@@ -832,10 +858,9 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None) -
             segs.append(("past_window", warm, f"first {n} prompts, positions {warm[0].start}.."
                          f"{warm[0].start + warm[0].steps - 1} from the fp32 export's cache"
                          + (f" (the window wraps at {min(rings)})" if rings else "")))
-        parts = {}
         for key, runs, how in segs:
             m = len(runs)
-            use = dec
+            use, use_cpu = dec, cpu
             if key == "past_window":
                 fp32 = OnnxDecoder(Path(ctx.inputs["export"]), threads=2)
                 caches = []
@@ -849,20 +874,29 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None) -
                         caches.append((sg.start, [(k.copy(), v.copy()) for k, v, _ in fp32._caches]))
                 del fp32
                 use = _Warm(dec, caches)
+                use_cpu = _Warm(cpu, caches) if cpu is not None else None
             k = max(len(r.continuation) for r in runs)
             label = "" if key == "full" else f"{name}_{key}"
+            same = None
+            if use_cpu is not None:  # the CPU EP's figures on exactly the HTP's steps: does it stand for the HTP?
+                same, _ = _compare(runs, use_cpu, prompts[:m], [r.prompt for r in runs], k, ctx,
+                                   f"{precision} QDQ graph on the CPU EP, the HTP's {key.replace('_', ' ')} steps")
             with _timed(seconds, label or name):
                 metrics, per_prompt = _compare(runs, use, prompts[:m], [r.prompt for r in runs], k, ctx,
                                                what + ("" if key == "full" else f" ({key.replace('_', ' ')})"))
             checked = _gate(ctx, name, limits, metrics, m, note=f"{name} {key}: {how}")
             parts[key] = {"metrics": _finite_metrics(metrics), "run": how, "prompts": m,
-                          "thresholds": checked, "per_prompt": per_prompt}
+                          "thresholds": checked, "per_prompt": per_prompt, "runtime": QNN_RUNTIME}
+            if same is not None:
+                parts[key]["cpu_qdq_same_steps"] = _finite_metrics(same)
+                ctx.log(f"{name} {key}: HTP {metrics['logits_snr_db']:.1f} dB, the CPU EP's QDQ "
+                        f"{same['logits_snr_db']:.1f} dB on the same {metrics['steps']} steps")
         if seconds is not None and name not in seconds:
             seconds[name] = round(sum(seconds.get(f"{name}_{k}", 0.0) for k in parts), 2)
-        del dec, session
+        del dec, session, cpu
         # One figure per key over the parts: the worst (each part passed its gate on its own).
         worst = {}
-        for key in parts["full" if "full" in parts else "cold"]["metrics"]:
+        for key in next(iter(parts.values()))["metrics"]:
             vals = [pt["metrics"][key] for pt in parts.values()]
             if key in ("kl_nats",):
                 worst[key] = max(vals)
@@ -877,14 +911,19 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None) -
             "metrics": worst, "run": "; ".join(pt["run"] for pt in parts.values()), "parts": parts,
             "prompts": first["prompts"], "thresholds": first["thresholds"],
             "per_prompt": [pp for pt in parts.values() for pp in pt["per_prompt"]], "deployed": deployed,
+            "kld": stats,
         }
     deployed = results[info["deployed"]]
     return {
         "path": "qnn_graph", "applies": True, "runtime": QNN_RUNTIME,
         "note": (f"{info['target']['device']} ({info['target']['soc_model']}, HTP {info['target']['htp_arch']}), "
-                 f"QNN SDK {info['qnn_sdk']}; {info['deployed']}: {deployed['run']}; other precisions over the "
-                 f"first prompt's first {short} steps; at most {budget} HTP steps a prompt (parity.qnn_steps); "
-                 "greedy outcome read off the fed run"),
+                 f"QNN SDK {info['qnn_sdk']}; {info['deployed']}: {deployed['run']}; on the HTP, other precisions "
+                 f"over the first prompt's first {short} steps; at most {budget} HTP steps a prompt "
+                 "(parity.qnn_steps); greedy outcome read off the fed run"),
+        "kld": deployed["kld"],
+        **({} if deployed["kld"] is not None else {"kld_skipped": (
+            "the deployed precision is fp16, which has no CPU stand-in; the HTP backend's x86 emulation costs "
+            "seconds a step" if info["deployed"] == "fp16" else "no evaluation windows ran (parity.eval_windows=0)")}),
         "metrics": deployed["metrics"], "thresholds": deployed["thresholds"], "per_prompt": deployed["per_prompt"],
         "precisions": {p: results[p] for p in info["precisions"]}, "deployed": info["deployed"],
         "target": info["target"], "qnn_sdk": info["qnn_sdk"], "htp_steps": budget,
