@@ -307,6 +307,9 @@ class PackConfig:
     # channel, symmetric) or per_tensor (ONNX Runtime's QNN config's own
     # choice for MatMul; 10-15 dB worse on real checkpoints, kept to measure).
     qnn_weights: str = "per_channel"
+    # How w8a16's per-channel int8 MatMul codes are chosen: gptq (the calibrate
+    # stage's Hessians, same grid) or rtn (ONNX Runtime's rounding). w4a16 rounds.
+    qnn_weight_method: str = "gptq"
     # The QDQ graphs' residual stream (its Adds and the RMSNorms reading it):
     # fp16 (left float, run in the HTP's fp16) or uint16 (quantized like the
     # rest; real checkpoints' massive activations make its grid coarse).

@@ -147,10 +147,18 @@ def load_onnx(path) -> "onnx.ModelProto":  # noqa: F821 - onnx is imported insid
     outputs, and the attack guarded against (a model naming another file) is
     refused the same way: a location must be a plain file name beside the model."""
     import onnx
-    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
     path = Path(path)
     model = onnx.load(str(path), load_external_data=False)
+    _fill(model, path.parent, path)
+    return model
+
+
+def _fill(model, base: Path, path: Path) -> None:
+    """Read every external tensor of `model` (whose files lie in `base`) into the model (load_onnx)."""
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
     handles = {}
     try:
         for tensor in _all_tensors(model):
@@ -162,7 +170,7 @@ def load_onnx(path) -> "onnx.ModelProto":  # noqa: F821 - onnx is imported insid
                                       f"{info.location!r}, not a file beside the model")
             f = handles.get(info.location)
             if f is None:
-                f = handles[info.location] = open(path.parent / info.location, "rb")
+                f = handles[info.location] = open(base / info.location, "rb")
             f.seek(info.offset or 0)
             data = f.read() if info.length is None else f.read(info.length)
             if info.length is not None and len(data) != info.length:
@@ -173,7 +181,23 @@ def load_onnx(path) -> "onnx.ModelProto":  # noqa: F821 - onnx is imported insid
     finally:
         for f in handles.values():
             f.close()
-    return model
+
+
+def onnx_initializers(path, names):
+    """(name, numpy array) for each initializer of the ONNX model at `path` named in `names`, read one at a
+    time (load_onnx's reading, without holding the model's weights)."""
+    import onnx
+    from onnx import numpy_helper
+
+    path = Path(path)
+    skeleton = onnx.load(str(path), load_external_data=False)
+    wanted = set(names)
+    for init in skeleton.graph.initializer:
+        if init.name in wanted:
+            one = onnx.ModelProto()
+            one.graph.initializer.append(init)
+            _fill(one, path.parent, path)
+            yield init.name, numpy_helper.to_array(one.graph.initializer[0])
 
 
 def _all_tensors(model):

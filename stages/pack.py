@@ -26,7 +26,8 @@ The weight path is chosen by `pipeline.weight_path.select(device, priority)`
   against the export on a decode past the window), and per QDQ precision in
   `pack.qnn_precisions` `<precision>/model.onnx`, calibrated on the calibrate
   stage's windows run through the float graph (16-bit activations, MatMul
-  weights symmetric with a scale per output channel, `pack.qnn_weights`, the
+  weights symmetric with a scale per output channel, `pack.qnn_weights`, w8a16's
+  codes from GPTQ on the calibrate stage's Hessians, `pack.qnn_weight_method`; the
   residual stream left float for the HTP's fp16, `pack.qnn_residual`;
   fp16 runs the float graph itself in the HTP's fp16 math). `npu.json` lists them with
   the rewrites and the calibration; `io.json` and the tokenizer travel along.
@@ -306,6 +307,14 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
                                              float_nodes=float_nodes)
                 except qnn.QnnError as err:
                     raise StageError(f"pack: {err}") from None
+            if p == "w8a16" and str(cfg.qnn_weight_method) == "gptq" and str(cfg.qnn_weights) == "per_channel":
+                n_w = facts["matmul_weights"]["count"]
+                with ctx.progress(n_w, f"QDQ {p}: GPTQ codes for {n_w} MatMul weights") as bar:
+                    facts["matmul_weights"].update(qnn.gptq_weights(
+                        out / p / "model.onnx", float_dir / "model.onnx", Path(ctx.inputs["untie_head"]), cal_dir,
+                        advance=bar.advance))
+            else:
+                facts["matmul_weights"]["method"] = "rtn"
             graphs[p] = {"graph": f"{p}/model.onnx", **facts,
                          "residual_stream": {"math": str(cfg.qnn_residual), "adds": len(residual["adds"]),
                                              "norms": len(residual["norms"])}}

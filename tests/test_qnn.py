@@ -131,14 +131,16 @@ def test_phone_build_end_to_end_compiles_once_and_verifies_on_the_htp(tmp_path):
     parts = art["precisions"]["w8a16"]["parts"]
     # the bulk on the CPU EP covers every prompt in full; the HTP confirms on 32 steps a prompt (parity.qnn_steps),
     # a cold run and one across the window's wrap, the CPU EP's figures on exactly its steps beside each
-    assert set(parts) == {"cpu_qdq", "cold", "past_window"} and art["precisions"]["w8a16"]["prompts"] == 2
+    assert set(parts) == {"cpu_qdq", "cold", "past_window"}
+    assert parts["cold"]["prompts"] == parts["past_window"]["prompts"] == 2  # parity.qnn_prompts
     assert parts["cpu_qdq"]["prompts"] == len(parity["per_prompt"]) == 12
     htp_steps = parts["cold"]["metrics"]["steps"] + parts["past_window"]["metrics"]["steps"]
     assert htp_steps <= 2 * 32 < parts["cpu_qdq"]["metrics"]["steps"]
     for key in ("cold", "past_window"):
         same = parts[key]["cpu_qdq_same_steps"]
         assert same["steps"] == parts[key]["metrics"]["steps"]
-        assert abs(same["logits_snr_db"] - parts[key]["metrics"]["logits_snr_db"]) < 3, parts
+        # the CPU EP's QDQ is the conservative measure: the HTP measured the same or better on its steps
+        assert parts[key]["metrics"]["logits_snr_db"] > same["logits_snr_db"] - 3, parts
     assert art["kld"] is not None and art["kld"]["tokens"] > 0 and "kld_skipped" not in art
     assert set(art["precisions"]["fp16"]["parts"]) == {"cold"}  # no CPU stand-in for the HTP's fp16
     assert art["precisions"]["fp16"]["prompts"] == 1 and fp16["steps"] < w8["steps"]
@@ -335,6 +337,64 @@ def test_a_float_residual_stream_keeps_a_massive_activation_model_within_the_flo
             got[name]["htp"] = snr(qnn.htp_session(tmp_path / f"ctx_{name}" / qnn.CONTEXT_MODEL, S25, "w8a16"))
     for arm, value in got["fp16"].items():
         assert got["uint16"][arm] < 30 <= value, (arm, got)
+
+
+def test_gptq_codes_replace_the_rounded_int8_weights_on_the_same_grid(tmp_path):
+    """w8a16's codes from GPTQ (pack.qnn_weight_method=gptq): the graph weight found by content in the
+    checkpoint, its Hessian from the calibrate stage's files; the same per-channel grid, a smaller output
+    error on the calibration inputs than ONNX Runtime's rounding, and the HTP still takes it."""
+    onnx = pytest.importorskip("onnx")
+    import onnxruntime as ort
+    import torch
+    from onnx import TensorProto, helper, numpy_helper
+    from safetensors.torch import save_file
+
+    rng = np.random.default_rng(5)
+    k, n = 96, 64
+    mix = rng.standard_normal((k, k)).astype(np.float32)  # correlated inputs: where GPTQ beats rounding
+    xs = [(rng.standard_normal((1, 1, k)).astype(np.float32) @ mix) for _ in range(64)]
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05  # the checkpoint's [out, in]
+    ckpt, cal = tmp_path / "ckpt", tmp_path / "cal"
+    ckpt.mkdir()
+    cal.mkdir()
+    save_file({"lin.weight": torch.from_numpy(w)}, str(ckpt / "model.safetensors"))
+    x = np.concatenate([v.reshape(1, k) for v in xs]).astype(np.float64)
+    save_file({"lin": torch.from_numpy(x.T @ x / len(xs))}, str(cal / "hessians.safetensors"))
+    (cal / "calibration.json").write_text(json.dumps({"layers": {"lin": {"hessian": "lin", "in_features": k,
+                                                                         "out_features": n}}}))
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, n])],
+                          [numpy_helper.from_array(w.T.copy(), "w")])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), str(tmp_path / "f.onnx"))
+    samples = [{"x": v} for v in xs]
+    q = tmp_path / "q.onnx"
+    qnn.qdq_quantize(tmp_path / "f.onnx", q, samples, "w8a16", {})
+    rounded = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(q)).graph.initializer}
+    facts = qnn.gptq_weights(q, tmp_path / "f.onnx", ckpt, cal)
+    assert facts["method"] == "gptq" and facts["weights"] == 1 and facts["rounded"] == 0
+    assert facts["output_error_db_gain"]["min"] > 0.5, facts
+    after = {i.name: numpy_helper.to_array(i) for i in qnn_load(q).graph.initializer}
+    assert after["w_quantized"].dtype == np.int8 and after["w_scale"].shape == (n,)
+    assert not np.array_equal(after["w_quantized"], rounded["w_quantized"])
+    assert qnn.weight_scales(q) == {"w_quantized": n}
+
+    ref = ort.InferenceSession(str(tmp_path / "f.onnx"), providers=["CPUExecutionProvider"])
+
+    def err(model):
+        s = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+        return sum(float(((ref.run(None, f)[0] - s.run(None, f)[0]) ** 2).sum()) for f in samples)
+
+    qnn.qdq_quantize(tmp_path / "f.onnx", tmp_path / "r.onnx", samples, "w8a16", {})
+    assert err(q) < err(tmp_path / "r.onnx")
+    if qnn.missing() is None:
+        qnn.compile_context(q, tmp_path / "ctx", S25, "w8a16")
+
+
+def qnn_load(path):
+    from pipeline.tensorfile import load_onnx
+
+    return load_onnx(path)
 
 
 def test_weight_overrides_name_every_matmul_weight_and_refuse_an_unknown_granularity(tmp_path):
