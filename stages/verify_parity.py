@@ -884,13 +884,15 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
             with _timed(seconds, label or name):
                 metrics, per_prompt = _compare(runs, use, prompts[:m], [r.prompt for r in runs], k, ctx,
                                                what + ("" if key == "full" else f" ({key.replace('_', ' ')})"))
+            if same is not None:  # said before the gate, so a failing HTP run shows it too
+                ctx.log(f"{name} {key}: HTP {metrics['logits_snr_db']:.1f} dB, top1 {metrics['top1_agreement']:.3f}; "
+                        f"the CPU EP's QDQ {same['logits_snr_db']:.1f} dB, top1 {same['top1_agreement']:.3f} on the "
+                        f"same {metrics['steps']} steps")
             checked = _gate(ctx, name, limits, metrics, m, note=f"{name} {key}: {how}")
             parts[key] = {"metrics": _finite_metrics(metrics), "run": how, "prompts": m,
                           "thresholds": checked, "per_prompt": per_prompt, "runtime": QNN_RUNTIME}
             if same is not None:
                 parts[key]["cpu_qdq_same_steps"] = _finite_metrics(same)
-                ctx.log(f"{name} {key}: HTP {metrics['logits_snr_db']:.1f} dB, the CPU EP's QDQ "
-                        f"{same['logits_snr_db']:.1f} dB on the same {metrics['steps']} steps")
         if seconds is not None and name not in seconds:
             seconds[name] = round(sum(seconds.get(f"{name}_{k}", 0.0) for k in parts), 2)
         del dec, session, cpu
