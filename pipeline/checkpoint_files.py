@@ -3,6 +3,7 @@ config and its tokenizer, copied beside the weights or graph a stage writes."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -28,3 +29,19 @@ def copy_side_files(src: Path, dst: Path, names: tuple[str, ...] = SIDE_FILES) -
             shutil.copy2(Path(src) / name, Path(dst) / name)
             copied.append(name)
     return copied
+
+
+def weight_map(src: Path) -> dict[str, str]:
+    """Tensor name -> the safetensors file in `src` that holds it: the checkpoint's index, or its shards
+    read (headers only) in name order; {} when it has no safetensors."""
+    from safetensors import safe_open
+
+    src = Path(src)
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    found: dict[str, str] = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            found.update({k: shard.name for k in f.keys()})
+    return found

@@ -236,19 +236,12 @@ def _model_group_size(layers: dict, s: dict) -> int:
 
 
 def _weight_map(src: Path) -> dict[str, str]:
-    from safetensors import safe_open
+    from pipeline.checkpoint_files import weight_map
 
-    index = src / "model.safetensors.index.json"
-    if index.is_file():
-        return dict(json.loads(index.read_text())["weight_map"])
-    weight_map = {}
-    for shard in sorted(src.glob("*.safetensors")):
-        with safe_open(str(shard), framework="pt") as f:
-            for k in f.keys():
-                weight_map[k] = shard.name
-    if not weight_map:
+    found = weight_map(src)
+    if not found:
         raise StageError(f"no *.safetensors weights in {src}")
-    return weight_map
+    return found
 
 
 def _snr_db(rel_err: float) -> float | None:

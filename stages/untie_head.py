@@ -27,21 +27,6 @@ BODY_SHARD = "model-body.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
-def _weight_map(src) -> dict[str, str]:
-    from safetensors import safe_open
-
-    index = src / INDEX
-    if index.is_file():
-        return dict(json.loads(index.read_text())["weight_map"])
-    shards = sorted(p.name for p in src.glob("*.safetensors"))
-    weight_map = {}
-    for shard in shards:
-        with safe_open(src / shard, framework="pt") as f:
-            for k in f.keys():
-                weight_map[k] = shard
-    return weight_map
-
-
 def _embedding_name(weight_map: dict[str, str]) -> str:
     for name in ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "transformer.wte.weight"):
         if name in weight_map:
@@ -58,12 +43,14 @@ def run(ctx) -> dict:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from pipeline import checkpoint_files
+
     src = ctx.inputs["model"]
     for p in sorted(src.iterdir()):
         if p.name != "manifest.json" and p.is_file():
             shutil.copy2(p, ctx.out / p.name)
     config = json.loads((src / "config.json").read_text())
-    weight_map = _weight_map(src)
+    weight_map = checkpoint_files.weight_map(src)
     text_cfg = config.get("text_config", config)
     tied = bool(config.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", True)))
     if HEAD in weight_map and not tied:
