@@ -79,6 +79,8 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", type=Path, help="build the variants in this folder and keep them (for "
                                              "python -m pipeline.graph_diff); default a temporary one")
     ap.add_argument("--no-parity", action="store_true", help="build the variants only (with --keep)")
+    ap.add_argument("--range-margin", type=float, default=1.0,
+                    help="scale every calibrated activation range by this (qnn.widen; the pack uses 1)")
     ap.add_argument("--decode", type=int, help="continuation tokens a prompt (default the build's "
                                                "parity.decode_tokens; Gemma 3 270M's ~540 cost minutes a variant)")
     a = ap.parse_args(argv)
@@ -138,7 +140,7 @@ def main(argv=None) -> int:
             shutil.copy2(export_dir / "io.json", d / "io.json")
             overrides = npu_rewrite.embedding_ranges(graph) if ranges else {}
             qnn.qdq_quantize(d / "float.onnx", d / "model.onnx", qnn.read_samples(sample_paths), "w8a16",
-                             overrides, weights)
+                             overrides, weights, a.range_margin)
             arms = {} if a.no_parity else {"cpu_qdq": OnnxDecoder(d, threads=2)}
             if a.htp and not a.no_parity:
                 target = OmegaConf.to_container(cfg.device.qnn)
