@@ -720,8 +720,9 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
 
     - the bulk, for each QDQ precision (w8a16, w4a16): the pack stage's QDQ
       graph on ONNX Runtime's CPU EP, which runs QDQ with the HTP's
-      quantization arithmetic (the per-channel fix measured the two within a
-      few tenths of a dB; docs/phone-fidelity.md), over every parity prompt in
+      quantization arithmetic (in the tests and on the embedded model the HTP
+      measured the same or a few dB higher on the same steps;
+      docs/phone-fidelity.md), over every parity prompt in
       full, and for the deployed precision the perplexity/KLD evaluation
       windows: ~0.06 s a step on Gemma 3 270M, so the whole run costs about a
       minute.
