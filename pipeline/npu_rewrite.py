@@ -413,24 +413,34 @@ def embedding_ranges(model: onnx.ModelProto) -> dict[str, list[dict]]:
     each Gather from an initializer table gets the table's [min, max], and so
     does its product with a scalar constant (Gemma's embed_scale)."""
     consts = _consts(model)
-    inits = {i.name for i in model.graph.initializer}
-    consumers = _consumers(model)
     out: dict[str, list[dict]] = {}
-    for n in model.graph.node:
-        if n.op_type != "Gather" or n.input[0] not in inits or n.input[0].endswith("__table"):
-            continue
+    for n, scaled in _embedding_lookups(model, consts):
         t = consts[n.input[0]]
         if t.dtype.kind != "f":
             continue
         lo, hi = float(t.min()), float(t.max())
         out[n.output[0]] = [{"rmin": np.float32(lo), "rmax": np.float32(hi)}]
+        for c, other in scaled:
+            s = float(consts[other].ravel()[0])
+            a, b = sorted((lo * s, hi * s))
+            out[c.output[0]] = [{"rmin": np.float32(a), "rmax": np.float32(b)}]
+    return out
+
+
+def _embedding_lookups(model: onnx.ModelProto, consts: _Consts):
+    """(Gather node, [(Mul node, its scalar constant's name), ...]) for each lookup into an initializer
+    table that is not one of rope_tables' (`__table`): the embedding, and its scalings by a constant."""
+    inits = {i.name for i in model.graph.initializer}
+    consumers = _consumers(model)
+    for n in model.graph.node:
+        if n.op_type != "Gather" or n.input[0] not in inits or n.input[0].endswith("__table"):
+            continue
+        scaled = []
         for c in consumers.get(n.output[0], []):
             other = [i for i in c.input if i != n.output[0]]
             if c.op_type == "Mul" and len(other) == 1 and other[0] in consts and consts.size(other[0]) == 1:
-                s = float(consts[other[0]].ravel()[0])
-                a, b = sorted((lo * s, hi * s))
-                out[c.output[0]] = [{"rmin": np.float32(a), "rmax": np.float32(b)}]
-    return out
+                scaled.append((c, other[0]))
+        yield n, scaled
 
 
 RESIDUAL_NORMS = ("SimplifiedLayerNormalization",)
@@ -448,17 +458,10 @@ def residual_stream(model: onnx.ModelProto) -> dict[str, list[str]]:
     small channels are lost before every norm. Left in float, the HTP runs these nodes in fp16 (ulp 16
     at 28,686, relative 2^-11 everywhere); everything a matmul reads stays 16-bit."""
     consumers = _consumers(model)
-    inits = {i.name for i in model.graph.initializer}
-    consts = _consts(model)
     start = None
-    for n in model.graph.node:
-        if n.op_type == "Gather" and n.input[0] in inits and not n.input[0].endswith("__table"):
-            start = n.output[0]
-            for c in consumers.get(start, []):
-                other = [i for i in c.input if i != start]
-                if c.op_type == "Mul" and len(other) == 1 and other[0] in consts and consts.size(other[0]) == 1:
-                    start = c.output[0]
-            break
+    for n, scaled in _embedding_lookups(model, _consts(model)):
+        start = scaled[-1][0].output[0] if scaled else n.output[0]
+        break
     adds, norms = [], []
     r = start
     while r is not None:
