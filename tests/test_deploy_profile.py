@@ -66,6 +66,29 @@ def test_vllm_profile_is_serve_config_with_model_sized_kv(tmp_path):
     assert result["runtime"] == "vllm-cpu"
 
 
+def test_vllm_gpu_profile_states_cuda_rules_and_says_it_is_unverified(tmp_path):
+    from pipeline.kv_budget import vllm_kv_bytes
+
+    gpu = {"name": "cuda_discrete", "threads": 16, "runtime": "vllm", "accelerator": "cuda"}
+    (tmp_path / "gpu").mkdir()
+    (tmp_path / "cpu").mkdir()
+    out, result = run(tmp_path / "gpu", "model_dtype", device=gpu)
+    args = yaml.safe_load((out / "vllm.yaml").read_text())
+    # the checkpoint itself in bf16 (no GPTQ), vLLM's CUDA block (16, not the CPU's 128), stated
+    assert args["model"] == "../untie_head" and "quantization" not in args and args["dtype"] == "bfloat16"
+    assert args["block-size"] == 16 and args["max-num-batched-tokens"] == 256 and args["max-model-len"] == 256
+    want = vllm_kv_bytes(CONFIG, 256, block_size=16, max_num_batched_tokens=2048)
+    assert args["kv-cache-memory-bytes"] == want["kv_cache_memory_bytes"]
+    cpu_out, _ = run(tmp_path / "cpu", "w4a8_gptq_vllm")
+    cpu = yaml.safe_load((cpu_out / "vllm.yaml").read_text())
+    assert args["kv-cache-memory-bytes"] < cpu["kv-cache-memory-bytes"]  # finer blocks: less rounding
+    env = (out / "env.sh").read_text()
+    assert "CUDA_VISIBLE_DEVICES" in env and "VLLM_CPU" not in env and "LD_PRELOAD" not in env
+    profile = json.loads((out / "profile.json").read_text())
+    assert profile["verified"] is False and profile["note"].startswith("not run: no GPU")
+    assert result["runtime"] == "vllm (CUDA)"
+
+
 IO = {"format": "edgekiln-gqa/1", "inputs": [{"name": "input_ids"}], "outputs": [{"name": "logits"}], "max_len": 256,
       "layers": [{"index": 0, "type": "sliding_attention", "cache_len": 80, "window": 64}]}
 
