@@ -12,7 +12,8 @@ prefill tok/s = prompt / time to the first token, decode tok/s = (tokens - 1) /
 (API server, engine core, worker), in PSS (each shared page split among the
 processes mapping it; RSS beside it counts the three processes' shared libraries
 three times). ORT's is the RSS of its one process. With `--w4a16` a second server runs with
-VLLM_CPU_INT4_W4A8=0: the W4A16 fallback beside AMX's W4A8, same weights.
+VLLM_CPU_INT4_W4A8=0: the W4A16 fallback beside AMX's W4A8, same weights; with
+`--no-tcmalloc` one with VLLM_TCMALLOC=none (env.sh's tcmalloc preload off).
 ORT: pipeline.bench_arm's `ort_int4` arm, a fresh process per pass (as the benchmark
 stage runs it), 2 threads.
 
@@ -89,6 +90,8 @@ def main(argv=None) -> int:
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--w4a16", action="store_true", help="also vLLM with VLLM_CPU_INT4_W4A8=0")
+    ap.add_argument("--no-tcmalloc", action="store_true",
+                    help="also vLLM with VLLM_TCMALLOC=none (env.sh then preloads no tcmalloc): the preload's effect")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     prompts = [int(x) for x in a.prompts.split(",")]
@@ -99,6 +102,9 @@ def main(argv=None) -> int:
     if a.w4a16:
         arms.append(vllm_arm(a.vllm_build, prompts, a.decode, a.passes, {"VLLM_CPU_INT4_W4A8": "0"},
                              "vLLM GPTQ, cpu_gemm_wna16 (bf16 (W4A16), W4A8 off)"))
+    if a.no_tcmalloc:
+        arms.append(vllm_arm(a.vllm_build, prompts, a.decode, a.passes, {"VLLM_TCMALLOC": "none"},
+                             f"vLLM GPTQ, {kernel['gemm']}, no tcmalloc preload"))
     if a.ort_build:
         arms.append(ort_arm(a.ort_build, prompts, a.decode, a.passes, a.threads))
     where = (f"host {host['cpu_model']}, {host['physical_cores']} cores, class {host['device_class']}"

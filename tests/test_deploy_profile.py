@@ -59,6 +59,14 @@ def test_vllm_profile_is_serve_config_with_model_sized_kv(tmp_path):
     cpus = os.cpu_count()
     assert proc.stdout.split() == [f"0-{min(24, cpus) - 1}", "0"]
     assert ("binding 0-" in proc.stderr) == (cpus < 24)
+    # tcmalloc is preloaded only where the file exists: VLLM_TCMALLOC names another one, or none
+    fake = tmp_path / "libtcmalloc_minimal.so.4"
+    fake.write_bytes(b"")
+    for tc, want in ((str(fake), str(fake)), ("none", "")):
+        got = subprocess.run(["bash", "-c", "unset LD_PRELOAD VIRTUAL_ENV; source ./env.sh 2>/dev/null; "
+                              "echo \"$LD_PRELOAD\""], cwd=out, capture_output=True, text=True, check=True,
+                             env={**os.environ, "VLLM_TCMALLOC": tc}).stdout.strip()
+        assert got == want, (tc, got)
     profile = json.loads((out / "profile.json").read_text())
     assert profile["kv_budget"]["block_size"] == 128
     assert profile["vllm_kv"]["kv_cache_memory_bytes"] == args["kv-cache-memory-bytes"]
