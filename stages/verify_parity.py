@@ -652,11 +652,14 @@ def _vllm_fidelity(ctx, teacher, encoded, decode_tokens: int, limits) -> dict:
                 seq = list(ids) + list(run.continuation)
                 n = min(len(seq), max_len - 1)  # room for the one token a request must generate
                 picks = server.next_token_topk(seq[:n], 5)
-                ref = run.logits(0, n)
-                ref_top1 = ref.argmax(axis=1)
-                ref_top5 = np.argsort(-ref, axis=1)[:, :5]
-                t1 = sum(int(v[0] == r) for v, r in zip(picks, ref_top1.tolist()))
-                t5 = sum(int(set(v[:5]) == set(r)) for v, r in zip(picks, ref_top5.tolist()))
+                t1 = t5 = 0
+                for start in range(0, n, CHUNK):  # CHUNK steps of full-vocabulary logits at a time
+                    ref = run.logits(start, min(start + CHUNK, n))
+                    top5 = np.argpartition(-ref, 4, axis=1)[:, :5]
+                    for v, r, r5 in zip(picks[start:start + CHUNK], ref.argmax(axis=1).tolist(), top5.tolist()):
+                        t1 += int(v[0] == r)
+                        t5 += int(set(v[:5]) == set(r5))
+                    del ref
                 free = server.complete(ids, decode_tokens, ignore_eos=True)["token_ids"]
                 cont = list(run.continuation)
                 first = next((k for k, (a, b) in enumerate(zip(cont, free)) if a != b), None)
