@@ -655,8 +655,8 @@ def _vllm_fidelity(ctx, teacher, encoded, decode_tokens: int, limits) -> dict:
                 t1 = t5 = 0
                 for start in range(0, n, CHUNK):  # CHUNK steps of full-vocabulary logits at a time
                     ref = run.logits(start, min(start + CHUNK, n))
-                    top5 = np.argpartition(-ref, 4, axis=1)[:, :5]
-                    for v, r, r5 in zip(picks[start:start + CHUNK], ref.argmax(axis=1).tolist(), top5.tolist()):
+                    ref_top5 = np.argpartition(-ref, 4, axis=1)[:, :5]
+                    for v, r, r5 in zip(picks[start:start + CHUNK], ref.argmax(axis=1).tolist(), ref_top5.tolist()):
                         t1 += int(v[0] == r)
                         t5 += int(set(v[:5]) == set(r5))
                     del ref
