@@ -25,6 +25,7 @@ start (the root cause from vLLM's log, which is kept).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -328,6 +329,22 @@ class VllmServer:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+@contextlib.contextmanager
+def serving(folder: Path, waiting=None):
+    """A VllmServer started from the deploy profile in `folder`, ready (`waiting`: a context, a progress
+    bar, held while it starts), stopped afterwards. ServeError, with vLLM's root cause, where it does not
+    start or goes away mid-request (urllib's OSError)."""
+    server = VllmServer(folder, find_python(), free_port())
+    try:
+        with waiting or contextlib.nullcontext():
+            server.wait_ready()
+        yield server
+    except OSError as e:
+        raise ServeError(f"{e}; vLLM: {server.cause()} (log: {server.log})") from None
+    finally:
+        server.stop()
 
 
 def _tree(pid: int) -> list[int]:

