@@ -421,6 +421,14 @@ def free_port() -> int:
 # --------------------------------------------------------------------------
 
 
+class _Terminated(Exception):
+    """SIGTERM reached the launcher."""
+
+
+def _terminated(signum, frame):
+    raise _Terminated()
+
+
 def serve_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m pipeline serve",
@@ -440,6 +448,11 @@ def serve_main(argv: list[str] | None = None) -> int:
     except ServeError as e:
         print(f"error: serve: {e}", file=sys.stderr)
         return 1
+    # vLLM runs in a session of its own (so that stop() reaches its engine processes): a signal to
+    # the launcher must stop it. Ctrl-C (SIGINT, restored where a non-interactive shell started this
+    # in the background with it ignored) and SIGTERM (kill, a service manager) both do.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _terminated)
     print(f"serve: starting vLLM ({py}) from {folder.relative_to(ROOT)}: source env.sh && vllm serve "
           f"--config vllm.yaml --port {args.port}; log: {server.log}", file=sys.stderr, flush=True)
     try:
@@ -458,10 +471,10 @@ def serve_main(argv: list[str] | None = None) -> int:
     except ServeError as e:
         print(f"\nerror: serve: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Terminated) as e:
         server.stop()
         print("serve: stopped", file=sys.stderr)
-        return 130
+        return 143 if isinstance(e, _Terminated) else 130
     finally:
         server.stop()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -165,9 +166,10 @@ def test_vllm_serves_the_xeon_amx_build_as_its_deploy_profile_says(tmp_path, req
     # As a user runs it: the launcher, which sources env.sh and runs `vllm serve --config vllm.yaml`.
     port = vllm_server.free_port()
     t0 = time.perf_counter()
+    # SIGINT ignored at the start, as a non-interactive shell starts a background job: Ctrl-C must stop it still
     server = subprocess.Popen([sys.executable, "-m", "pipeline", "serve", build, "--port", str(port)], cwd=repo,
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True)
+                              start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         ready = server.stdout.readline()
         assert ready.startswith("serve: ready at"), ready + server.stderr.read()
