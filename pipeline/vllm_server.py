@@ -244,8 +244,11 @@ class VllmServer:
         return m.group(1) if m else None
 
     def model_name(self) -> str:
-        with urllib.request.urlopen(f"{self.url}/v1/models", timeout=10) as r:
-            return json.loads(r.read())["data"][0]["id"]
+        """The served model's name, asked once (every request names it)."""
+        if getattr(self, "_model", None) is None:
+            with urllib.request.urlopen(f"{self.url}/v1/models", timeout=10) as r:
+                self._model = json.loads(r.read())["data"][0]["id"]
+        return self._model
 
     def complete(self, prompt_ids: list[int], max_tokens: int, **extra) -> dict:
         """Greedy completion of token ids: {"token_ids", "finish_reason"} (vLLM's return_token_ids)."""
