@@ -39,6 +39,7 @@ Shared by `export`, `verify_parity` and the benchmark stages. Four pieces:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -485,14 +486,26 @@ def session_options(threads: int, *, spinning: bool | None = None, opt_level: st
     return so
 
 
+def _lookup(session, name: str, ids: np.ndarray, token_id: int) -> np.ndarray:
+    """One token's embedding row from an embedding model (qnn.write_embedding's), flat."""
+    ids[0, 0] = token_id
+    return session.run(None, {name: ids})[0].reshape(-1)
+
+
 class OnnxDecoder(_Greedy):
     """Runs an exported decode step with onnxruntime; numpy caches, slot writes per io.json."""
 
     def __init__(self, artifact_dir, threads: int = 1, providers: Iterable = ("CPUExecutionProvider",), *,
-                 model_file: str = "model.onnx", session=None):
+                 model_file: str = "model.onnx", session=None, embed=None):
         """`artifact_dir` holds io.json; the graph is `model_file` inside it, or
         `session` when given (a graph of the same io.json compiled elsewhere,
-        e.g. a QNN context binary: pipeline/qnn.py)."""
+        e.g. a QNN context binary: pipeline/qnn.py).
+
+        A graph whose token embedding was taken out (the phone's: io.json
+        "embedding", npu_rewrite.embedding_input) takes `inputs_embeds`: each
+        step first runs io.json's embedding model (on the CPU EP) on the token,
+        or `embed(token_id) -> [hidden]` when given (the pack stage's check of
+        its rewrites, with the float table)."""
         import onnxruntime as ort
 
         self.dir = Path(artifact_dir)
@@ -506,6 +519,16 @@ class OnnxDecoder(_Greedy):
         self._ids = np.zeros((1, 1), dtype=np.int64)
         self._pos = np.zeros((1,), dtype=np.int64)
         self.feed: dict[str, np.ndarray] = {"input_ids": self._ids, "position": self._pos}
+        self._embed = None
+        lookup = self.io.get("embedding")
+        if lookup is not None:  # the embedding runs before the graph, its rows fed as the graph's input
+            self._embeds = np.zeros(shapes[lookup["output"]], dtype=np.float32)
+            self.feed = {lookup["output"]: self._embeds, "position": self._pos}
+            if embed is None:
+                table = ort.InferenceSession(str(self.dir / lookup["model"]), sess_options=session_options(threads),
+                                             providers=["CPUExecutionProvider"])
+                embed = functools.partial(_lookup, table, lookup["input"], self._ids)
+            self._embed = embed
         self._caches: list[tuple[np.ndarray, np.ndarray, int]] = []  # (K, V, ring size or 0)
         for layer in self.io["layers"]:
             i = layer["index"]
@@ -535,7 +558,10 @@ class OnnxDecoder(_Greedy):
     def next_inputs(self, token_id: int) -> dict[str, np.ndarray]:
         """A copy of the inputs the next step(token_id) will feed (a calibration sample)."""
         feed = {k: v.copy() for k, v in self.feed.items()}
-        feed["input_ids"][0, 0] = token_id
+        if self._embed is None:
+            feed["input_ids"][0, 0] = token_id
+        else:
+            feed[self.io["embedding"]["output"]].reshape(-1)[:] = self._embed(token_id)
         feed["position"][0] = self.position
         return feed
 
@@ -545,6 +571,8 @@ class OnnxDecoder(_Greedy):
             raise ContextFull(f"position {p} is past the exported context_length {self.context_length}; "
                               "reset() or export with a larger export.context_length")
         self._ids[0, 0] = token_id
+        if self._embed is not None:
+            self._embeds.reshape(-1)[:] = self._embed(token_id)
         self._pos[0] = p
         res = self.session.run(self.output_names, self.feed)
         for j, (k, v, ring) in enumerate(self._caches):

@@ -435,12 +435,66 @@ def _embedding_lookups(model: onnx.ModelProto, consts: _Consts):
     for n in model.graph.node:
         if n.op_type != "Gather" or n.input[0] not in inits or n.input[0].endswith("__table"):
             continue
-        scaled = []
-        for c in consumers.get(n.output[0], []):
-            other = [i for i in c.input if i != n.output[0]]
-            if c.op_type == "Mul" and len(other) == 1 and other[0] in consts and consts.size(other[0]) == 1:
-                scaled.append((c, other[0]))
-        yield n, scaled
+        yield n, _scalings(n.output[0], consts, consumers)
+
+
+def _scalings(tensor: str, consts: _Consts, consumers) -> list:
+    """[(Mul node, its scalar constant's name), ...]: `tensor`'s products with a scalar constant."""
+    scaled = []
+    for c in consumers.get(tensor, []):
+        other = [i for i in c.input if i != tensor]
+        if c.op_type == "Mul" and len(other) == 1 and other[0] in consts and consts.size(other[0]) == 1:
+            scaled.append((c, other[0]))
+    return scaled
+
+
+def _scaled(model: onnx.ModelProto, tensor: str) -> str:
+    """`tensor`'s scaling by a constant (Gemma's embed_scale) where it has one, else `tensor`."""
+    scaled = _scalings(tensor, _consts(model), _consumers(model))
+    return scaled[-1][0].output[0] if scaled else tensor
+
+
+EMBEDS_INPUT = "inputs_embeds"
+
+
+def embedding_input(model: onnx.ModelProto, ids: str = "input_ids") -> tuple[onnx.ModelProto, dict]:
+    """The token embedding's lookup taken out of the graph: the Gather from the table becomes a graph
+    input `inputs_embeds` (float32, the Gather's output shape: [1, 1, hidden] for the decode step);
+    the table leaves the graph where nothing else reads it, and so does `ids` once unused. Rewrites
+    `model` in place; returns it and {"table": the float table (numpy), "table_name", "gather_output"
+    (the tensor inputs_embeds replaces: range overrides keyed by it move to inputs_embeds)}.
+
+    Why (docs/small-artifacts.md): the HTP refuses a per-axis quantized Gather, so in the context
+    binary the table was one more 16-bit tensor: on Gemma 3 270M (262,144 x 640) 335 MB of a 613 MB
+    w8a16 binary, for a lookup of one row a step. Out of the graph the lookup is an 8-bit
+    GatherBlockQuantized on the CPU (the pack stage's `embed/model.onnx`), as the field's phone flows
+    run it (ExecuTorch's QNN Llama keeps its quantized embedding off the HTP)."""
+    lookups = list(_embedding_lookups(model, _consts(model)))
+    if not lookups:
+        raise RewriteError("no embedding lookup (a Gather from an initializer table) to take out of the graph")
+    gather = lookups[0][0]
+    if gather.input[1] != ids:
+        raise RewriteError(f"the embedding Gather reads {gather.input[1]!r}, not the graph input {ids!r}")
+    table_name, out = gather.input[0], gather.output[0]
+    table = numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == table_name))
+    if table.ndim != 2:
+        raise RewriteError(f"the embedding table {table_name!r} has shape {table.shape}, not [vocab, hidden]")
+    ids_in = next((i for i in model.graph.input if i.name == ids), None)
+    if ids_in is None:
+        raise RewriteError(f"the graph has no input {ids!r}")
+    dims = [d.dim_value for d in ids_in.type.tensor_type.shape.dim] + [int(table.shape[1])]
+    nodes = model.graph.node
+    del nodes[[k for k, n in enumerate(nodes) if n is gather][0]]
+    _rename_uses(model, out, EMBEDS_INPUT)
+    at = [k for k, i in enumerate(model.graph.input) if i.name == ids][0]
+    model.graph.input.insert(at, helper.make_tensor_value_info(EMBEDS_INPUT, onnx.TensorProto.FLOAT, dims))
+    readers = _consumers(model)
+    if ids not in readers:
+        del model.graph.input[at + 1]
+    if table_name not in readers:
+        inits = model.graph.initializer
+        del inits[[k for k, i in enumerate(inits) if i.name == table_name][0]]
+    return model, {"table": table, "table_name": table_name, "gather_output": out}
 
 
 RESIDUAL_NORMS = ("SimplifiedLayerNormalization",)
@@ -462,6 +516,8 @@ def residual_stream(model: onnx.ModelProto) -> dict[str, list[str]]:
     for n, scaled in _embedding_lookups(model, _consts(model)):
         start = scaled[-1][0].output[0] if scaled else n.output[0]
         break
+    if start is None and any(i.name == EMBEDS_INPUT for i in model.graph.input):
+        start = _scaled(model, EMBEDS_INPUT)
     adds, norms = [], []
     r = start
     while r is not None:

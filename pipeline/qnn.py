@@ -453,3 +453,94 @@ def decode_samples(decoder, sequences: list[list[int]], stride: int, advance=lam
                 yield decoder.next_inputs(tok)
             decoder.step(tok)
             advance()
+
+
+# --------------------------------------------------------------------------
+# The token embedding, off the HTP
+# --------------------------------------------------------------------------
+
+EMBED_DIR = "embed"  # <pack>/embed/model.onnx: the lookup the phone runs on the CPU (npu_rewrite.embedding_input)
+EMBEDDING_CHOICES = ("int8", "int4", "graph")  # pack.qnn_embedding; graph: the table stays in the context binary
+EMBED_BLOCK = 32  # Q8_0's block: a GGUF-origin table (Gemma 3 270M's) is then on the grid, exactly
+
+
+def _snr_db(ref: np.ndarray, test: np.ndarray) -> float:
+    err = float(np.sum((ref.astype(np.float64) - test) ** 2))
+    sig = float(np.sum(ref.astype(np.float64) ** 2))
+    return float("inf") if err == 0.0 else float(10.0 * np.log10(sig / err))
+
+
+def _block_codes(table: np.ndarray, bits: int, block: int):
+    """Symmetric block-wise codes of the [V, H] table in MatMulNBits' layout: (B, scales fp16 [V, H/bs]),
+    and the table the lookup returns (its fp16 arithmetic included). The quantize stage's rounding (gptq.quantize_weight, method rtn, its
+    scale search; a table already on the grid is taken exactly) with fp16 scales, as GGUF's Q8_0/Q4_0."""
+    import torch
+
+    from . import gptq
+    from .int4_layouts import to_matmulnbits
+
+    q = gptq.quantize_weight(torch.from_numpy(np.ascontiguousarray(table, np.float32)), None, method="rtn",
+                             group_size=block, sym=True, scale_dtype="fp16", bits=bits, name="embedding")
+    b, scales, _ = to_matmulnbits(q.qweight.numpy(), q.scales.numpy(), q.zeros.numpy(), block, sym=True, bits=bits)
+    s16 = scales.astype(np.float16)
+    del q
+    # The rows as GatherBlockQuantized makes them: (code - zero) * scale, one fp16 product (then cast).
+    codes = _unpacked(b, bits).astype(np.int16) - 2 ** (bits - 1)
+    deq = (codes.astype(np.float16) * np.repeat(s16, block, axis=1)).astype(np.float32)
+    return b, s16, deq
+
+
+def _unpacked(b: np.ndarray, bits: int) -> np.ndarray:
+    """MatMulNBits' B [N, K/bs, bs*bits/8] -> the codes [N, K] (low nibble first at 4 bits)."""
+    n = b.shape[0]
+    if bits == 8:
+        return b.reshape(n, -1)
+    out = np.empty((n, b.shape[1] * b.shape[2] * 2), np.uint8)
+    flat = b.reshape(n, -1)
+    out[:, 0::2], out[:, 1::2] = flat & 0x0F, flat >> 4
+    return out
+
+
+def write_embedding(table: np.ndarray, out_dir: Path, bits: int, ids_dims: list[int],
+                    output: str = "inputs_embeds", block: int = EMBED_BLOCK) -> dict[str, Any]:
+    """out_dir/model.onnx (+ model.onnx.data): input_ids -> the table's rows as float32 `output`, one
+    com.microsoft GatherBlockQuantized over symmetric `bits`-bit codes in blocks of `block` (fp16
+    scales; ORT's default zero points), then a Reshape and a Cast. ONNX Runtime's own op, run on its
+    CPU EP; the graph is a few nodes, so it is written here rather than exported."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    v, k = (int(d) for d in table.shape)
+    if k % block:
+        raise QnnError(f"the embedding's width {k} is not a multiple of its block {block}")
+    # Both widths are measured (bytes, and the lookup's SNR against the float table), so the choice
+    # is recorded beside its alternative.
+    options, chosen = {}, None
+    for w in (8, 4):
+        codes = _block_codes(table, w, block)
+        options[f"int{w}"] = {"bytes": int(codes[0].nbytes + codes[1].nbytes),
+                              "snr_db": round(_snr_db(table, codes[2]), 2)}
+        if w == bits:
+            chosen = codes
+        del codes
+    b, scales, _ = chosen
+    inits = [numpy_helper.from_array(b, "embed.B"),
+             numpy_helper.from_array(scales.reshape(v, k // block, 1), "embed.scales"),
+             numpy_helper.from_array(np.asarray([0, 0, k], np.int64), "embed.shape")]
+    nodes = [helper.make_node("GatherBlockQuantized", ["embed.B", "input_ids", "embed.scales"], ["rows"],
+                              name="embed", domain="com.microsoft", bits=bits, block_size=block,
+                              gather_axis=0, quantize_axis=2),
+             helper.make_node("Reshape", ["rows", "embed.shape"], ["rows16"], name="embed_rows"),
+             helper.make_node("Cast", ["rows16"], [output], name="embed_cast", to=TensorProto.FLOAT)]
+    graph = helper.make_graph(nodes, "edgekiln_embedding",
+                              [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ids_dims)],
+                              [helper.make_tensor_value_info(output, TensorProto.FLOAT, ids_dims + [k])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(out_dir / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="model.onnx.data", size_threshold=1024)
+    files = sorted(p.name for p in out_dir.iterdir())
+    return {"model": "model.onnx", "files": files, "bits": bits, "block_size": block, "scale_dtype": "float16",
+            "symmetric": True, "vocab": v, "hidden": k, "bytes": sum((out_dir / f).stat().st_size for f in files),
+            "snr_db": options[f"int{bits}"]["snr_db"], "options": options, "input": "input_ids", "output": output,
+            "op": "com.microsoft.GatherBlockQuantized on ONNX Runtime's CPU EP"}

@@ -321,6 +321,11 @@ class PackConfig:
     # fp16 (left float, run in the HTP's fp16) or uint16 (quantized like the
     # rest; real checkpoints' massive activations make its grid coarse).
     qnn_residual: str = "fp16"
+    # The token embedding of the phone graphs: int8 | int4 (taken out of the
+    # graph, a block-32 GatherBlockQuantized the phone runs on its CPU; the
+    # binaries take inputs_embeds) or graph (the table inside every binary,
+    # where the HTP's Gather needs it 16-bit per tensor).
+    qnn_embedding: str = "int8"
     # llama.cpp devices (weight path gguf_q4_0): the GGUF's token embedding:
     # `auto` = the head's own quantized tensor where the checkpoint is tied
     # (one copy), else `keep`; `shared` (tied only); `keep` it as llama.cpp's

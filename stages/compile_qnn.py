@@ -9,7 +9,9 @@ hold nothing but EPContext nodes: a graph that would silently run on the CPU
 is a failure (pipeline/qnn.py). The QNN SDK version the wheel bundles is in
 this stage's toolchain key (`qnn-sdk`), since a context binary is tied to it.
 
-`io.json` (inputs, outputs, per-layer KV layout and slot rules) and the
+`io.json` (inputs, outputs, per-layer KV layout and slot rules), the token
+embedding's lookup (`embed/model.onnx`, which the phone runs on its CPU and
+whose rows are the binaries' `inputs_embeds`, pack.qnn_embedding) and the
 tokenizer travel along, so the folder is what a phone runtime needs.
 
 Other devices: {"applies": false}. Without onnxruntime-qnn the stage fails
@@ -64,6 +66,9 @@ def run(ctx: StageContext) -> dict:
                     f"(HTP {target['htp_arch']}) in {facts['compile_s']:.1f} s")
             bar.advance()
     shutil.copy2(pack / "io.json", out / "io.json")
+    embedding = npu.get("embedding", {})
+    if (pack / qnn.EMBED_DIR).is_dir():  # the lookup the phone runs on its CPU, before every binary
+        shutil.copytree(pack / qnn.EMBED_DIR, out / qnn.EMBED_DIR)
     copy_side_files(pack, out)
     info = {
         "format": "edgekiln-qnn-context/1",
@@ -74,6 +79,9 @@ def run(ctx: StageContext) -> dict:
                    "device": device["name"]},
         "qnn_sdk": qnn.sdk_version(),
         "backend": "onnxruntime-qnn HTP backend (libQnnHtp), plugin EP, CPU fallback disabled",
+        "embedding": ({"dir": qnn.EMBED_DIR, **{k: embedding[k] for k in ("model", "bits", "block_size", "bytes",
+                                                                        "input", "output", "op")}}
+                      if (pack / qnn.EMBED_DIR).is_dir() else {"in_graph": True}),
     }
     (out / "qnn.json").write_text(json.dumps(info, indent=2) + "\n")
     return {**info, "metrics": {"binaries": len(compiled),

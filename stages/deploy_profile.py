@@ -316,6 +316,18 @@ def _llamacpp(ctx, device, pack_dir, kv, context_length: int) -> dict:
     return {"runtime": "llama.cpp", "files": ["llama.cpp.json"], "llama.cpp": profile}
 
 
+def _qnn_embedding(info: dict, io: dict) -> dict:
+    """How the phone turns a token into the binaries' first input."""
+    e = info.get("embedding", {"in_graph": True})
+    if e.get("in_graph") or "embedding" not in io:
+        return {"in_graph": True, "note": "the binaries take input_ids: the table is inside them"}
+    return {"model": f"../compile_qnn/{e['dir']}/{e['model']}", "bytes": e["bytes"], "bits": e["bits"],
+            "block_size": e["block_size"],
+            "run": (f"ONNX Runtime's CPU EP (no QNN provider), once a token: {e['input']} int64 [1, 1] -> "
+                    f"{e['output']} float32, fed to the context binary as its {e['output']} input"),
+            "why": "the HTP takes no per-axis quantized Gather: in the binary the table was 16-bit"}
+
+
 def _qnn(ctx, comp_dir) -> dict:
     info = json.loads((comp_dir / "qnn.json").read_text())
     io = json.loads((comp_dir / "io.json").read_text())
@@ -341,6 +353,7 @@ def _qnn(ctx, comp_dir) -> dict:
                      "fp16": "every float node runs in the HTP's fp16: the fp16 variant whole, and the QDQ "
                              "variants' float residual stream (pack.qnn_residual)"},
         "session_config": {"session.disable_cpu_ep_fallback": "1"},
+        "embedding": _qnn_embedding(info, io),
         "inputs": io["inputs"],
         "outputs": io["outputs"],
         "kv_layout": io["layers"],

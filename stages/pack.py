@@ -203,6 +203,21 @@ def _calibration_sequences(cal_dir: Path, context_length: int, n: int) -> list[l
     return calibration_sequences(np.load(tokens), context_length, n)
 
 
+def _phone_io(io: dict, embedding: dict | None, up: str = "") -> dict:
+    """The export's io.json for a phone graph: with the embedding off the graph, `input_ids` is
+    replaced by `inputs_embeds` and "embedding" names the lookup's model (relative to the io.json)."""
+    if embedding is None:
+        return io
+    from pipeline.qnn import EMBED_DIR
+
+    ids = next(i for i in io["inputs"] if i["name"] == "input_ids")
+    embeds = {"name": embedding["output"], "shape": list(ids["shape"]) + [embedding["hidden"]], "dtype": "float32"}
+    inputs = [embeds if i["name"] == "input_ids" else i for i in io["inputs"]]
+    return {**io, "inputs": inputs, "embedding": {"model": f"{up}{EMBED_DIR}/{embedding['model']}",
+                                                  "input": embedding["input"], "output": embedding["output"],
+                                                  "bits": embedding["bits"], "block_size": embedding["block_size"]}}
+
+
 def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     """The export made QNN-ready, and its calibrated QDQ variants (module docstring)."""
     import gc
@@ -230,12 +245,34 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     overrides = npu_rewrite.embedding_ranges(prepared) if qdq else {}  # before the save moves the data out
     residual = npu_rewrite.residual_stream(prepared)
     float_nodes = residual["adds"] + residual["norms"] if str(cfg.qnn_residual) == "fp16" else []
+    table, embedding = None, None
+    if str(cfg.qnn_embedding) != "graph":
+        # The lookup leaves the graph (npu_rewrite.embedding_input says why): the binaries take
+        # inputs_embeds, and embed/model.onnx, an 8- or 4-bit GatherBlockQuantized, runs on the CPU.
+        ids_dims = [d.dim_value for i in prepared.graph.input if i.name == "input_ids"
+                    for d in i.type.tensor_type.shape.dim]
+        try:
+            prepared, cut = npu_rewrite.embedding_input(prepared)
+        except npu_rewrite.RewriteError as err:
+            raise StageError(f"pack: pack.qnn_embedding={cfg.qnn_embedding}: {err} (pack.qnn_embedding=graph "
+                             "keeps the lookup in the binary)") from None
+        if cut["gather_output"] in overrides:
+            overrides[npu_rewrite.EMBEDS_INPUT] = overrides.pop(cut["gather_output"])
+        table = cut["table"]
+        with ctx.progress(None, f"embedding: {table.shape[0]} x {table.shape[1]} table, {cfg.qnn_embedding} "
+                                f"blocks of {qnn.EMBED_BLOCK} for the CPU"):
+            embedding = qnn.write_embedding(table, out / qnn.EMBED_DIR, int(str(cfg.qnn_embedding)[3:]), ids_dims)
+        options = embedding["options"]
+        ctx.log(f"embedding off the HTP: {embedding['bytes'] / 1e6:.1f} MB {cfg.qnn_embedding} "
+                f"(table SNR {embedding['snr_db']:.1f} dB; " + ", ".join(
+                    f"{k} {v['bytes'] / 1e6:.1f} MB {v['snr_db']:.1f} dB" for k, v in options.items()) + ")")
     # External data: ONNX Runtime's QNN quantization config loads the graph without it and runs ONNX shape
     # inference on what it loaded; with the weights inline that one call held ~4 copies of the 1.7 GB
     # graph (8.5 GiB on Gemma 3 270M), without them it is the graph's structure only.
     onnx.save(prepared, str(float_dir / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
               location="model.onnx.data", size_threshold=1024)
-    shutil.copy2(export_dir / "io.json", float_dir / "io.json")
+    io_phone = _phone_io(io, embedding)
+    (float_dir / "io.json").write_text(json.dumps(_phone_io(io, embedding, "../"), indent=2) + "\n")
     ctx.log(f"QNN-ready float graph: {rewrites['sanitize']}, {rewrites['rope_tables']} rotary tables, "
             f"{rewrites['rms_norms_fused']} RMSNorms fused")
     # Memory: from here on the graph lives in the sessions only. On Gemma 3
@@ -251,15 +288,18 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     # The rewrites must not change what the graph computes: both decode the
     # first calibration sequence, compared step by step.
     ref = OnnxDecoder(export_dir, threads=2)
-    new = OnnxDecoder(float_dir, threads=2)
+    # the rewrites checked with the float table's rows
+    new = OnnxDecoder(float_dir, threads=2, embed=None if table is None else table.__getitem__)
     check = seqs[0][:QNN_CHECK_STEPS]
     worst = min(snr_db(ref.step(t), new.step(t)) for t in check)
     if worst < QNN_CHECK_MIN_SNR_DB:
         raise StageError(f"pack: the QNN-ready graph departs from the export ({worst:.1f} dB at worst over "
                          f"{len(check)} steps, needs {QNN_CHECK_MIN_SNR_DB:g}): a rewrite is wrong")
     ctx.log(f"QNN-ready graph matches the export: worst step {worst:.1f} dB over {len(check)} steps")
-    del ref
+    # The calibration sees what the device will feed: the shipped lookup's rows.
+    del ref, new, table
     gc.collect()
+    new = OnnxDecoder(float_dir, threads=2)
 
     graphs = {}
     calibration = None
@@ -321,10 +361,12 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     finally:
         shutil.rmtree(spill, ignore_errors=True)
     copy_side_files(export_dir, out)
-    shutil.copy2(export_dir / "io.json", out / "io.json")
+    (out / "io.json").write_text(json.dumps(io_phone, indent=2) + "\n")
     info = {"format": "edgekiln-qnn-pack/1", "precisions": precisions, "deployed": precisions[0],
             "graphs": graphs, "rewrites": rewrites, "rewrite_check": {"steps": len(check), "worst_snr_db": worst},
-            "calibration": calibration, "context_length": C}
+            "calibration": calibration, "context_length": C,
+            "embedding": embedding or {"in_graph": True, "note": "pack.qnn_embedding=graph: the table is in the "
+                                                                  "binaries, a Gather the HTP runs"}}
     (out / "npu.json").write_text(json.dumps(info, indent=2, default=float) + "\n")
     size = sum(f.stat().st_size for f in out.rglob("*.onnx*"))
     return {**info, "bytes": size}

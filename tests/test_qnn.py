@@ -119,6 +119,15 @@ def test_phone_build_end_to_end_compiles_once_and_verifies_on_the_htp(tmp_path):
     assert npu["rewrite_check"]["worst_snr_db"] >= 100
     assert npu["graphs"]["w8a16"]["samples"] > 0 and npu["graphs"]["w8a16"]["activation_type"] == "uint16"
     assert npu["graphs"]["w8a16"]["samples"] == npu["calibration"]["samples"] and npu["graphs"]["w8a16"]["streamed"]
+    # the token embedding is off the HTP (pack.qnn_embedding=int8): an 8-bit lookup the phone runs on its CPU,
+    # both widths measured; the binaries take inputs_embeds and hold no table
+    emb = npu["embedding"]
+    assert emb["bits"] == 8 and emb["block_size"] == 32 and set(emb["options"]) == {"int8", "int4"}
+    assert emb["options"]["int8"]["snr_db"] > emb["options"]["int4"]["snr_db"] + 15
+    assert emb["options"]["int8"]["bytes"] < emb["options"]["int4"]["bytes"] * 2.2
+    assert (build / "compile_qnn" / "embed" / "model.onnx").is_file()
+    io = json.loads((build / "compile_qnn" / "io.json").read_text())
+    assert "input_ids" not in {i["name"] for i in io["inputs"]} and io["embedding"]["model"] == "embed/model.onnx"
 
     parity = json.loads((build / "verify_parity" / "report.json").read_text())
     assert parity["metrics"]["logits_snr_db"] >= 100  # the fp32 export against eager
@@ -152,6 +161,8 @@ def test_phone_build_end_to_end_compiles_once_and_verifies_on_the_htp(tmp_path):
     assert profile["provider"]["options"]["htp_arch"] == "79" and profile["qnn_sdk"] == qnn.sdk_version()
     assert {x["slot_rule"] for x in profile["kv_layout"]} >= {"position", "position mod 15"}
     names = {i["name"]: i for i in profile["inputs"]}
+    assert profile["embedding"]["model"] == "../compile_qnn/embed/model.onnx" and profile["embedding"]["bits"] == 8
+    assert names["inputs_embeds"]["dtype"] == "float32" and "input_ids" not in names
     assert names["past_key_0"]["dtype"] == "float32" and names["past_key_0"]["shape"][2] == 15
 
     bench = json.loads((build / "benchmark" / "report.json").read_text())
