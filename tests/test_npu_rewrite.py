@@ -170,6 +170,52 @@ def test_residual_stream_follows_the_scaled_embedding_through_each_layers_adds()
     assert npu_rewrite.residual_stream(model) == {"adds": ["res0", "res1"], "norms": ["ln0", "ln1", "final"]}
 
 
+def _tied_head_model(table, head_reads_table: bool):
+    """input_ids -> Gather(table) * scale -> MatMul with a head (the table itself, transposed by the graph,
+    or a separate initializer as the untie_head stage's export has it)."""
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, 1])
+    pos = helper.make_tensor_value_info("position", TensorProto.INT64, [1])
+    nodes = [helper.make_node("Gather", ["table", "input_ids"], ["emb"], name="embed", axis=0),
+             helper.make_node("Mul", ["emb", "scale"], ["r0"], name="scale"),
+             helper.make_node("Cast", ["position"], ["posf"], to=TensorProto.FLOAT),
+             helper.make_node("Add", ["r0", "posf"], ["r1"], name="res0")]
+    inits = [("table", table), ("scale", np.array(3.0, np.float32))]
+    if head_reads_table:
+        nodes += [helper.make_node("Transpose", ["table"], ["head"], perm=[1, 0])]
+    else:
+        inits.append(("head", np.ascontiguousarray(table.T)))
+    nodes.append(helper.make_node("MatMul", ["r1", "head"], ["logits"]))
+    return _model(nodes, [ids, pos], [_f32("logits", [1, 1, table.shape[0]])], inits)
+
+
+@pytest.mark.parametrize("head_reads_table", [False, True])
+def test_embedding_input_takes_the_lookup_out_and_computes_the_same_from_the_fed_rows(head_reads_table):
+    table = RNG.standard_normal((50, 8)).astype(np.float32)
+    model = _tied_head_model(table, head_reads_table)
+    before = [_run(model, {"input_ids": np.array([[t]], np.int64), "position": np.array([t % 5], np.int64)})[0]
+              for t in (0, 7, 49)]
+    cut, info = npu_rewrite.embedding_input(model)
+    assert info["gather_output"] == "emb" and np.array_equal(info["table"], table)
+    names = [i.name for i in cut.graph.input]
+    assert names == ["inputs_embeds", "position"] and "Gather" not in _ops(cut)
+    dims = [d.dim_value for d in cut.graph.input[0].type.tensor_type.shape.dim]
+    assert dims == [1, 1, 8]
+    # the table leaves the graph unless the head still reads it (then it stays, once)
+    assert ("table" in {i.name for i in cut.graph.initializer}) == head_reads_table
+    for t, want in zip((0, 7, 49), before):
+        got = _run(cut, {"inputs_embeds": table[t].reshape(1, 1, 8), "position": np.array([t % 5], np.int64)})[0]
+        assert np.array_equal(got, want)
+    # the residual stream is still found, now from the input's scaling
+    assert npu_rewrite.residual_stream(cut)["adds"] == ["res0"]
+
+
+def test_embedding_input_refuses_a_graph_without_a_lookup():
+    x = _f32("x", [1, 1, 8])
+    model = _model([helper.make_node("Relu", ["x"], ["y"])], [x], [_f32("y", [1, 1, 8])])
+    with pytest.raises(npu_rewrite.RewriteError, match="no embedding lookup"):
+        npu_rewrite.embedding_input(model)
+
+
 def test_graph_diff_names_the_first_tensor_a_qdq_range_clips():
     from pipeline import graph_diff
 

@@ -48,6 +48,39 @@ def test_a_graph_compiles_to_a_context_binary_that_runs_on_the_htp(tmp_path):
 
 
 @needs_qnn
+def test_the_embedding_taken_out_leaves_its_table_out_of_the_context_binary(tmp_path):
+    """A lookup + untied head graph compiled for the HTP with the table in it, and with
+    npu_rewrite.embedding_input's cut: the binary loses at least the table's fp16 bytes, and the cut
+    binary fed the table's rows gives the logits the whole one gives."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    from pipeline import npu_rewrite
+
+    v, h = 8192, 64
+    rng = np.random.default_rng(2)
+    table = rng.standard_normal((v, h)).astype(np.float32)
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, 1])
+    nodes = [helper.make_node("Gather", ["table", "input_ids"], ["emb"], name="embed", axis=0),
+             helper.make_node("MatMul", ["emb", "head"], ["logits"], name="head")]
+    inits = [numpy_helper.from_array(table, "table"),
+             numpy_helper.from_array(rng.standard_normal((h, 256)).astype(np.float32), "head")]
+    model = helper.make_model(helper.make_graph(nodes, "g", [ids], [helper.make_tensor_value_info(
+        "logits", TensorProto.FLOAT, [1, 1, 256])], inits), opset_imports=[helper.make_opsetid("", 21)])
+    onnx.save(model, str(tmp_path / "whole.onnx"))
+    cut, _ = npu_rewrite.embedding_input(model)
+    onnx.save(cut, str(tmp_path / "cut.onnx"))
+    whole = qnn.compile_context(tmp_path / "whole.onnx", tmp_path / "w", S25, "fp16")
+    small = qnn.compile_context(tmp_path / "cut.onnx", tmp_path / "c", S25, "fp16")
+    assert whole["bytes"] - small["bytes"] >= v * h * 2, (whole["bytes"], small["bytes"])
+    a = qnn.htp_session(tmp_path / "w" / qnn.CONTEXT_MODEL, S25, "fp16")
+    b = qnn.htp_session(tmp_path / "c" / qnn.CONTEXT_MODEL, S25, "fp16")
+    for t in (0, 4097, v - 1):
+        np.testing.assert_allclose(b.run(None, {"inputs_embeds": table[t].reshape(1, 1, h)})[0],
+                                   a.run(None, {"input_ids": np.array([[t]], np.int64)})[0], rtol=1e-2, atol=1e-2)
+
+
+@needs_qnn
 def test_a_graph_that_would_fall_back_to_the_cpu_is_a_failure(tmp_path):
     with pytest.raises(qnn.QnnError, match="refused|EPContext"):
         qnn.compile_context(_graph(tmp_path, "cpu_only"), tmp_path / "ctx", S25, "fp16")
@@ -406,6 +439,33 @@ def qnn_load(path):
     from pipeline.tensorfile import load_onnx
 
     return load_onnx(path)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_embedding_lookup_returns_the_rows_its_recorded_snr_was_measured_on(tmp_path, bits):
+    """The phone's CPU lookup (pack.qnn_embedding): ONNX Runtime's GatherBlockQuantized gives exactly the
+    rows whose SNR the pack records, both widths are measured, and a table already on Q8_0's grid (a
+    GGUF-origin one, Gemma 3 270M's) comes back bit for bit at 8 bits."""
+    ort = pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng(1)
+    table = rng.standard_normal((300, 64)).astype(np.float32)
+    facts = qnn.write_embedding(table, tmp_path / "e", bits, [1, 1])
+    assert facts["bits"] == bits and set(facts["options"]) == {"int8", "int4"}
+    assert facts["options"]["int8"]["snr_db"] > 40 > facts["options"]["int4"]["snr_db"] > 15
+    s = ort.InferenceSession(str(tmp_path / "e" / "model.onnx"), providers=["CPUExecutionProvider"])
+    rows = np.concatenate([s.run(None, {"input_ids": np.array([[t]], np.int64)})[0][0] for t in range(300)])
+    err = float(np.sum((rows.astype(np.float64) - table) ** 2))
+    assert 10 * np.log10(float(np.sum(table.astype(np.float64) ** 2)) / err) == pytest.approx(facts["snr_db"], abs=0.01)
+    # on the grid: int8 codes times fp16 block scales that fp16 holds exactly
+    codes = rng.integers(-127, 128, (300, 64)).astype(np.float32)
+    codes[:, ::32] = 127  # every block's absmax is 127 codes, as Q8_0 writes them
+    scales = np.repeat((2.0 ** -rng.integers(6, 10, (300, 2))).astype(np.float32), 32, axis=1)
+    on_grid = codes * scales
+    if bits == 8:
+        qnn.write_embedding(on_grid, tmp_path / "g", 8, [1, 1])
+        g = ort.InferenceSession(str(tmp_path / "g" / "model.onnx"), providers=["CPUExecutionProvider"])
+        got = np.concatenate([g.run(None, {"input_ids": np.array([[t]], np.int64)})[0][0] for t in range(300)])
+        assert np.array_equal(got, on_grid)
 
 
 def test_weight_overrides_name_every_matmul_weight_and_refuse_an_unknown_granularity(tmp_path):
