@@ -464,12 +464,6 @@ EMBEDDING_CHOICES = ("int8", "int4", "graph")  # pack.qnn_embedding; graph: the 
 EMBED_BLOCK = 32  # Q8_0's block: a GGUF-origin table (Gemma 3 270M's) is then on the grid, exactly
 
 
-def _snr_db(ref: np.ndarray, test: np.ndarray) -> float:
-    err = float(np.sum((ref.astype(np.float64) - test) ** 2))
-    sig = float(np.sum(ref.astype(np.float64) ** 2))
-    return float("inf") if err == 0.0 else float(10.0 * np.log10(sig / err))
-
-
 def _block_codes(table: np.ndarray, bits: int, block: int):
     """Symmetric block-wise codes of the [V, H] table in MatMulNBits' layout: (B, scales fp16 [V, H/bs]),
     and the table the lookup returns (its fp16 arithmetic included). The quantize stage's rounding (gptq.quantize_weight, method rtn, its
@@ -483,22 +477,11 @@ def _block_codes(table: np.ndarray, bits: int, block: int):
                              group_size=block, sym=True, scale_dtype="fp16", bits=bits, name="embedding")
     b, scales, _ = to_matmulnbits(q.qweight.numpy(), q.scales.numpy(), q.zeros.numpy(), block, sym=True, bits=bits)
     s16 = scales.astype(np.float16)
-    del q
     # The rows as GatherBlockQuantized makes them: (code - zero) * scale, one fp16 product (then cast).
-    codes = _unpacked(b, bits).astype(np.int16) - 2 ** (bits - 1)
+    codes = q.qweight.numpy().astype(np.int16) - 2 ** (bits - 1)
+    del q
     deq = (codes.astype(np.float16) * np.repeat(s16, block, axis=1)).astype(np.float32)
     return b, s16, deq
-
-
-def _unpacked(b: np.ndarray, bits: int) -> np.ndarray:
-    """MatMulNBits' B [N, K/bs, bs*bits/8] -> the codes [N, K] (low nibble first at 4 bits)."""
-    n = b.shape[0]
-    if bits == 8:
-        return b.reshape(n, -1)
-    out = np.empty((n, b.shape[1] * b.shape[2] * 2), np.uint8)
-    flat = b.reshape(n, -1)
-    out[:, 0::2], out[:, 1::2] = flat & 0x0F, flat >> 4
-    return out
 
 
 def write_embedding(table: np.ndarray, out_dir: Path, bits: int, ids_dims: list[int],
@@ -510,6 +493,8 @@ def write_embedding(table: np.ndarray, out_dir: Path, bits: int, ids_dims: list[
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
+    from .decode_graph import snr_db
+
     v, k = (int(d) for d in table.shape)
     if k % block:
         raise QnnError(f"the embedding's width {k} is not a multiple of its block {block}")
@@ -519,7 +504,7 @@ def write_embedding(table: np.ndarray, out_dir: Path, bits: int, ids_dims: list[
     for w in (8, 4):
         codes = _block_codes(table, w, block)
         options[f"int{w}"] = {"bytes": int(codes[0].nbytes + codes[1].nbytes),
-                              "snr_db": round(_snr_db(table, codes[2]), 2)}
+                              "snr_db": round(snr_db(table, codes[2]), 2)}
         if w == bits:
             chosen = codes
         del codes
