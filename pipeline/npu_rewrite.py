@@ -462,7 +462,8 @@ def embedding_input(model: onnx.ModelProto, ids: str = "input_ids") -> tuple[onn
     input `inputs_embeds` (float32, the Gather's output shape: [1, 1, hidden] for the decode step);
     the table leaves the graph where nothing else reads it, and so does `ids` once unused. Rewrites
     `model` in place; returns it and {"table": the float table (numpy), "table_name", "gather_output"
-    (the tensor inputs_embeds replaces: range overrides keyed by it move to inputs_embeds)}.
+    (the tensor inputs_embeds replaces: range overrides keyed by it move to inputs_embeds), "ids_dims"
+    (the ids input's shape, which the lookup takes)}.
 
     Why (docs/small-artifacts.md): the HTP refuses a per-axis quantized Gather, so in the context
     binary the table was one more 16-bit tensor: on Gemma 3 270M (262,144 x 640) 335 MB of a 613 MB
@@ -494,7 +495,7 @@ def embedding_input(model: onnx.ModelProto, ids: str = "input_ids") -> tuple[onn
     if table_name not in readers:
         inits = model.graph.initializer
         del inits[[k for k, i in enumerate(inits) if i.name == table_name][0]]
-    return model, {"table": table, "table_name": table_name, "gather_output": out}
+    return model, {"table": table, "table_name": table_name, "gather_output": out, "ids_dims": dims[:-1]}
 
 
 RESIDUAL_NORMS = ("SimplifiedLayerNormalization",)

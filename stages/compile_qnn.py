@@ -67,7 +67,8 @@ def run(ctx: StageContext) -> dict:
             bar.advance()
     shutil.copy2(pack / "io.json", out / "io.json")
     embedding = npu.get("embedding", {})
-    if (pack / qnn.EMBED_DIR).is_dir():  # the lookup the phone runs on its CPU, before every binary
+    off_graph = (pack / qnn.EMBED_DIR).is_dir()
+    if off_graph:  # the lookup the phone runs on its CPU, before every binary
         shutil.copytree(pack / qnn.EMBED_DIR, out / qnn.EMBED_DIR)
     copy_side_files(pack, out)
     info = {
@@ -81,7 +82,7 @@ def run(ctx: StageContext) -> dict:
         "backend": "onnxruntime-qnn HTP backend (libQnnHtp), plugin EP, CPU fallback disabled",
         "embedding": ({"dir": qnn.EMBED_DIR, **{k: embedding[k] for k in ("model", "bits", "block_size", "bytes",
                                                                         "input", "output", "op")}}
-                      if (pack / qnn.EMBED_DIR).is_dir() else {"in_graph": True}),
+                      if off_graph else {"in_graph": True}),
     }
     (out / "qnn.json").write_text(json.dumps(info, indent=2) + "\n")
     return {**info, "metrics": {"binaries": len(compiled),

@@ -249,8 +249,6 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     if str(cfg.qnn_embedding) != "graph":
         # The lookup leaves the graph (npu_rewrite.embedding_input says why): the binaries take
         # inputs_embeds, and embed/model.onnx, an 8- or 4-bit GatherBlockQuantized, runs on the CPU.
-        ids_dims = [d.dim_value for i in prepared.graph.input if i.name == "input_ids"
-                    for d in i.type.tensor_type.shape.dim]
         try:
             prepared, cut = npu_rewrite.embedding_input(prepared)
         except npu_rewrite.RewriteError as err:
@@ -261,7 +259,8 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
         table = cut["table"]
         with ctx.progress(None, f"embedding: {table.shape[0]} x {table.shape[1]} table, {cfg.qnn_embedding} "
                                 f"blocks of {qnn.EMBED_BLOCK} for the CPU"):
-            embedding = qnn.write_embedding(table, out / qnn.EMBED_DIR, int(str(cfg.qnn_embedding)[3:]), ids_dims)
+            embedding = qnn.write_embedding(table, out / qnn.EMBED_DIR, int(str(cfg.qnn_embedding)[3:]),
+                                             cut["ids_dims"])
         options = embedding["options"]
         ctx.log(f"embedding off the HTP: {embedding['bytes'] / 1e6:.1f} MB {cfg.qnn_embedding} "
                 f"(table SNR {embedding['snr_db']:.1f} dB; " + ", ".join(
