@@ -348,7 +348,9 @@ def _copy_field(writer, field) -> None:
 
 # The token embedding: "shared" = the head's own Q4_0/Q8_0 tensor (a tied checkpoint: token_embd holds
 # it and output.weight is left out, as llama.cpp's converter does for a tied model; llama.cpp then reads
-# the head from token_embd); "auto" = shared where the checkpoint is tied, else "keep"; the others below.
+# the head from token_embd); "auto" = shared where the checkpoint is tied, else the quantize stage's
+# measured choice for the table (quant.json "embedding": its int8 / int4 codes, gptq.embedding_codes, as
+# Q8_0 / Q4_0, or kept), else "keep"; the others below.
 OTHERS = ("auto", "shared", "keep", "q8_0", "q4_0")
 TOKEN_EMBD = "token_embd.weight"
 HEAD = "lm_head"
@@ -364,6 +366,26 @@ def _tied_head(reader, hf_dir: Path, placed: dict) -> bool:
     head = _as_stored(_hf_weight(_hf_weight_files(Path(hf_dir)), f"{HEAD}.weight"), emb)
     return head is not None and head.shape == tuple(emb.data.shape) and np.array_equal(np.asarray(emb.data), head)
 
+
+
+def _embedding_name(files: dict[str, Path]) -> str:
+    """The HF checkpoint's token embedding tensor (the one name ending in embed_tokens.weight)."""
+    names = [n for n in files if n.endswith("embed_tokens.weight")]
+    if len(names) != 1:
+        raise GgufQ4Error(f"the checkpoint's token embedding: {len(names)} tensors named *embed_tokens.weight")
+    return names[0]
+
+
+def embedding_blocks(hf_dir, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """The checkpoint's table as the quantize stage measured it at `bits` (gptq.embedding_codes): its
+    Q8_0 / Q4_0 blocks and the weights they dequantize to."""
+    from pipeline import gptq
+
+    files = _hf_weight_files(Path(hf_dir))
+    q = gptq.embedding_codes(_hf_weight(files, _embedding_name(files)), bits)
+    codes, scales = q.qweight.numpy(), q.scales.numpy()
+    del q
+    return (pack_q8_0 if bits == 8 else pack_q4_0)(codes, scales), dequant(codes, scales, bits)
 
 
 def write_q4_0(converted_gguf, hf_dir, quant_dir, out_file, *, others: str = "auto") -> dict[str, Any]:
@@ -398,6 +420,9 @@ def write_q4_0(converted_gguf, hf_dir, quant_dir, out_file, *, others: str = "au
     if others == "shared" and not shared:
         raise GgufQ4Error("pack.gguf_token_embedding=shared needs a tied checkpoint (its token embedding the "
                           "head's weight, as converted); use auto or keep")
+    # an untied table under auto: the form the quantize stage measured and chose (its own codes, or kept)
+    chosen = (meta.get("embedding") or {}).get("chosen") if others == "auto" and not shared else None
+    embed_bits = {"int8": 8, "int4": 4}.get(chosen)
     others = "keep" if others == "auto" else others
     dropped = placed[HEAD][0] if shared else None  # output.weight: llama.cpp reads the head from token_embd
     if shared:
@@ -430,7 +455,15 @@ def write_q4_0(converted_gguf, hf_dir, quant_dir, out_file, *, others: str = "au
         for t in reader.tensors:
             if t.name == dropped:
                 continue
-            if t.name in by_tensor:
+            if t.name == TOKEN_EMBD and embed_bits:
+                blocks, _ = embedding_blocks(hf_dir, embed_bits)
+                if blocks.shape[0] != t.data.shape[0]:
+                    raise GgufQ4Error(f"{TOKEN_EMBD}: {t.data.shape[0]} rows, the checkpoint's table "
+                                      f"{blocks.shape[0]}")
+                kind = GGUF_TYPE[embed_bits]
+                writer.add_tensor(t.name, blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
+                del blocks
+            elif t.name in by_tensor:
                 layer, perm = by_tensor[t.name]
                 q, s, _z, _g = layers[layer]
                 kind = GGUF_TYPE[width[layer]]
@@ -469,8 +502,11 @@ def write_q4_0(converted_gguf, hf_dir, quant_dir, out_file, *, others: str = "au
         "file_type": "MOSTLY_Q4_0" if wrote_ftype else "absent in the conversion (left absent)",
         # the token embedding: the head's own tensor (one copy), or what `others` made of the converted one
         "token_embedding": f"shared: the head's {GGUF_TYPE[width[HEAD]]} tensor ({dropped} left out)" if shared
+        else f"{chosen}: the quantize stage's measured choice, its codes as {GGUF_TYPE[embed_bits]}" if embed_bits
         else others,
         "rounded": rounded,
+        # the table's own codes (auto on an untied checkpoint): verify_file reads them back
+        **({"embedding_codes": {"tensor": TOKEN_EMBD, "bits": embed_bits}} if embed_bits else {}),
     }
 
 
@@ -497,7 +533,9 @@ def build_q4_0(hf_dir, quant_dir, out_file, *, src: str | None = None, outtype: 
 def _ours(reader, report: dict) -> set[str]:
     """The file's Q4_0 / Q8_0 tensors that are not gguf's rounding of a converted one (report["rounded"])."""
     kinds = set(GGUF_TYPE.values())
-    return {t.name for t in reader.tensors if t.tensor_type.name in kinds} - set(report.get("rounded", ()))
+    table = [report["embedding_codes"]["tensor"]] if "embedding_codes" in report else []
+    return {t.name for t in reader.tensors if t.tensor_type.name in kinds} - set(report.get("rounded", ())) - \
+        set(table)
 
 
 def file_weights(gguf_file, report: dict) -> dict[str, np.ndarray]:
@@ -520,9 +558,11 @@ def file_weights(gguf_file, report: dict) -> dict[str, np.ndarray]:
     return out
 
 
-def verify_file(gguf_file, quant_dir, report: dict) -> int:
+def verify_file(gguf_file, quant_dir, report: dict, hf_dir=None) -> int:
     """Every Q4_0 / Q8_0 tensor of ours in the file dequantizes bit-for-bit to our weights (GgufQ4Error
-    otherwise); returns how many were checked. Those tensors must be exactly the report's."""
+    otherwise); returns how many were checked. Those tensors must be exactly the report's. Where the
+    table holds its own codes (report["embedding_codes"]), it is read back too, against the codes made
+    again from the checkpoint `hf_dir` (then required), and counted."""
     import gguf
 
     from pipeline.int4_runtime import read_quant
@@ -540,7 +580,18 @@ def verify_file(gguf_file, quant_dir, report: dict) -> int:
         q, s, _z, _g = layers[layer]
         if not np.array_equal(w, dequant(q, s, width[layer])):
             raise GgufQ4Error(f"{gguf_file}: {layer} does not dequantize to the quantize stage's weights")
-    return len(got)
+    table = report.get("embedding_codes")
+    if table is None:
+        return len(got)
+    if hf_dir is None:
+        raise GgufQ4Error(f"{gguf_file}: its {table['tensor']} holds the table's own codes; verifying it needs "
+                          "the checkpoint (hf_dir)")
+    t = next((t for t in gguf.GGUFReader(str(gguf_file)).tensors if t.name == table["tensor"]), None)
+    if t is None or t.tensor_type.name != GGUF_TYPE[table["bits"]] or not np.array_equal(
+            gguf.quants.dequantize(t.data, t.tensor_type), embedding_blocks(hf_dir, table["bits"])[1]):
+        raise GgufQ4Error(f"{gguf_file}: {table['tensor']} does not dequantize to the table's "
+                          f"{table['bits']}-bit codes")
+    return len(got) + 1
 
 
 def _set_linears(model, weights: dict[str, np.ndarray]):
@@ -558,23 +609,36 @@ def _set_linears(model, weights: dict[str, np.ndarray]):
 
 def file_model(hf_dir, gguf_file, report: dict):
     """The HF model (fp32) holding the file's Q4_0 / Q8_0 linears as gguf dequantizes them; the token
-    embedding the head's where the file shares it; every other tensor (norms) as the checkpoint holds it."""
+    embedding the head's where the file shares it, the file's own where it is Q4_0 / Q8_0 (the table's
+    codes, or gguf's rounding); every other tensor (norms) as the checkpoint holds it."""
     import torch
 
     from pipeline.decode_graph import load_hf_model
+
+    import gguf
 
     weights = file_weights(gguf_file, report)
     model = _set_linears(load_hf_model(hf_dir), weights)
     if TOKEN_EMBD in report["layers"]:  # shared: token_embd is the head's tensor
         with torch.no_grad():
             model.get_input_embeddings().weight.copy_(torch.from_numpy(weights[report["layers"][TOKEN_EMBD]]))
+        return model
+    t = next((t for t in gguf.GGUFReader(str(gguf_file)).tensors if t.name == TOKEN_EMBD), None)
+    if t is not None and t.tensor_type.name in GGUF_TYPE.values():  # the table's codes, or gguf's rounding
+        with torch.no_grad():
+            model.get_input_embeddings().weight.copy_(torch.from_numpy(
+                np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)))
     return model
 
 
 def dequantized_model(hf_dir, quant_dir):
     """The HF model (fp32, eager attention) with every quantized linear replaced by our
-    dequantized weights: the reference a Q4_0 file of these weights should reproduce
-    up to llama.cpp's activation rounding."""
+    dequantized weights, and the token embedding as pack.gguf_token_embedding=auto ships it (the
+    head's where quant.json's "embedding" record says the table is the head's, its own codes where it
+    chose int8 / int4): the reference a Q4_0 file of these weights should reproduce up to llama.cpp's
+    activation rounding."""
+    import torch
+
     from pipeline import int4_layouts
     from pipeline.decode_graph import load_hf_model
     from pipeline.int4_runtime import read_quant
@@ -582,4 +646,11 @@ def dequantized_model(hf_dir, quant_dir):
     meta, layers = read_quant(quant_dir, bits=tuple(GGUF_TYPE))
     width = widths(meta, layers)
     weights = {name: int4_layouts.dequant(q, s, z, g, bits=width[name]) for name, (q, s, z, g) in layers.items()}
-    return _set_linears(load_hf_model(hf_dir), weights)
+    model = _set_linears(load_hf_model(hf_dir), weights)
+    chosen = (meta.get("embedding") or {}).get("chosen")
+    table = weights.get(HEAD) if chosen == "head" else \
+        embedding_blocks(hf_dir, {"int8": 8, "int4": 4}[chosen])[1] if chosen in ("int8", "int4") else None
+    if table is not None:
+        with torch.no_grad():
+            model.get_input_embeddings().weight.copy_(torch.from_numpy(table))
+    return model

@@ -404,6 +404,22 @@ def quantize_weight(w: torch.Tensor, h: torch.Tensor | None, *, method: str = "g
     raise QuantError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
 
 
+# The token embedding's codes (an untied table on the kernels that gather from block codes: ORT's
+# GatherBlockQuantized, GGUF's Q8_0 / Q4_0; the phone's lookup). Blocks of Q8_0's 32 with fp16 scales, as
+# GGUF holds them: a GGUF-origin table (Gemma 3 270M's) is then on the grid, exactly (on_grid).
+EMBED_BLOCK = 32
+EMBED_BITS = (8, 4)
+
+
+def embedding_codes(table, bits: int, block: int = EMBED_BLOCK) -> Quantized:
+    """The table [V, H]'s symmetric `bits`-bit codes in blocks of `block`, fp16 scales: round to nearest
+    with the scale search, no calibration (a row's error reaches only the tokens that gather it, so no
+    Hessian weighs it). The one rounding the quantize stage measures and the packers ship."""
+    t = table if isinstance(table, torch.Tensor) else torch.from_numpy(table)
+    return quantize_weight(t.detach().to(torch.float32), None, method="rtn", group_size=block, sym=True,
+                           scale_dtype="fp16", bits=bits, name="embedding")
+
+
 def errors(w: torch.Tensor, wq, h: torch.Tensor | None, rows: int = 16384) -> dict:
     """weight_rel_mse = |E|^2/|W|^2 and out_rel_err_h = tr(E H E^T) / tr(W H W^T), E = W - Wq.
 

@@ -53,7 +53,9 @@ The graph (`build_gqa_graph`):
   are per output row); biases, if any, go in as the op's bias input. The
   embedding of a tied checkpoint is a GatherBlockQuantized over the head's
   own MatMulNBits weight, one tensor for both (`_shared_embedding`); an
-  untied one's is an fp32 Gather of its table (`embedding` option).
+  untied one's is a GatherBlockQuantized of its table's 8- or 4-bit codes
+  (`_block_embedding`) or an fp32 Gather of the table, as the quantize stage
+  measured and chose (quant.json "embedding"; the `embedding` option).
 - the weights are external data (model.onnx.data), which ONNX Runtime maps
   rather than reads: `GqaDecoder` pages out what the session left mapped but
   does not use after loading (the table's rows are read when gathered).
@@ -120,8 +122,10 @@ DEFAULT_OPTIONS = {
                                # (GQA sliding_window_cache=1); None: a max_len buffer like full layers
     "norm_op": "RMSNormalization",  # or "SimplifiedLayerNormalization" (ORT's contrib-in-ONNX-domain name)
     "embedding": "auto",       # "shared": GatherBlockQuantized over the head's own MatMulNBits weight (a tied
-                               # checkpoint: one copy of the table, see _shared_embedding); "fp32": a Gather of
-                               # the untied checkpoint's fp32 table; "auto": shared where it can be, else fp32
+                               # checkpoint: one copy of the table, see _shared_embedding); "int8" / "int4":
+                               # one over the untied table's own codes (_block_embedding); "fp32": a Gather of
+                               # the untied table; "auto": shared where it can be, else quant.json's measured
+                               # choice (its "embedding" record), else fp32
     "kv_dtype": "float16",     # the KV cache (and the attention's rope caches) in fp16, as llama.cpp's default
                                # f16 cache: half the KV bytes; q/k/v are cast in and the attention cast out
                                # (measured no slower on Gemma 3 270M: docs/small-artifacts.md)
@@ -460,7 +464,8 @@ def _linear(g, x, prefix, names, layers, out, acc, fuse, records, bias_of=lambda
 # The embedding
 # --------------------------------------------------------------------------
 
-EMBEDDINGS = ("auto", "shared", "fp32")
+EMBEDDINGS = ("auto", "shared", "int8", "int4", "fp32")
+_CHOSEN = {"keep": "fp32", "int8": "int8", "int4": "int4"}  # quant.json's embedding choice -> this option
 
 
 def _embed_scale_fp32(emb, cfg):
@@ -518,6 +523,29 @@ def _shared_embedding(g: "_G", layers, widths, scale: float) -> tuple[str, int]:
     if scale != 1.0:
         h = g.node("Mul", [h, g.init("embed_scale", np.asarray(scale, np.float32))], ["h_0"], "embed_scale")
     return h, 0  # its bytes are the head's (counted under matmulnbits)
+
+
+def _block_embedding(g: "_G", table, bits: int, scale) -> tuple[str, int]:
+    """An untied table as a GatherBlockQuantized of its own `bits`-bit codes (gptq.embedding_codes: the
+    rounding the quantize stage measured) in MatMulNBits' layout, scales [V, K/bs, 1] float32 (the codes'
+    fp16 values: rows come out float32 with no fp16 product). Scaled after the gather, as the shared one."""
+    from pipeline import gptq
+
+    from .int4_layouts import to_matmulnbits
+
+    q = gptq.embedding_codes(table, bits)
+    b, scales, _ = to_matmulnbits(q.qweight.numpy(), q.scales.numpy(), q.zeros.numpy(), q.group_size, sym=True,
+                                  bits=bits)
+    v, k = (int(d) for d in table.shape)
+    del q
+    g.init("embed.B", b)
+    g.init("embed.scales", scales.astype(np.float32).reshape(v, k // gptq.EMBED_BLOCK, 1))
+    rows = g.node("GatherBlockQuantized", ["embed.B", "input_ids", "embed.scales"], ["embed.rows"], "embed",
+                  domain=MS, bits=bits, block_size=gptq.EMBED_BLOCK, gather_axis=0, quantize_axis=2)
+    h = g.node("Reshape", [rows, g.const_i64([0, 0, k])], ["h_0" if scale is None else "h_0raw"], "embed_rows")
+    if scale is not None:
+        h = g.node("Mul", [h, g.init("embed_scale", np.asarray(float(scale), np.float32))], ["h_0"], "embed_scale")
+    return h, int(b.nbytes + scales.size * 4)
 
 
 # --------------------------------------------------------------------------
@@ -624,8 +652,11 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
             raise GqaGraphError("embedding='shared' needs a tied checkpoint (embedding and lm_head the same "
                                 "tensor) whose head the quantize stage wrote symmetric at 4 or 8 bits; use "
                                 "embedding='fp32'")
-        opts["embedding"] = "shared" if share else "fp32"
-    if opts["embedding"] == "fp32":
+        chosen = (meta.get("embedding") or {}).get("chosen")
+        opts["embedding"] = "shared" if share else _CHOSEN.get(chosen, "fp32")
+    if opts["embedding"] in ("int8", "int4"):
+        h, emb_bytes = _block_embedding(g, emb.weight.detach(), int(opts["embedding"][3:]), scale)
+    elif opts["embedding"] == "fp32":
         # cast, scaled and written a row chunk at a time: no whole [V, H] fp32 table (671 MB on Gemma 3)
         table = emb.weight.detach()
         step = max(1, _CHUNK_BYTES // max(1, table[0].numel() * 4))

@@ -461,20 +461,14 @@ def decode_samples(decoder, sequences: list[list[int]], stride: int, advance=lam
 
 EMBED_DIR = "embed"  # <pack>/embed/model.onnx: the lookup the phone runs on the CPU (npu_rewrite.embedding_input)
 EMBEDDING_CHOICES = ("int8", "int4", "graph")  # pack.qnn_embedding; graph: the table stays in the context binary
-EMBED_BLOCK = 32  # Q8_0's block: a GGUF-origin table (Gemma 3 270M's) is then on the grid, exactly
-
-
 def _block_codes(table: np.ndarray, bits: int, block: int):
     """Symmetric block-wise codes of the [V, H] table in MatMulNBits' layout: (B, scales fp16 [V, H/bs]),
-    and the table the lookup returns (its fp16 arithmetic included). The quantize stage's rounding (gptq.quantize_weight, method rtn, its
-    scale search; a table already on the grid is taken exactly) with fp16 scales, as GGUF's Q8_0/Q4_0."""
-    import torch
-
+    and the table the lookup returns (its fp16 arithmetic included): gptq.embedding_codes, the rounding
+    the quantize stage and the CPU packers use for an embedding table."""
     from . import gptq
     from .int4_layouts import to_matmulnbits
 
-    q = gptq.quantize_weight(torch.from_numpy(np.ascontiguousarray(table, np.float32)), None, method="rtn",
-                             group_size=block, sym=True, scale_dtype="fp16", bits=bits, name="embedding")
+    q = gptq.embedding_codes(np.ascontiguousarray(table, np.float32), bits, block)
     b, scales, _ = to_matmulnbits(q.qweight.numpy(), q.scales.numpy(), q.zeros.numpy(), block, sym=True, bits=bits)
     s16 = scales.astype(np.float16)
     # The rows as GatherBlockQuantized makes them: (code - zero) * scale, one fp16 product (then cast).
@@ -485,7 +479,7 @@ def _block_codes(table: np.ndarray, bits: int, block: int):
 
 
 def write_embedding(table: np.ndarray, out_dir: Path, bits: int, ids_dims: list[int],
-                    output: str = "inputs_embeds", block: int = EMBED_BLOCK) -> dict[str, Any]:
+                    output: str = "inputs_embeds", block: int | None = None) -> dict[str, Any]:
     """out_dir/model.onnx (+ model.onnx.data): input_ids -> the table's rows as float32 `output`, one
     com.microsoft GatherBlockQuantized over symmetric `bits`-bit codes in blocks of `block` (fp16
     scales; ORT's default zero points), then a Reshape and a Cast. ONNX Runtime's own op, run on its
@@ -493,8 +487,10 @@ def write_embedding(table: np.ndarray, out_dir: Path, bits: int, ids_dims: list[
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
+    from . import gptq
     from .decode_graph import snr_db
 
+    block = gptq.EMBED_BLOCK if block is None else int(block)
     v, k = (int(d) for d in table.shape)
     if k % block:
         raise QnnError(f"the embedding's width {k} is not a multiple of its block {block}")

@@ -254,7 +254,10 @@ class QuantizeConfig:
     # 8 kept where they gain at least 1 dB (quant.json's "head" records both
     # options' bytes and SNR; the ~135M model: 38.9 dB at 4 bits, 46.2 at 8);
     # else 4 (tinygemm, vLLM's GPTQ and GGUF Q4_0 take 4-bit codes only). 4 or 8.
-    # A tied checkpoint's embedding is that same tensor on the ORT path.
+    # A tied checkpoint's embedding is that same tensor on the ORT path. On the
+    # same two paths an untied table is measured the same way, kept, at 8 and at
+    # 4 bits (blocks of 32): the narrowest within 1 dB of the table kept ships
+    # (quant.json's "embedding"; pack's auto follows it).
     head_bits: Optional[int] = None
     # Extra bytes for 8-bit decoder linears, as a fraction of their 4-bit code
     # bytes: the units (q/k/v, o, gate/up, down of one layer) whose 4-bit error
@@ -328,7 +331,8 @@ class PackConfig:
     qnn_embedding: str = "int8"
     # llama.cpp devices (weight path gguf_q4_0): the GGUF's token embedding:
     # `auto` = the head's own quantized tensor where the checkpoint is tied
-    # (one copy), else `keep`; `shared` (tied only); `keep` it as llama.cpp's
+    # (one copy), else the quantize stage's measured choice (the table's own
+    # codes as Q8_0 / Q4_0, or kept); `shared` (tied only); `keep` it as llama.cpp's
     # converter wrote it (f16), or round it to q8_0 / q4_0 with gguf's
     # quantizer (what llama.cpp's own Q4_0 file holds; costs fidelity).
     gguf_token_embedding: str = "auto"

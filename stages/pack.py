@@ -19,7 +19,10 @@ The weight path is chosen by `pipeline.weight_path.select(device, priority)`
   over KV buffers the runtime binds as past and present, window-sized for
   sliding layers, every linear (the head included) a MatMulNBits from the
   quantize stage's own codes, one graph for prefill and decode; serves the
-  export's context length. Config and tokenizer copied from the export
+  export's context length. The token embedding: a tied checkpoint's is a
+  GatherBlockQuantized over the head's own weight (one copy); an untied one's
+  a GatherBlockQuantized of its table's 8- or 4-bit codes, or its fp32 table,
+  as the quantize stage measured and chose (quant.json "embedding"). Config and tokenizer copied from the export
   artifact; runs in `gqa_graph.GqaDecoder`.
 - qnn_graph (phone NPU): `float/model.onnx` (+ its external data), the export made QNN-ready
   (pipeline/npu_rewrite.py: sanitized, rotary tables, fused RMSNorm; checked
@@ -37,8 +40,9 @@ The weight path is chosen by `pipeline.weight_path.select(device, priority)`
   finds the converter) with every quantized linear, the head included, written
   as Q4_0 blocks of the quantize stage's own codes and fp16 scales (a group-32
   symmetric result is Q4_0 exactly, an 8-bit one Q8_0: pipeline/gguf_q4.py);
-  a tied checkpoint's token embedding is the head's own tensor, one copy
-  (pack.gguf_token_embedding: auto). Read back with
+  a tied checkpoint's token embedding is the head's own tensor, one copy, an
+  untied one's the quantize stage's measured choice (its codes as Q8_0 / Q4_0,
+  or the converter's f16 table) (pack.gguf_token_embedding: auto). Read back with
   gguf's dequantizer and checked bit-for-bit against the quant result before
   the stage succeeds. `gguf.json` records the tensor map, the rows the
   converter reordered, the tensor types and the converter's identity.
@@ -225,7 +229,7 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
 
     import onnx
 
-    from pipeline import npu_rewrite, qnn
+    from pipeline import gptq, npu_rewrite, qnn
     from pipeline.decode_graph import OnnxDecoder, snr_db
     from pipeline.tensorfile import load_onnx
 
@@ -258,7 +262,7 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
             overrides[npu_rewrite.EMBEDS_INPUT] = overrides.pop(cut["gather_output"])
         table = cut["table"]
         with ctx.progress(None, f"embedding: {table.shape[0]} x {table.shape[1]} table, {cfg.qnn_embedding} "
-                                f"blocks of {qnn.EMBED_BLOCK} for the CPU"):
+                                f"blocks of {gptq.EMBED_BLOCK} for the CPU"):
             embedding = qnn.write_embedding(table, out / qnn.EMBED_DIR, int(str(cfg.qnn_embedding)[3:]),
                                              cut["ids_dims"])
         options = embedding["options"]
@@ -388,16 +392,17 @@ def _write_gguf(ctx, untied: Path, quant_dir: Path, meta: dict, layers: dict) ->
         try:
             report = gguf_q4.build_q4_0(untied, quant_dir, out / GGUF_FILE, src=str(tree),
                                         others=str(ctx.cfg.pack.gguf_token_embedding))
-            checked = gguf_q4.verify_file(out / GGUF_FILE, quant_dir, report)
+            checked = gguf_q4.verify_file(out / GGUF_FILE, quant_dir, report, untied)
         except (gguf_q4.GgufQ4Error, llamacpp.LlamaCppUnavailable) as err:
             raise StageError(f"pack: {err}") from None
-    ctx.log(f"GGUF: {checked} linears read back bit-for-bit as the quantize stage's weights; "
+    ctx.log(f"GGUF: {checked} tensors read back bit-for-bit as the quantize stage's weights; "
             f"tensor types {report['tensor_types']}; token embedding {report['token_embedding']}")
     info = {
         "format": "edgekiln-gguf/1", "file": GGUF_FILE, "file_type": report["file_type"],
         "layers": report["layers"], "permuted": report["permuted"], "row_order": report["row_order"],
         "tensor_types": report["tensor_types"], "token_embedding": report["token_embedding"],
         "rounded": report["rounded"],
+        **({"embedding_codes": report["embedding_codes"]} if "embedding_codes" in report else {}),
         "checked_bit_exact": checked, "converter": {"identity": converter.identity(str(tree)),
                                                     "source": _converter_source(tree)},
     }

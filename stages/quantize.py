@@ -33,7 +33,12 @@ quant_meta read it back):
   choice (absent when the budget is 0). Where the head's width is measured
   (`head_bits: null` on ORT's MatMulNBits), a "head" record: per width (4, 8)
   the calibration logits' SNR with the decoder at its final codes and the
-  extra bytes, the gain, the threshold and the width chosen.
+  extra bytes, the gain, the threshold and the width chosen. Where the kernel
+  gathers from block codes (the same two paths), an "embedding" record: a tied
+  checkpoint's table is the head's ("chosen": "head"); an untied one's is
+  measured kept, at 8 and at 4 bits (gptq.embedding_codes, blocks of 32, fp16
+  scales: per option the calibration logits' SNR, its loss against the table
+  kept, its bytes) and "chosen" names the form the pack ships (keep, int8, int4).
 - quantized.safetensors: per layer L, `L.qweight` uint8 [N, K] (codes 0..15,
   unpacked), `L.scales` float32 [N, K//g], `L.zeros` uint8 [N, K//g] (all 8
   when sym). W[n, k] = (qweight[n, k] - zeros[n, k//g]) * scales[n, k//g].
@@ -63,6 +68,12 @@ HEAD_BITS_ORT = 8
 # bits) and 8 bits are kept where they buy at least this much; the extra bytes (K*N/2) are recorded beside.
 # ~135M Llama-family model (README): 4-bit g32 head 38.9 dB against 46.2 at 8 bits, 7.3 dB.
 HEAD_MIN_GAIN_DB = 1.0
+# An untied checkpoint's token embedding on those kernels (ORT's GatherBlockQuantized, GGUF's Q8_0 / Q4_0):
+# the table kept, at 8 bits or at 4 (gptq.embedding_codes), each measured as the head is (the calibration
+# logits with everything else at its final codes: one run of the windows per option); the narrowest that
+# loses at most this much against the table as it is ships. The head's rule read the other way: a wider
+# form must buy at least a dB to be worth its bytes.
+EMBED_MAX_LOSS_DB = HEAD_MIN_GAIN_DB
 ORT_PATH = "w4_ort_matmulnbits"  # the weight path whose kernel (MatMulNBits) the *_ORT defaults are for
 HEAD8_PATHS = (ORT_PATH, "gguf_q4_0")  # the kernels that take an 8-bit head (MatMulNBits bits=8, GGUF Q8_0)
 # The body's group size where the kernel is ORT's MatMulNBits (the speed path): its int8-activation
@@ -126,6 +137,10 @@ def _settings(cfg) -> dict:
         else HEAD_BITS_ORT if path in HEAD8_PATHS else 4,
         # null on the kernels that take 8-bit heads: the width is measured (_head_width), 8 until then
         "head_bits_measured": q.get("head_bits") is None and path in HEAD8_PATHS,
+        # an untied table's width is measured where the kernel gathers from block codes (_embedding_width);
+        # "keep" ships it as the pack holds it today: fp32 in ORT's graph, f16 in a GGUF
+        "embedding_measured": path in HEAD8_PATHS,
+        "embedding_keep_bytes": 4 if path == ORT_PATH else 2,
         "eight_bit_budget": _by_kernel(q, path, "eight_bit_budget", EIGHT_BIT_BUDGET_ORT, 0.0),
         # null: enough windows for SENSITIVITY_TOKENS tokens (_promote); an int: that many windows
         "sensitivity_windows": _optional_int(q.get("sensitivity_windows", 4)),
@@ -252,11 +267,12 @@ def _snr_db(rel_err: float) -> float | None:
 
 
 def _promote(ctx, s, src: Path, cal_dir: Path, layers: dict, tensors: dict, group_sizes: dict,
-             weight, quantize_layer, head_alt: dict | None = None) -> tuple[dict, dict | None]:
+             weight, quantize_layer, head_alt: dict | None = None) -> tuple[dict, dict | None, dict | None]:
     """The decoder units worth 8 bits under the budget (pipeline/bit_alloc.py), requantized at 8 bits
     in place of their 4-bit codes; returns quant.json's "eight_bit" record (what was measured, what was
-    chosen, the logits' SNR on the calibration windows before and after) and, given `head_alt` (the
-    head's 4-bit tensors beside the 8-bit ones in `tensors`), the head's width record (_head_width)."""
+    chosen, the logits' SNR on the calibration windows before and after), given `head_alt` (the
+    head's 4-bit tensors beside the 8-bit ones in `tensors`) the head's width record (_head_width), and
+    where s["embedding_measured"] the embedding's (_embedding_width)."""
     import numpy as np
     import torch
 
@@ -280,6 +296,7 @@ def _promote(ctx, s, src: Path, cal_dir: Path, layers: dict, tensors: dict, grou
                                group_sizes[name])
 
     model = load_hf_model(src)  # fp32, eager attention: the parity stage's reference model
+    tied = _shares_head(s, model.get_input_embeddings(), weight)  # before any measure moves the table
     with ctx.progress(len(units), f"8-bit sensitivities of {len(units)} units ({windows.size} tokens)") as bar:
         found = bit_alloc.measure(model, windows, units, list(layers), at_codes, lambda n: weight(n).float(),
                                   on_unit=lambda u: bar.advance(), sensitivity=s["sensitivity"])
@@ -291,7 +308,13 @@ def _promote(ctx, s, src: Path, cal_dir: Path, layers: dict, tensors: dict, grou
             model.get_submodule(name).weight.data.copy_(at_codes(name))
     changed = [name for key in chosen for name in by_key[key].layers]
     after = found["error"](changed=changed) if chosen else found["base"]
-    head = _head_width(s, found, model, after, tensors, head_alt, weight, group_sizes) if head_alt else None
+    head = _head_width(s, found, model, after, tensors, head_alt, weight, group_sizes, tied) if head_alt else None
+    embedding = None
+    if s["embedding_measured"]:
+        final = head_alt if head is not None and head["chosen"] == 4 else \
+            {k: tensors[f"{HEAD}.{k}"] for k in ("qweight", "scales", "zeros")}
+        embedding = _embedding_width(s, found, model, weight, tied, lambda: gptq.dequantize(
+            final["qweight"], final["scales"], final["zeros"], group_sizes[HEAD]))
     del model
     record = {
         "budget": s["eight_bit_budget"],
@@ -317,11 +340,18 @@ def _promote(ctx, s, src: Path, cal_dir: Path, layers: dict, tensors: dict, grou
                 f"a 4-bit head, {head['options']['8']['snr_db']} dB at 8 bits for "
                 f"{head['options']['8']['extra_bytes'] / 1e6:.1f} MB more; 8 bits kept from "
                 f"{head['min_gain_db']} dB; the embedding {head['embedding']})")
-    return record, head
+    if embedding is not None and embedding["measured"]:
+        opts = embedding["options"]
+        ctx.log(f"embedding {embedding['chosen']} (measured: calibration logits " + ", ".join(
+            f"{k} {o['snr_db']} dB / {o['bytes'] / 1e6:.1f} MB" for k, o in opts.items())
+            + f"; the narrowest within {embedding['max_loss_db']} dB of the table kept)")
+    elif embedding is not None:
+        ctx.log(f"embedding {embedding['chosen']}: {embedding['reason']}")
+    return record, head, embedding
 
 
 def _head_width(s, found, model, error_8bit_head: float, tensors: dict, head_alt: dict, weight,
-                group_sizes) -> dict:
+                group_sizes, tied: bool) -> dict:
     """The head's width by measurement: the calibration logits' error with the decoder at its final codes
     and the head at 4 and at 8 bits; 8 bits kept where they gain at least HEAD_MIN_GAIN_DB. Where the
     checkpoint is tied, the pack ships one table for the embedding and the head (pipeline/gqa_graph.py),
@@ -330,17 +360,12 @@ def _head_width(s, found, model, error_8bit_head: float, tensors: dict, head_alt
     the record says so."""
     import math
 
-    import torch
-
     from pipeline import bit_alloc, gptq
 
     err = found["error"]
     n, k = tensors[f"{HEAD}.qweight"].shape
     extra = n * k // 2
     emb = model.get_input_embeddings()
-    # the pack shares the table where the checkpoint is tied and the codes symmetric (gqa_graph._can_share)
-    tied = (s["sym"] and emb is not None and tuple(emb.weight.shape) == (n, k)
-            and torch.equal(emb.weight, weight(HEAD).float()))
     record = {"min_gain_db": HEAD_MIN_GAIN_DB,
               "embedding": "the head's own tensor (a tied checkpoint): measured with it" if tied else "its own"}
     if not isinstance(err, bit_alloc.HeadError):
@@ -364,6 +389,66 @@ def _head_width(s, found, model, error_8bit_head: float, tensors: dict, head_alt
             "gain_db": round(gain_db, 3) if math.isfinite(gain_db) else None,
             "options": {"4": {"snr_db": _snr_db(e4), "extra_bytes": 0},
                         "8": {"snr_db": _snr_db(e8), "extra_bytes": extra}}}
+
+
+def _shares_head(s, emb, weight) -> bool:
+    """Whether the pack ships one table for the embedding and the head: the checkpoint is tied and the
+    codes symmetric (gqa_graph._can_share, gguf_q4's shared token_embd)."""
+    import torch
+
+    head = weight(HEAD)
+    return (s["sym"] and emb is not None and tuple(emb.weight.shape) == tuple(head.shape)
+            and torch.equal(emb.weight, head.float()))
+
+
+def _embedding_width(s, found, model, weight, tied: bool, head_codes) -> dict:
+    """An untied table's form by measurement (EMBED_MAX_LOSS_DB): the calibration logits' error with the
+    decoder and the head at their final codes (`head_codes()`) and the table kept, then at each of
+    gptq.EMBED_BITS (gptq.embedding_codes, the rounding the pack ships), a run of the windows each. A tied
+    table is the head's own tensor (nothing to choose); where the error is not HeadError's, or the width
+    is not a multiple of the block, the table is kept and the record says why."""
+    import math
+
+    from pipeline import bit_alloc, gptq
+
+    emb = model.get_input_embeddings()
+    record = {"block_size": gptq.EMBED_BLOCK, "scale_dtype": "fp16", "max_loss_db": EMBED_MAX_LOSS_DB}
+    if tied:
+        return {**record, "chosen": "head", "measured": False,
+                "reason": "the head's own tensor (a tied checkpoint): its width is the head's"}
+    err = found["error"]
+    v, k = emb.weight.shape if emb is not None else (0, 0)
+    why = ("no input embedding module" if emb is None else
+           f"its width {k} is not a multiple of the block {gptq.EMBED_BLOCK}" if k % gptq.EMBED_BLOCK else
+           None if isinstance(err, bit_alloc.HeadError) else
+           f"the error is measured by {found['method']}, not through the head's Grams")
+    if why:
+        return {**record, "chosen": "keep", "measured": False, "reason": f"the table kept: {why}"}
+    err.head.weight.data.copy_(weight(HEAD).float())
+    err.set_head(head_codes())  # the head as it ships (HeadError takes B from the module, then A)
+    table = emb.weight.data
+    full = table.clone()
+    errs = {"keep": err._error(err._hidden())}
+    for bits in gptq.EMBED_BITS:
+        q = gptq.embedding_codes(full, bits)
+        table.copy_(q.dequantize())
+        del q
+        errs[f"int{bits}"] = err._error(err._hidden())
+    table.copy_(full)
+    del full
+    scale_bytes = v * (k // gptq.EMBED_BLOCK) * 2
+    size = {"keep": v * k * s["embedding_keep_bytes"], **{f"int{b}": v * k * b // 8 + scale_bytes
+                                                          for b in gptq.EMBED_BITS}}
+
+    def loss_db(key):
+        e, e0 = errs[key], errs["keep"]
+        return 0.0 if e <= e0 else math.inf if e0 <= 0 else 10 * math.log10(e / e0)
+
+    order = sorted(errs, key=lambda key: size[key])  # narrowest first
+    chosen = next(key for key in order if key == "keep" or loss_db(key) <= EMBED_MAX_LOSS_DB)
+    return {**record, "chosen": chosen, "measured": True,
+            "options": {key: {"snr_db": _snr_db(errs[key]), "loss_db": round(loss_db(key), 3),
+                              "bytes": int(size[key])} for key in order}}
 
 
 def run(ctx) -> dict:
@@ -479,10 +564,10 @@ def run(ctx) -> dict:
             for k, t in kept[0].items():
                 tensors[f"{HEAD}.{k}"] = t
             report[HEAD] = kept[1]
-        eight_bit = head = None
-        if s["eight_bit_budget"] > 0 or head_alt is not None:
-            eight_bit, head = _promote(ctx, s, src, cal_dir, layers, tensors, group_sizes, weight, quantize_layer,
-                                       head_alt)
+        eight_bit = head = embedding = None
+        if s["eight_bit_budget"] > 0 or head_alt is not None or s["embedding_measured"]:
+            eight_bit, head, embedding = _promote(ctx, s, src, cal_dir, layers, tensors, group_sizes, weight,
+                                                  quantize_layer, head_alt)
             if s["eight_bit_budget"] == 0:
                 eight_bit = None  # measured for the head only
         if head is not None and head["chosen"] == 4:
@@ -511,6 +596,7 @@ def run(ctx) -> dict:
         **({"scale_dtype": s["scale_dtype"]} if s["scale_dtype"] != "fp32" else {}),
         **({"eight_bit": eight_bit} if eight_bit is not None else {}),
         **({"head": head} if head is not None else {}),
+        **({"embedding": embedding} if embedding is not None else {}),
         "layers": report,
         "calibration": {
             "data_sha256": calibration["data_sha256"],

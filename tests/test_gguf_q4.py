@@ -365,8 +365,8 @@ def test_a_tied_checkpoint_ships_the_head_as_its_token_embedding(tmp_path, head_
     """A tied checkpoint (the untied head a copy of the embedding): by default (others="auto") the file's
     token_embd is the head's own Q4_0 / Q8_0 tensor and output.weight is left out (llama.cpp then reads
     the head from token_embd, as for its own tied conversions), one table instead of an f16 one beside
-    the head; every tensor of ours still reads back bit for bit. An untied checkpoint keeps its f16
-    table under "auto", and "shared" refuses it."""
+    the head; every tensor of ours still reads back bit for bit. An untied checkpoint (no measured choice
+    in quant.json) keeps its f16 table under "auto", and "shared" refuses it."""
     hf = _tiny("llama", tmp_path / "hf", tied=True)
     quant = _quantize(hf, tmp_path / "quant", head_bits=head_bits)
     conv = _fake_conversion(hf, tmp_path / "conv.gguf")
@@ -393,6 +393,41 @@ def test_a_tied_checkpoint_ships_the_head_as_its_token_embedding(tmp_path, head_
                                  else {"F16": 1, "F32": 5, "Q4_0": 15})
     with pytest.raises(gguf_q4.GgufQ4Error, match="tied checkpoint"):
         gguf_q4.build_q4_0(untied_hf, untied_q, tmp_path / "s.gguf", converted=untied_conv, others="shared")
+
+
+@gguf_only
+@pytest.mark.parametrize("bits", [8, 4])
+def test_an_untied_table_ships_as_the_quantize_stages_codes_where_it_chose_them(tmp_path, bits):
+    """An untied checkpoint whose quant.json chose int8 / int4 for its table: under "auto" token_embd is
+    Q8_0 / Q4_0 of gptq.embedding_codes (not gguf's own rounding), read back bit for bit by verify_file
+    (which then needs the checkpoint), and the model the file stands for (file_model), like the
+    reference of the weights (dequantized_model), holds those rows; the file is the f16 table's bytes
+    lighter, less the blocks'."""
+    from pipeline import gptq
+
+    hf = _tiny("llama", tmp_path / "hf", seed=3)
+    quant = _quantize(hf, tmp_path / "quant")
+    kept = gguf_q4.build_q4_0(hf, quant, tmp_path / "kept.gguf", converted=_fake_conversion(hf, tmp_path / "c.gguf"))
+    meta = json.loads((quant / "quant.json").read_text())
+    meta["embedding"] = {"chosen": f"int{bits}", "measured": True}
+    (quant / "quant.json").write_text(json.dumps(meta))
+    out = tmp_path / "codes.gguf"
+    report = gguf_q4.build_q4_0(hf, quant, out, converted=_fake_conversion(hf, tmp_path / "conv.gguf"))
+    kind = gguf_q4.GGUF_TYPE[bits]
+    names = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors}
+    assert names["token_embd.weight"] == kind and report["embedding_codes"] == {"tensor": "token_embd.weight",
+                                                                                "bits": bits}
+    assert report["token_embedding"].startswith(f"int{bits}: the quantize stage's measured choice")
+    assert report["rounded"] == [] and "F16" not in report["tensor_types"]
+    assert gguf_q4.verify_file(out, quant, report, hf) == 16
+    with pytest.raises(gguf_q4.GgufQ4Error, match="needs the checkpoint"):
+        gguf_q4.verify_file(out, quant, report)
+    blocks = VOCAB * 64 // 32 * (gguf_q4.BLOCK_BYTES_8 if bits == 8 else gguf_q4.BLOCK_BYTES)
+    assert abs(kept["bytes"] - report["bytes"] - (VOCAB * 64 * 2 - blocks)) < 1024
+    table = gptq.embedding_codes(gguf_q4._hf_weight(gguf_q4._hf_weight_files(hf), "model.embed_tokens.weight"),
+                                 bits).dequantize()
+    for model in (gguf_q4.file_model(hf, out, report), gguf_q4.dequantized_model(hf, quant)):
+        assert torch.equal(model.get_input_embeddings().weight, table)
 
 
 @gguf_only

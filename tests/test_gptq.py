@@ -781,9 +781,81 @@ def test_the_heads_width_is_measured_where_the_kernel_takes_8_bits(tiny_untied, 
     err.model = _at_codes_model(tiny_untied, out)
     # the embedded model is tied: the pack ships the head's codes as its embedding too, and so it was measured
     assert rec["embedding"].startswith("the head's own tensor")
+    assert meta["embedding"]["chosen"] == "head" and not meta["embedding"]["measured"]
     err.model.get_input_embeddings().weight.data.copy_(err.model.lm_head.weight.data)
     snr = -10 * np.log10(err())
     assert snr == pytest.approx(rec["options"][str(want)]["snr_db"], abs=0.01)
+
+
+@pytest.fixture(scope="module")
+def truly_untied(tiny_untied, tmp_path_factory):
+    """The tiny checkpoint with its table no longer the head's (an untied model), calibrated."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from stages import calibrate
+
+    root = tmp_path_factory.mktemp("untied")
+    ck = root / "ck"
+    shutil.copytree(tiny_untied, ck)
+    for f in ck.glob("*.safetensors"):
+        state = load_file(str(f))
+        name = next((n for n in state if n.endswith("embed_tokens.weight")), None)
+        if name is not None:
+            g = torch.Generator().manual_seed(5)
+            w = state[name]
+            state[name] = (w + 0.5 * w.std() * torch.randn(w.shape, generator=g)).contiguous()
+            save_file(state, str(f), metadata={"format": "pt"})
+    calibrate.run(ctx("calibrate", root / "cal", {"calibrate": CAL}, {"untie_head": ck}))
+    return ck, root / "cal"
+
+
+@pytest.mark.parametrize("device, extra", [
+    ("x86_avx512", {}),  # ORT: GatherBlockQuantized, the table kept fp32
+    ("x86_llamacpp", {"group_size": 32, "scale_dtype": "fp16"}),  # GGUF Q8_0 / Q4_0, the table kept f16
+])
+@pytest.mark.parametrize("max_loss_db, want", [(None, None), (1e9, "int4"), (-1.0, "keep")])
+def test_an_untied_tables_form_is_measured_and_recorded(truly_untied, tmp_path, monkeypatch, device, extra,
+                                                        max_loss_db, want):
+    """Where the kernel gathers from block codes, an untied table is measured kept, at 8 and at 4 bits:
+    per option the calibration logits' SNR (the figure a direct logits run gives, with the head and the
+    decoder at their codes and the table at gptq.embedding_codes), its loss against the table kept, its
+    bytes; the narrowest option within EMBED_MAX_LOSS_DB ships (the table kept whatever the bound)."""
+    import numpy as np
+
+    from pipeline import bit_alloc, devices
+    from pipeline.decode_graph import load_hf_model
+    from stages import quantize
+
+    if max_loss_db is not None:
+        monkeypatch.setattr(quantize, "EMBED_MAX_LOSS_DB", max_loss_db)
+    ck, cal = truly_untied
+    out = tmp_path / "q"
+    cfg = {"quantize": {**QCFG, "eight_bit_budget": 0, **extra}, "device": devices.spec_sheet(device),
+           "priority": {"name": "speed"}}
+    quantize.run(ctx("quantize", out, cfg, {"untie_head": ck, "calibrate": cal}))
+    meta = json.loads((out / "quant.json").read_text())
+    rec = meta["embedding"]
+    assert rec["measured"] and list(rec["options"]) == ["int4", "int8", "keep"]
+    v, k = TINY["vocab_size"], TINY["hidden_size"]
+    scales = v * k // 32 * 2
+    assert [o["bytes"] for o in rec["options"].values()] == \
+        [v * k // 2 + scales, v * k + scales, v * k * (4 if device == "x86_avx512" else 2)]
+    bound = quantize.EMBED_MAX_LOSS_DB
+    assert rec["max_loss_db"] == bound
+    fits = [key for key, o in rec["options"].items() if key == "keep" or o["loss_db"] <= bound]
+    assert rec["chosen"] == fits[0] and (want is None or rec["chosen"] == want)
+    assert rec["options"]["keep"]["loss_db"] == 0 < rec["options"]["int4"]["loss_db"]
+    # each option's recorded SNR is the one a direct run of the logits measures
+    windows = np.load(cal / "token_ids.npy")[:4]
+    err = bit_alloc.LogitsError(load_hf_model(ck), windows)
+    err.model = _at_codes_model(ck, out)
+    table = err.model.get_input_embeddings().weight.data
+    full = table.clone()
+    for key, option in rec["options"].items():
+        table.copy_(full if key == "keep" else gptq.embedding_codes(full, int(key[3:])).dequantize())
+        assert -10 * np.log10(err()) == pytest.approx(option["snr_db"], abs=0.01), key
 
 
 def test_calibrate_on_a_users_chat_file_through_the_chat_template(tiny_untied, tmp_path):

@@ -369,7 +369,7 @@ def test_tied_checkpoint_ships_one_table_for_embedding_and_head(ckpts, tmp_path,
     """A tied checkpoint (embedding == head): by default the embedding is a GatherBlockQuantized over the
     head's own MatMulNBits weight (Gemma's sqrt(hidden) scale a Mul after it) = the reference model whose
     embedding is the dequantized head, at 4 and 8 bits; the file holds that tensor once (no fp32 table);
-    an untied checkpoint keeps its fp32 table, and `shared` is refused there."""
+    an untied checkpoint (no measured choice in quant.json) keeps its fp32 table, and `shared` is refused there."""
     import onnx
 
     ck = ckpts("gemma3", tied=True)
@@ -403,6 +403,49 @@ def test_tied_checkpoint_ships_one_table_for_embedding_and_head(ckpts, tmp_path,
     with pytest.raises(GqaGraphError, match="tied"):
         build_gqa_graph(ckpts("gemma3")["hf"], ckpts("gemma3")["quant"], tmp_path / "no", max_len=MAX_LEN,
                         accuracy_level=0, embedding="shared")
+
+
+def _with_embedding_choice(quant: Path, out: Path, chosen: str) -> Path:
+    """A copy of the quant folder whose quant.json records the quantize stage's choice for the table."""
+    import shutil
+
+    shutil.copytree(quant, out)
+    meta = json.loads((out / "quant.json").read_text())
+    meta["embedding"] = {"chosen": chosen, "measured": True}
+    (out / "quant.json").write_text(json.dumps(meta))
+    return out
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_an_untied_table_ships_as_its_own_block_codes_where_the_quantize_stage_chose_them(ckpts, tmp_path, bits):
+    """An untied checkpoint whose quant.json chose int8 / int4 for the table: under `auto` the embedding is
+    a GatherBlockQuantized of gptq.embedding_codes (the rounding the stage measured) = the reference model
+    holding those dequantized rows (Gemma's scale after the gather); the file is the fp32 table's bytes
+    lighter, less the codes'; quant.json's "keep" (or no record) ships the fp32 table."""
+    import onnx
+
+    from pipeline import gptq
+
+    ck = ckpts("gemma3")
+    quant = _with_embedding_choice(ck["quant"], tmp_path / f"q{bits}", f"int{bits}")
+    out = tmp_path / f"block{bits}"
+    facts = build_gqa_graph(ck["hf"], quant, out, max_len=MAX_LEN, accuracy_level=0, **EXACT)
+    assert facts["options"]["embedding"] == f"int{bits}"
+    ref_model = GptqReference(ck["gptq"]).model
+    with torch.no_grad():
+        emb = ref_model.model.embed_tokens.weight
+        emb.copy_(gptq.embedding_codes(emb.detach().clone(), bits).dequantize())
+    ids = _seq(30, seed=7)
+    assert snr_db(_steps(TorchReference(ref_model), ids), _steps(GqaDecoder(out, threads=1), ids)) > 90.0
+    g = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    gather = next(n for n in g.graph.node if n.op_type == "GatherBlockQuantized")
+    assert gather.input[0] == "embed.B" and "embed_tokens" not in {t.name for t in g.graph.initializer}
+    codes = VOCAB * 64 * bits // 8 + VOCAB * (64 // gptq.EMBED_BLOCK) * 4  # codes, fp32 scales
+    assert facts["weight_bytes"]["embedding"] == codes
+    kept = build_gqa_graph(ck["hf"], _with_embedding_choice(ck["quant"], tmp_path / f"k{bits}", "keep"),
+                           tmp_path / f"kept{bits}", max_len=MAX_LEN, accuracy_level=0, **EXACT)
+    assert kept["options"]["embedding"] == "fp32"
+    assert abs(kept["bytes"] - facts["bytes"] - (VOCAB * 64 * 4 - codes)) < 1024
 
 
 def _eight_bit_head(ck, tmp_path) -> Path:
