@@ -36,9 +36,10 @@ quant_meta read it back):
   extra bytes, the gain, the threshold and the width chosen. Where the kernel
   gathers from block codes (the same two paths), an "embedding" record: a tied
   checkpoint's table is the head's ("chosen": "head"); an untied one's is
-  measured kept, at 8 and at 4 bits (gptq.embedding_codes, blocks of 32, fp16
-  scales: per option the calibration logits' SNR, its loss against the table
-  kept, its bytes) and "chosen" names the form the pack ships (keep, int8, int4).
+  measured kept, at 8 and at 4 bits (gptq.embedding_codes, blocks of 32,
+  fp16-valued scales: per option the calibration logits' SNR, its loss against
+  the table kept, its bytes as the kernel's artifact holds them) and "chosen"
+  names the form the pack ships (keep, int8, int4).
 - quantized.safetensors: per layer L, `L.qweight` uint8 [N, K] (codes 0..15,
   unpacked), `L.scales` float32 [N, K//g], `L.zeros` uint8 [N, K//g] (all 8
   when sym). W[n, k] = (qweight[n, k] - zeros[n, k//g]) * scales[n, k//g].
@@ -141,6 +142,8 @@ def _settings(cfg) -> dict:
         # "keep" ships it as the pack holds it today: fp32 in ORT's graph, f16 in a GGUF
         "embedding_measured": path in HEAD8_PATHS,
         "embedding_keep_bytes": 4 if path == ORT_PATH else 2,
+        # a block's scale: fp32 in ORT's graph (the rows come out fp32 with no fp16 product), fp16 in GGUF
+        "embedding_scale_bytes": 4 if path == ORT_PATH else 2,
         "eight_bit_budget": _by_kernel(q, path, "eight_bit_budget", EIGHT_BIT_BUDGET_ORT, 0.0),
         # null: enough windows for SENSITIVITY_TOKENS tokens (_promote); an int: that many windows
         "sensitivity_windows": _optional_int(q.get("sensitivity_windows", 4)),
@@ -436,7 +439,7 @@ def _embedding_width(s, found, model, weight, tied: bool, head_codes) -> dict:
         errs[f"int{bits}"] = err._error(err._hidden())
     table.copy_(full)
     del full
-    scale_bytes = v * (k // gptq.EMBED_BLOCK) * 2
+    scale_bytes = v * (k // gptq.EMBED_BLOCK) * s["embedding_scale_bytes"]
     size = {"keep": v * k * s["embedding_keep_bytes"], **{f"int{b}": v * k * b // 8 + scale_bytes
                                                           for b in gptq.EMBED_BITS}}
 
