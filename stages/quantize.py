@@ -312,12 +312,12 @@ def _promote(ctx, s, src: Path, cal_dir: Path, layers: dict, tensors: dict, grou
     changed = [name for key in chosen for name in by_key[key].layers]
     after = found["error"](changed=changed) if chosen else found["base"]
     head = _head_width(s, found, model, after, tensors, head_alt, weight, group_sizes, tied) if head_alt else None
-    embedding = None
-    if s["embedding_measured"]:
+    def head_codes():  # the head as it ships (read only where an untied table is measured)
         final = head_alt if head is not None and head["chosen"] == 4 else \
             {k: tensors[f"{HEAD}.{k}"] for k in ("qweight", "scales", "zeros")}
-        embedding = _embedding_width(s, found, model, weight, tied, lambda: gptq.dequantize(
-            final["qweight"], final["scales"], final["zeros"], group_sizes[HEAD]))
+        return gptq.dequantize(final["qweight"], final["scales"], final["zeros"], group_sizes[HEAD])
+
+    embedding = _embedding_width(s, found, model, weight, tied, head_codes) if s["embedding_measured"] else None
     del model
     record = {
         "budget": s["eight_bit_budget"],
