@@ -376,13 +376,18 @@ def _embedding_name(files: dict[str, Path]) -> str:
     return names[0]
 
 
-def embedding_blocks(hf_dir, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """The checkpoint's table as the quantize stage measured it at `bits` (gptq.embedding_codes): its
-    Q8_0 / Q4_0 blocks and the weights they dequantize to."""
+def hf_table(hf_dir) -> np.ndarray:
+    """The checkpoint's token embedding, float32 [V, H]."""
+    files = _hf_weight_files(Path(hf_dir))
+    return _hf_weight(files, _embedding_name(files))
+
+
+def embedding_blocks(table: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """The table as the quantize stage measured it at `bits` (gptq.embedding_codes): its Q8_0 / Q4_0
+    blocks and the weights they dequantize to."""
     from pipeline import gptq
 
-    files = _hf_weight_files(Path(hf_dir))
-    q = gptq.embedding_codes(_hf_weight(files, _embedding_name(files)), bits)
+    q = gptq.embedding_codes(table, bits)
     codes, scales = q.qweight.numpy(), q.scales.numpy()
     del q
     return (pack_q8_0 if bits == 8 else pack_q4_0)(codes, scales), dequant(codes, scales, bits)
@@ -456,10 +461,17 @@ def write_q4_0(converted_gguf, hf_dir, quant_dir, out_file, *, others: str = "au
             if t.name == dropped:
                 continue
             if t.name == TOKEN_EMBD and embed_bits:
-                blocks, _ = embedding_blocks(hf_dir, embed_bits)
-                if blocks.shape[0] != t.data.shape[0]:
-                    raise GgufQ4Error(f"{TOKEN_EMBD}: {t.data.shape[0]} rows, the checkpoint's table "
-                                      f"{blocks.shape[0]}")
+                # the codes are of the checkpoint's table: the converter must have written that table
+                # (no padded vocabulary, no folded scale), or the file would gather other rows
+                table = hf_table(hf_dir)
+                stored = _as_stored(table, t)
+                if stored is None or stored.shape != tuple(t.data.shape) or not np.array_equal(
+                        np.asarray(t.data), stored):
+                    raise GgufQ4Error(f"{TOKEN_EMBD} as converted is not the checkpoint's table: its measured "
+                                      f"{chosen} codes cannot stand for it (pack.gguf_token_embedding=keep)")
+                del stored
+                blocks, _ = embedding_blocks(table, embed_bits)
+                del table
                 kind = GGUF_TYPE[embed_bits]
                 writer.add_tensor(t.name, blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
                 del blocks
@@ -588,7 +600,7 @@ def verify_file(gguf_file, quant_dir, report: dict, hf_dir=None) -> int:
                           "the checkpoint (hf_dir)")
     t = next((t for t in gguf.GGUFReader(str(gguf_file)).tensors if t.name == table["tensor"]), None)
     if t is None or t.tensor_type.name != GGUF_TYPE[table["bits"]] or not np.array_equal(
-            gguf.quants.dequantize(t.data, t.tensor_type), embedding_blocks(hf_dir, table["bits"])[1]):
+            gguf.quants.dequantize(t.data, t.tensor_type), embedding_blocks(hf_table(hf_dir), table["bits"])[1]):
         raise GgufQ4Error(f"{gguf_file}: {table['tensor']} does not dequantize to the table's "
                           f"{table['bits']}-bit codes")
     return len(got) + 1
@@ -649,7 +661,8 @@ def dequantized_model(hf_dir, quant_dir):
     model = _set_linears(load_hf_model(hf_dir), weights)
     chosen = (meta.get("embedding") or {}).get("chosen")
     table = weights.get(HEAD) if chosen == "head" else \
-        embedding_blocks(hf_dir, {"int8": 8, "int4": 4}[chosen])[1] if chosen in ("int8", "int4") else None
+        embedding_blocks(hf_table(hf_dir), {"int8": 8, "int4": 4}[chosen])[1] if chosen in ("int8", "int4") \
+        else None
     if table is not None:
         with torch.no_grad():
             model.get_input_embeddings().weight.copy_(torch.from_numpy(table))

@@ -172,7 +172,7 @@ def _fake_conversion(hf_dir: Path, out: Path, *, permute_qk: bool = True, tamper
             t = permute(t, cfg["num_key_value_heads"])
         if tamper and hf_name == tamper:
             t = t.clone()
-            t[0] *= 2
+            t[1] *= 2  # not row 0: a table's row 0 can be the all-zero padding row
         arr = t.numpy().astype(np.float16 if t.dim() == 2 else np.float32)
         w.add_tensor(names.get_name(hf_name, try_suffixes=(".weight",)), arr)
     w.write_header_to_file()
@@ -424,10 +424,13 @@ def test_an_untied_table_ships_as_the_quantize_stages_codes_where_it_chose_them(
         gguf_q4.verify_file(out, quant, report)
     blocks = VOCAB * 64 // 32 * (gguf_q4.BLOCK_BYTES_8 if bits == 8 else gguf_q4.BLOCK_BYTES)
     assert abs(kept["bytes"] - report["bytes"] - (VOCAB * 64 * 2 - blocks)) < 1024
-    table = gptq.embedding_codes(gguf_q4._hf_weight(gguf_q4._hf_weight_files(hf), "model.embed_tokens.weight"),
-                                 bits).dequantize()
+    table = gptq.embedding_codes(gguf_q4.hf_table(hf), bits).dequantize()
     for model in (gguf_q4.file_model(hf, out, report), gguf_q4.dequantized_model(hf, quant)):
         assert torch.equal(model.get_input_embeddings().weight, table)
+    # a conversion whose table is not the checkpoint's: its codes cannot stand for it
+    with pytest.raises(gguf_q4.GgufQ4Error, match="not the checkpoint's table"):
+        gguf_q4.build_q4_0(hf, quant, tmp_path / "t.gguf",
+                           converted=_fake_conversion(hf, tmp_path / "t0.gguf", tamper="model.embed_tokens.weight"))
 
 
 @gguf_only
