@@ -519,13 +519,19 @@ def _shared_embedding(g: "_G", layers, widths, scale: float) -> tuple[str, int]:
     scales3 = g.node("Unsqueeze", ["lm_head.scales", g.const_i64([2])], ["embed.scales"], "embed_scales")
     rows = g.node("GatherBlockQuantized", ["lm_head.B", "input_ids", scales3], ["embed.rows"], "embed", domain=MS,
                   bits=bits, block_size=int(gs), gather_axis=0, quantize_axis=2)  # [1, S, K/bs, bs]
+    return _gathered_rows(g, rows, k, scale), 0  # its bytes are the head's (counted under matmulnbits)
+
+
+def _gathered_rows(g: "_G", rows: str, k: int, scale: float) -> str:
+    """h_0 [1, S, K] from a GatherBlockQuantized's [1, S, K/bs, bs] rows, times Gemma's embed_scale (a Mul
+    after the gather, as HF multiplies the gathered rows) where it is not 1."""
     h = g.node("Reshape", [rows, g.const_i64([0, 0, k])], ["h_0" if scale == 1.0 else "h_0raw"], "embed_rows")
     if scale != 1.0:
         h = g.node("Mul", [h, g.init("embed_scale", np.asarray(scale, np.float32))], ["h_0"], "embed_scale")
-    return h, 0  # its bytes are the head's (counted under matmulnbits)
+    return h
 
 
-def _block_embedding(g: "_G", table, bits: int, scale) -> tuple[str, int]:
+def _block_embedding(g: "_G", table, bits: int, scale: float) -> tuple[str, int]:
     """An untied table as a GatherBlockQuantized of its own `bits`-bit codes (gptq.embedding_codes: the
     rounding the quantize stage measured) in MatMulNBits' layout, scales [V, K/bs, 1] float32 (the codes'
     fp16 values: rows come out float32 with no fp16 product). Scaled after the gather, as the shared one."""
@@ -542,10 +548,7 @@ def _block_embedding(g: "_G", table, bits: int, scale) -> tuple[str, int]:
     g.init("embed.scales", scales.astype(np.float32).reshape(v, k // gptq.EMBED_BLOCK, 1))
     rows = g.node("GatherBlockQuantized", ["embed.B", "input_ids", "embed.scales"], ["embed.rows"], "embed",
                   domain=MS, bits=bits, block_size=gptq.EMBED_BLOCK, gather_axis=0, quantize_axis=2)
-    h = g.node("Reshape", [rows, g.const_i64([0, 0, k])], ["h_0" if scale is None else "h_0raw"], "embed_rows")
-    if scale is not None:
-        h = g.node("Mul", [h, g.init("embed_scale", np.asarray(float(scale), np.float32))], ["h_0"], "embed_scale")
-    return h, int(b.nbytes + scales.size * 4)
+    return _gathered_rows(g, rows, k, scale), int(b.nbytes + scales.size * 4)
 
 
 # --------------------------------------------------------------------------
@@ -655,7 +658,7 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
         chosen = (meta.get("embedding") or {}).get("chosen")
         opts["embedding"] = "shared" if share else _CHOSEN.get(chosen, "fp32")
     if opts["embedding"] in ("int8", "int4"):
-        h, emb_bytes = _block_embedding(g, emb.weight.detach(), int(opts["embedding"][3:]), scale)
+        h, emb_bytes = _block_embedding(g, emb.weight.detach(), int(opts["embedding"][3:]), scale_f)
     elif opts["embedding"] == "fp32":
         # cast, scaled and written a row chunk at a time: no whole [V, H] fp32 table (671 MB on Gemma 3)
         table = emb.weight.detach()
