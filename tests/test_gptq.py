@@ -737,6 +737,17 @@ def _at_codes_model(untied: Path, quant_dir: Path):
     return model
 
 
+def _quantize_no_budget(device: str, extra: dict, untied: Path, cal: Path, out: Path) -> dict:
+    """The quantize stage for `device` at speed with no 8-bit budget (QCFG plus `extra`); its quant.json."""
+    from pipeline import devices
+    from stages import quantize
+
+    cfg = {"quantize": {**QCFG, "eight_bit_budget": 0, **extra}, "device": devices.spec_sheet(device),
+           "priority": {"name": "speed"}}
+    quantize.run(ctx("quantize", out, cfg, {"untie_head": untied, "calibrate": cal}))
+    return json.loads((out / "quant.json").read_text())
+
+
 @pytest.mark.parametrize("device, extra", [
     ("x86_avx512", {}),  # ORT's MatMulNBits (bits=8 blocks)
     ("x86_llamacpp", {"group_size": 32, "scale_dtype": "fp16"}),  # GGUF Q8_0 (quantize=q4_0's settings)
@@ -750,16 +761,13 @@ def test_the_heads_width_is_measured_where_the_kernel_takes_8_bits(tiny_untied, 
     and the head that ships is the chosen one."""
     import numpy as np
 
-    from pipeline import bit_alloc, devices
+    from pipeline import bit_alloc
     from stages import quantize
 
     monkeypatch.setattr(quantize, "HEAD_MIN_GAIN_DB", min_gain_db)
     cal, _ = calibrated
     out = tmp_path / "measured"
-    cfg = {"quantize": {**QCFG, "eight_bit_budget": 0, **extra}, "device": devices.spec_sheet(device),
-           "priority": {"name": "speed"}}
-    quantize.run(ctx("quantize", out, cfg, {"untie_head": tiny_untied, "calibrate": cal}))
-    meta = json.loads((out / "quant.json").read_text())
+    meta = _quantize_no_budget(device, extra, tiny_untied, cal, out)
     if device == "x86_llamacpp":  # either width is what GGUF holds exactly (Q4_0 / Q8_0)
         from pipeline import gguf_q4
         from pipeline.int4_runtime import read_quant
@@ -824,7 +832,7 @@ def test_an_untied_tables_form_is_measured_and_recorded(truly_untied, tmp_path, 
     bytes; the narrowest option within EMBED_MAX_LOSS_DB ships (the table kept whatever the bound)."""
     import numpy as np
 
-    from pipeline import bit_alloc, devices
+    from pipeline import bit_alloc
     from pipeline.decode_graph import load_hf_model
     from stages import quantize
 
@@ -832,10 +840,7 @@ def test_an_untied_tables_form_is_measured_and_recorded(truly_untied, tmp_path, 
         monkeypatch.setattr(quantize, "EMBED_MAX_LOSS_DB", max_loss_db)
     ck, cal = truly_untied
     out = tmp_path / "q"
-    cfg = {"quantize": {**QCFG, "eight_bit_budget": 0, **extra}, "device": devices.spec_sheet(device),
-           "priority": {"name": "speed"}}
-    quantize.run(ctx("quantize", out, cfg, {"untie_head": ck, "calibrate": cal}))
-    meta = json.loads((out / "quant.json").read_text())
+    meta = _quantize_no_budget(device, extra, ck, cal, out)
     rec = meta["embedding"]
     assert rec["measured"] and list(rec["options"]) == ["int4", "int8", "keep"]
     v, k = TINY["vocab_size"], TINY["hidden_size"]
