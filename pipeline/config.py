@@ -64,6 +64,7 @@ CHOICES = {
     "pack.gguf_token_embedding": ("auto", "shared", "keep", "q8_0", "q4_0"),  # pipeline/gguf_q4.py OTHERS
     "pack.qnn_weights": ("per_channel", "per_tensor"),  # pipeline/qnn.py WEIGHT_GRANULARITIES
     "pack.qnn_residual": ("fp16", "uint16"),  # pipeline/npu_rewrite.py residual_stream
+    "pack.qnn_attention": ("fp16", "uint16"),  # pipeline/npu_rewrite.py attention_cores
     "pack.qnn_embedding": ("int8", "int4", "graph"),  # pipeline/qnn.py EMBEDDING_CHOICES
     "pack.qnn_weight_method": ("gptq", "rtn"),  # pipeline/qnn.py WEIGHT_METHODS
 }

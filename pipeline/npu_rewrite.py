@@ -535,6 +535,44 @@ def residual_stream(model: onnx.ModelProto) -> dict[str, list[str]]:
     return {"adds": adds, "norms": norms}
 
 
+def attention_cores(model: onnx.ModelProto) -> dict[str, list[str]]:
+    """Every attention's core, by node name: {"scores": the MatMul q . K^T, "masks": the Adds between it and
+    the Softmax (the mask), "softmaxes", "mixes": the MatMul softmax . V}.
+
+    Found from each Softmax: back through Adds to a MatMul of two computed tensors, forward to the
+    MatMul that reads the softmax. These are the graph's only activation-by-activation products. Why
+    they matter (docs/phone-fidelity.md): the HTP computes a MatMul of two 16-bit activations far less
+    exactly than the CPU EP's QDQ arithmetic that stands in for it. On Gemma 3 270M's w8a16 graph,
+    compared tensor by tensor (`python -m pipeline.graph_diff --htp`), every layer's softmax . V product
+    agreed with the CPU EP's at only 12-28 dB, and the scores at 26-42, where the projections feeding them
+    agreed at 60-70. Left float, the HTP runs them in fp16."""
+    consts = _consts(model)
+    producers = _producers(model)
+    consumers = _consumers(model)
+
+    cores: dict[str, list[str]] = {"scores": [], "masks": [], "softmaxes": [], "mixes": []}
+    for sm in (n for n in model.graph.node if n.op_type == "Softmax"):
+        masks, t = [], sm.input[0]
+        while t in producers and producers[t].op_type == "Add":
+            add = producers[t]
+            masks.append(add.name)
+            t = next((i for i in add.input if i in producers and producers[i].op_type in ("Add", "MatMul")),
+                     None)
+            if t is None:
+                break
+        score = producers.get(t) if t is not None else None
+        mixes = [c for c in consumers.get(sm.output[0], []) if c.op_type == "MatMul"]
+        if score is None or score.op_type != "MatMul" or any(i in consts for i in score.input) or not mixes:
+            continue
+        cores["scores"].append(score.name)
+        cores["masks"] += masks
+        cores["softmaxes"].append(sm.name)
+        cores["mixes"] += [c.name for c in mixes]
+    if any(not name for names in cores.values() for name in names):
+        raise RewriteError("an attention node has no name: ONNX Runtime's quantizer excludes nodes by name")
+    return cores
+
+
 def prepare(model: onnx.ModelProto, *, position: str, context_length: int) -> tuple[onnx.ModelProto, dict]:
     """All rewrites, in order; (the QNN-ready float graph, what was done).
 

@@ -324,6 +324,10 @@ class PackConfig:
     # fp16 (left float, run in the HTP's fp16) or uint16 (quantized like the
     # rest; real checkpoints' massive activations make its grid coarse).
     qnn_residual: str = "fp16"
+    # The QDQ graphs' attention cores (q.K^T, mask, Softmax, softmax.V): fp16
+    # (left float, run in the HTP's fp16) or uint16 (quantized; the HTP's
+    # 16-bit x 16-bit MatMul is far less exact than the CPU EP's stand-in).
+    qnn_attention: str = "fp16"
     # The token embedding of the phone graphs: int8 | int4 (taken out of the
     # graph, a block-32 GatherBlockQuantized the phone runs on its CPU; the
     # binaries take inputs_embeds) or graph (the table inside every binary,

@@ -351,7 +351,8 @@ def _qnn(ctx, comp_dir) -> dict:
                      "options": {"backend_path": "libQnnHtp.so", "htp_arch": str(t["htp_arch"]).lstrip("vV"),
                                  "soc_model": str(t["soc_id"]), "enable_htp_fp16_precision": "1"},
                      "fp16": "every float node runs in the HTP's fp16: the fp16 variant whole, and the QDQ "
-                             "variants' float residual stream (pack.qnn_residual)"},
+                             "variants' float residual stream and attention cores (pack.qnn_residual, "
+                             "pack.qnn_attention)"},
         "session_config": {"session.disable_cpu_ep_fallback": "1"},
         "embedding": _qnn_embedding(info, io),
         "inputs": io["inputs"],

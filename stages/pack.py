@@ -31,7 +31,8 @@ The weight path is chosen by `pipeline.weight_path.select(device, priority)`
   stage's windows run through the float graph (16-bit activations, MatMul
   weights symmetric with a scale per output channel, `pack.qnn_weights`, w8a16's
   codes from GPTQ on the calibrate stage's Hessians, `pack.qnn_weight_method`; the
-  residual stream left float for the HTP's fp16, `pack.qnn_residual`;
+  residual stream left float for the HTP's fp16, `pack.qnn_residual`, and so are the
+  attention cores (q.K^T, mask, Softmax, softmax.V), `pack.qnn_attention`;
   fp16 runs the float graph itself in the HTP's fp16 math). `npu.json` lists them with
   the rewrites and the calibration; `io.json` and the tokenizer travel along.
   stages/compile_qnn.py turns each into a context binary.
@@ -249,6 +250,9 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     overrides = npu_rewrite.embedding_ranges(prepared) if qdq else {}  # before the save moves the data out
     residual = npu_rewrite.residual_stream(prepared)
     float_nodes = residual["adds"] + residual["norms"] if str(cfg.qnn_residual) == "fp16" else []
+    attention = npu_rewrite.attention_cores(prepared)
+    if str(cfg.qnn_attention) == "fp16":
+        float_nodes += [n for names in attention.values() for n in names]
     table, embedding = None, None
     if str(cfg.qnn_embedding) != "graph":
         # The lookup leaves the graph (npu_rewrite.embedding_input says why): the binaries take
@@ -360,7 +364,9 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
                 facts["matmul_weights"]["method"] = "rtn"
             graphs[p] = {"graph": f"{p}/model.onnx", **facts,
                          "residual_stream": {"math": str(cfg.qnn_residual), "adds": len(residual["adds"]),
-                                             "norms": len(residual["norms"])}}
+                                             "norms": len(residual["norms"])},
+                         "attention": {"math": str(cfg.qnn_attention),
+                                       **{k: len(v) for k, v in attention.items()}}}
     finally:
         shutil.rmtree(spill, ignore_errors=True)
     copy_side_files(export_dir, out)

@@ -170,6 +170,25 @@ def test_residual_stream_follows_the_scaled_embedding_through_each_layers_adds()
     assert npu_rewrite.residual_stream(model) == {"adds": ["res0", "res1"], "norms": ["ln0", "ln1", "final"]}
 
 
+def test_attention_cores_are_the_products_of_two_activations_around_each_softmax():
+    """q.K^T (two computed tensors), the mask's Add, Softmax and softmax.V are a core; a Softmax over a
+    weight's product (a classifier's) is not, and neither are the projections around the core."""
+    q, k, v, x = (_f32(n, [1, 1, 4, 8]) for n in ("q", "k", "v", "x"))
+    mask = _f32("mask", [1, 1, 4, 4])
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], name="kt", perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["s"], name="qk"),
+             helper.make_node("Add", ["s", "mask"], ["sm"], name="mask_add"),
+             helper.make_node("Softmax", ["sm"], ["p"], name="softmax", axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["o"], name="pv"),
+             helper.make_node("MatMul", ["o", "w"], ["o2"], name="o_proj"),
+             helper.make_node("MatMul", ["x", "w"], ["c"], name="classifier"),
+             helper.make_node("Softmax", ["c"], ["cp"], name="classifier_softmax", axis=-1)]
+    model = _model(nodes, [q, k, v, x, mask], [_f32("o2", [1, 1, 4, 8]), _f32("cp", [1, 1, 4, 8])],
+                   [("w", RNG.standard_normal((8, 8)).astype(np.float32))])
+    assert npu_rewrite.attention_cores(model) == {"scores": ["qk"], "masks": ["mask_add"],
+                                                  "softmaxes": ["softmax"], "mixes": ["pv"]}
+
+
 def _tied_head_model(table, head_reads_table: bool):
     """input_ids -> Gather(table) * scale -> MatMul with a head (the table itself, transposed by the graph,
     or a separate initializer as the untie_head stage's export has it)."""

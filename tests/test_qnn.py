@@ -383,6 +383,110 @@ def test_a_float_residual_stream_keeps_a_massive_activation_model_within_the_flo
         assert got["uint16"][arm] < 30 <= value, (arm, got)
 
 
+def _attention_block(tmp_path, wide_value_channel: float = 20.0):
+    """One decode step's attention over a 63-entry cache: q and v projections, the cache concatenated,
+    q.K^T, the mask's Add, Softmax, softmax.V, the output projection. One channel of the value cache is
+    `wide_value_channel` times the others (Gemma 3 270M's V caches span [-26, 80] with most entries O(1))."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(5)
+    h, d, t = 64, 64, 63
+    wq, wv = ((rng.standard_normal((h, d)) / np.sqrt(h)).astype(np.float32) for _ in range(2))
+    wo = (rng.standard_normal((d, h)) / np.sqrt(d)).astype(np.float32)
+
+    def vi(name, shape):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+    nodes = [helper.make_node("MatMul", ["x", "wq"], ["q0"], name="q_proj"),
+             helper.make_node("Reshape", ["q0", "s4"], ["q"], name="q_view"),
+             helper.make_node("MatMul", ["x", "wv"], ["v0"], name="v_proj"),
+             helper.make_node("Reshape", ["v0", "s4"], ["v"], name="v_view"),
+             helper.make_node("Concat", ["past_key", "q"], ["keys"], name="k_cat", axis=2),
+             helper.make_node("Concat", ["past_value", "v"], ["values"], name="v_cat", axis=2),
+             helper.make_node("Transpose", ["keys"], ["keys_t"], name="k_t", perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "keys_t"], ["scores"], name="scores"),
+             helper.make_node("Add", ["scores", "mask"], ["masked"], name="mask_add"),
+             helper.make_node("Softmax", ["masked"], ["probs"], name="softmax", axis=-1),
+             helper.make_node("MatMul", ["probs", "values"], ["mixed"], name="mix"),
+             helper.make_node("Reshape", ["mixed", "s3"], ["m"], name="m_view"),
+             helper.make_node("MatMul", ["m", "wo"], ["y"], name="o_proj")]
+    graph = helper.make_graph(
+        nodes, "attention", [vi("x", [1, 1, h]), vi("past_key", [1, 1, t, d]), vi("past_value", [1, 1, t, d]),
+                             vi("mask", [1, 1, 1, t + 1])], [vi("y", [1, 1, h])],
+        [numpy_helper.from_array(a, n) for a, n in ((wq, "wq"), (wv, "wv"), (wo, "wo"),
+                                                    (np.array([1, 1, 1, d], np.int64), "s4"),
+                                                    (np.array([1, 1, d], np.int64), "s3"))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    onnx.save(model, str(tmp_path / "attention.onnx"))
+
+    def sample():
+        value = rng.standard_normal((1, 1, t, d)).astype(np.float32)
+        value[..., 3] *= wide_value_channel
+        return {"x": rng.standard_normal((1, 1, h)).astype(np.float32),
+                "past_key": (rng.standard_normal((1, 1, t, d)) * 0.5).astype(np.float32),
+                "past_value": value, "mask": np.zeros((1, 1, 1, t + 1), np.float32)}
+
+    return tmp_path / "attention.onnx", model, [sample() for _ in range(16)]
+
+
+def _snr_over(ref, session, samples) -> float:
+    num = den = 0.0
+    for feed in samples:
+        want, got = ref.run(None, feed)[0], session.run(None, feed)[0]
+        num, den = num + float((want ** 2).sum()), den + float(((want - got) ** 2).sum())
+    return 10 * np.log10(num / den)
+
+
+@needs_qnn
+def test_float_attention_cores_keep_a_wide_value_channel_within_the_floor_on_the_htp(tmp_path):
+    """The phone-fidelity fix for the HTP's products of two activations (docs/phone-fidelity.md): with one
+    value channel 20x wider than the rest, the quantized attention core (pack.qnn_attention=uint16) is
+    within the 30 dB floor on the CPU EP that stands in for the HTP (38.8 dB measured) and far below it on
+    the HTP itself (15.8); left float (fp16, the default) the HTP passes (41.3). The CPU EP alone would
+    never have shown it: the test runs the HTP."""
+    import onnxruntime as ort
+
+    from pipeline import npu_rewrite
+
+    path, model, samples = _attention_block(tmp_path)
+    cores = npu_rewrite.attention_cores(model)
+    assert cores == {"scores": ["scores"], "masks": ["mask_add"], "softmaxes": ["softmax"], "mixes": ["mix"]}
+    ref = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = {}
+    for name, float_nodes in (("uint16", []), ("fp16", [n for names in cores.values() for n in names])):
+        q = tmp_path / f"{name}.onnx"
+        qnn.qdq_quantize(path, q, samples, "w8a16", {}, float_nodes=float_nodes)
+        qnn.compile_context(q, tmp_path / f"ctx_{name}", S25, "w8a16")
+        got[name] = {"cpu": _snr_over(ref, ort.InferenceSession(str(q), providers=["CPUExecutionProvider"]),
+                                      samples),
+                     "htp": _snr_over(ref, qnn.htp_session(tmp_path / f"ctx_{name}" / qnn.CONTEXT_MODEL, S25,
+                                                           "w8a16"), samples)}
+    assert got["uint16"]["cpu"] >= 30 > got["uint16"]["htp"], got  # the stand-in hides it
+    assert got["fp16"]["htp"] >= 30 and got["fp16"]["cpu"] >= 30, got
+
+
+@needs_qnn
+def test_graph_diff_on_the_htp_names_the_product_where_the_htp_departs_from_the_cpu_ep(tmp_path):
+    """`python -m pipeline.graph_diff --htp`: the quantized attention block's tensors agree between the CPU EP
+    and the HTP until softmax.V, the first where they part (by > 10 dB below everything before it)."""
+    from pipeline import graph_diff
+
+    path, model, samples = _attention_block(tmp_path)
+    q = tmp_path / "uint16.onnx"
+    qnn.qdq_quantize(path, q, samples, "w8a16", {})
+    rows = graph_diff.compare_htp(model, __import__("onnx").load(str(q)), samples[0], S25, tmp_path / "work")
+    by = {r["tensor"]: r for r in rows}
+    assert {"scores", "probs", "mixed", "x"} <= set(by), sorted(by)
+    order = [r["tensor"] for r in rows]
+    first = next(r for r in rows if r["cpu_htp_db"] < 30)
+    assert first["tensor"] == "mixed", [(r["tensor"], round(r["cpu_htp_db"], 1)) for r in rows]
+    before = [r["cpu_htp_db"] for r in rows[: order.index("mixed")]]
+    assert min(before) > first["cpu_htp_db"] + 10, rows
+    assert by["mixed"]["ref_cpu_db"] > 30  # on the CPU EP the product is fine
+
+
 def test_gptq_codes_replace_the_rounded_int8_weights_on_the_same_grid(tmp_path):
     """w8a16's codes from GPTQ (pack.qnn_weight_method=gptq): the graph weight found by content in the
     checkpoint, its Hessian from the calibrate stage's files; the same per-channel grid, a smaller output
