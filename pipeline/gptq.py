@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -415,7 +416,14 @@ def embedding_codes(table, bits: int, block: int = EMBED_BLOCK) -> Quantized:
     """The table [V, H]'s symmetric `bits`-bit codes in blocks of `block`, fp16 scales: round to nearest
     with the scale search, no calibration (a row's error reaches only the tokens that gather it, so no
     Hessian weighs it). The one rounding the quantize stage measures and the packers ship."""
-    t = table if isinstance(table, torch.Tensor) else torch.from_numpy(table)
+    if isinstance(table, torch.Tensor):
+        t = table
+    else:
+        # The table is often a read-only view (a mapped file, an ONNX initializer); nothing here writes to
+        # it, and copying Gemma 3 270M's would cost 671 MB, so torch's not-writable warning is not shown.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            t = torch.from_numpy(table)
     return quantize_weight(t.detach().to(torch.float32), None, method="rtn", group_size=block, sym=True,
                            scale_dtype="fp16", bits=bits, name="embedding")
 
