@@ -293,18 +293,24 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     if not seqs:
         raise StageError("pack: the calibration windows hold fewer than 2 tokens: nothing to calibrate on")
     # The rewrites must not change what the graph computes: both decode the
-    # first calibration sequence, compared step by step.
+    # first calibration sequence, compared step by step. Memory: one decoder at
+    # a time (each session holds the whole graph, 8.2 GB of weights on a 1.75B
+    # model, so the two together passed the 16 GB stage bound); the export's
+    # logits are kept between them (QNN_CHECK_STEPS x vocabulary floats).
+    check = seqs[0][:QNN_CHECK_STEPS]
     ref = OnnxDecoder(export_dir, threads=2)
+    want = [ref.step(t) for t in check]
+    del ref
+    gc.collect()
     # the rewrites checked with the float table's rows
     new = OnnxDecoder(float_dir, threads=2, embed=None if table is None else table.__getitem__)
-    check = seqs[0][:QNN_CHECK_STEPS]
-    worst = min(snr_db(ref.step(t), new.step(t)) for t in check)
+    worst = min(snr_db(w, new.step(t)) for w, t in zip(want, check))
     if worst < QNN_CHECK_MIN_SNR_DB:
         raise StageError(f"pack: the QNN-ready graph departs from the export ({worst:.1f} dB at worst over "
                          f"{len(check)} steps, needs {QNN_CHECK_MIN_SNR_DB:g}): a rewrite is wrong")
     ctx.log(f"QNN-ready graph matches the export: worst step {worst:.1f} dB over {len(check)} steps")
     # The calibration sees what the device will feed: the shipped lookup's rows.
-    del ref, new, table
+    del new, want, table
     gc.collect()
     new = OnnxDecoder(float_dir, threads=2)
 
