@@ -496,7 +496,7 @@ class OnnxDecoder(_Greedy):
     """Runs an exported decode step with onnxruntime; numpy caches, slot writes per io.json."""
 
     def __init__(self, artifact_dir, threads: int = 1, providers: Iterable = ("CPUExecutionProvider",), *,
-                 model_file: str = "model.onnx", session=None, embed=None):
+                 model_file: str = "model.onnx", session=None, embed=None, extra_outputs: Sequence[str] = ()):
         """`artifact_dir` holds io.json; the graph is `model_file` inside it, or
         `session` when given (a graph of the same io.json compiled elsewhere,
         e.g. a QNN context binary: pipeline/qnn.py).
@@ -505,7 +505,11 @@ class OnnxDecoder(_Greedy):
         "embedding", npu_rewrite.embedding_input) takes `inputs_embeds`: each
         step first runs io.json's embedding model (on the CPU EP) on the token,
         or `embed(token_id) -> [hidden]` when given (the pack stage's check of
-        its rewrites, with the float table)."""
+        its rewrites, with the float table).
+
+        `extra_outputs`: more of the graph's outputs fetched each step, left in
+        `self.extra` (name -> array) for a caller that probes the graph (the
+        pack stage's residual-stream range)."""
         import onnxruntime as ort
 
         self.dir = Path(artifact_dir)
@@ -547,6 +551,8 @@ class OnnxDecoder(_Greedy):
             self.feed[f"past_value_{i}"] = v
             self._caches.append((k, v, ring))
         self.output_names = [o["name"] for o in self.io["outputs"]]
+        self.extra_names = list(extra_outputs)
+        self.extra: dict[str, np.ndarray] = {}
         self.position = 0
 
     def reset(self) -> None:
@@ -574,7 +580,8 @@ class OnnxDecoder(_Greedy):
         if self._embed is not None:
             self._embeds.reshape(-1)[:] = self._embed(token_id)
         self._pos[0] = p
-        res = self.session.run(self.output_names, self.feed)
+        res = self.session.run(self.output_names + self.extra_names, self.feed)
+        self.extra = dict(zip(self.extra_names, res[len(self.output_names):]))
         for j, (k, v, ring) in enumerate(self._caches):
             slot = p % ring if ring else p  # p >= 0: Python's % is non-negative anyway
             k[:, :, slot, :] = res[1 + 2 * j][:, :, 0, :]

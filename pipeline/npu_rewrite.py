@@ -503,7 +503,8 @@ RESIDUAL_NORMS = ("SimplifiedLayerNormalization",)
 
 def residual_stream(model: onnx.ModelProto) -> dict[str, list[str]]:
     """The residual stream's nodes, by name: {"adds": the Add nodes that carry it from layer to layer,
-    "norms": the (fused) RMSNorms that read it}.
+    "norms": the (fused) RMSNorms that read it, "writers": the RMSNorms whose output an Add adds to it
+    (Gemma's post-attention and post-feedforward norms; a Llama-family graph has none)}.
 
     Followed from the token embedding's lookup (and its scaling by a constant, Gemma's embed_scale): the
     stream's tensor r has one Add consumer (r + a sublayer's output -> the next r) and reads by norms;
@@ -511,28 +512,122 @@ def residual_stream(model: onnx.ModelProto) -> dict[str, list[str]]:
     massive activations in a few residual channels (Gemma 3 270M's stream reaches 28,686 in its last
     layers while most channels are O(1-10)), so one uint16 grid over the stream is steps of ~0.5 and the
     small channels are lost before every norm. Left in float, the HTP runs these nodes in fp16 (ulp 16
-    at 28,686, relative 2^-11 everywhere); everything a matmul reads stays 16-bit."""
+    at 28,686, relative 2^-11 everywhere); everything a matmul reads stays 16-bit.
+
+    The writers are where those channels come from: on Gemma 3 270M the o_proj and down_proj outputs
+    the post-norms read stay within +-1.3..127 with no outlier, and the post-norms' weights turn them
+    into +-400..19,866 (median 0.3..110), so a uint16 grid over a post-norm's output has steps of up to
+    0.6, coarser than most of what it writes. Left float, the matmuls' narrow outputs are what is
+    quantized."""
+    walk = _walk_stream(model)
+    return {k: walk[k] for k in ("adds", "norms", "writers")}
+
+
+def _walk_stream(model: onnx.ModelProto) -> dict:
+    """residual_stream's walk; also "tensors" (the stream's tensors: the first, then each Add's output)
+    and "others" (consumers of a stream tensor that are neither its Add nor a norm)."""
     consumers = _consumers(model)
+    producers = _producers(model)
     start = None
     for n, scaled in _embedding_lookups(model, _consts(model)):
         start = scaled[-1][0].output[0] if scaled else n.output[0]
         break
     if start is None and any(i.name == EMBEDS_INPUT for i in model.graph.input):
         start = _scaled(model, EMBEDS_INPUT)
-    adds, norms = [], []
+    adds, norms, writers, tensors, others = [], [], [], [], []
     r = start
     while r is not None:
+        tensors.append(r)
         nxt = None
         for c in consumers.get(r, []):
             if c.op_type == "Add" and nxt is None:
                 adds.append(c.name)
                 nxt = c.output[0]
+                writer = producers.get(next((i for i in c.input if i != r), ""))
+                if writer is not None and writer.op_type in RESIDUAL_NORMS:
+                    writers.append(writer.name)
             elif c.op_type in RESIDUAL_NORMS:
                 norms.append(c.name)
+            else:
+                others.append(c.name)
         r = nxt
-    if any(not name for name in adds + norms):
+    if any(not name for name in adds + norms + writers):
         raise RewriteError("a residual-stream node has no name: ONNX Runtime's quantizer excludes nodes by name")
-    return {"adds": adds, "norms": norms}
+    return {"adds": adds, "norms": norms, "writers": writers, "tensors": tensors, "others": others}
+
+
+def residual_tensors(model: onnx.ModelProto) -> list[str]:
+    """The residual stream's tensors, in order (the scaled embedding, then each layer's Add output)."""
+    return _walk_stream(model)["tensors"]
+
+
+# fp16's largest value is 65,504: the stream is scaled so that its largest measured entry is at most this
+# (a power-of-two factor, so no fp16 rounding), leaving 8x headroom for text larger than the probe's.
+FP16_STREAM_LIMIT = 8192.0
+
+
+def residual_scale_factor(max_abs: float, limit: float = FP16_STREAM_LIMIT) -> int:
+    """The power of two the stream is divided by so that `max_abs` fits under `limit` (1: nothing to do)."""
+    factor = 1
+    while max_abs / factor > limit:
+        factor *= 2
+    return factor
+
+
+def scale_residual(model: onnx.ModelProto, factor: int) -> dict:
+    """Carry the residual stream divided by `factor` (in place; works on a graph loaded without its
+    external data): a Mul by 1/factor after the stream's first tensor and on every sublayer output before
+    its Add, and each norm that reads the stream given epsilon / factor^2, so that
+    RMSNorm(r / f; eps / f^2) = RMSNorm(r; eps) and the graph computes what it did. Returns the Muls'
+    names (float-island nodes, like the stream) and how many norms were changed.
+
+    Why (docs/phone-fidelity.md, finding 5): the HTP runs the float stream in fp16, whose largest value
+    is 65,504, and Gemma 3 270M's stream reaches 103,795 at the BOS token (layers 7-17 past 65,504), so
+    the first token's hidden state and with it every K/V entry of the attention sink that all later steps
+    read was wrong on the phone, and right on the CPU EP (fp32). A power-of-two factor changes no fp16
+    rounding of the stream; the norms' outputs, which the rest reads, are unchanged."""
+    from onnx import helper, numpy_helper
+
+    if factor <= 1:
+        return {"factor": 1, "muls": [], "norms": 0}
+    walk = _walk_stream(model)
+    if walk["others"]:
+        raise RewriteError(f"the residual stream is read by {walk['others'][0]!r}, neither an Add nor an RMSNorm: "
+                           "it cannot be carried scaled")
+    tensors = walk["tensors"]
+    if not walk["adds"]:
+        raise RewriteError("no residual stream found to scale")
+    nodes = {n.name: n for n in model.graph.node}
+    const = "residual_stream_scale"
+    model.graph.initializer.append(numpy_helper.from_array(np.array(1.0 / factor, dtype=np.float32), const))
+    muls = []
+
+    def mul_after(tensor: str, name: str) -> str:
+        out = f"{tensor}__scaled"
+        model.graph.node.append(helper.make_node("Mul", [tensor, const], [out], name=name))
+        muls.append(name)
+        return out
+
+    first = mul_after(tensors[0], "residual_scale/stream_in")
+    stream = set(tensors)
+    for name in walk["adds"]:
+        add = nodes[name]
+        for k, i in enumerate(add.input):
+            if i == tensors[0]:
+                add.input[k] = first
+            elif i not in stream:
+                add.input[k] = mul_after(i, f"residual_scale/{name}")
+    for name in walk["norms"]:
+        norm = nodes[name]
+        if norm.input[0] == tensors[0]:
+            norm.input[0] = first
+        eps = next((a for a in norm.attribute if a.name == "epsilon"), None)
+        if eps is None:  # the op's default
+            norm.attribute.append(helper.make_attribute("epsilon", 1e-5 / factor ** 2))
+        else:
+            eps.f = eps.f / factor ** 2
+    _topo_sort(model)
+    return {"factor": int(factor), "muls": muls, "norms": len(walk["norms"])}
 
 
 def attention_cores(model: onnx.ModelProto) -> dict[str, list[str]]:

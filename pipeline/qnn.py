@@ -399,12 +399,23 @@ def _calibrate(model: Path, cfg, tmp: Path, cache: Path, margin: float = 1.0) ->
     save_tensors_data(ranges, cache)
 
 
-def calibration_sequences(token_ids: np.ndarray, context_length: int, n: int) -> list[list[int]]:
+def calibration_sequences(token_ids: np.ndarray, context_length: int, n: int,
+                          bos: int | None = None) -> list[list[int]]:
     """The calibration windows joined end to end and cut into at most `n`
     sequences of context_length tokens, so calibration reaches the positions
-    (and the full-attention history) the graph serves."""
+    (and the full-attention history) the graph serves. With `bos` (the
+    model's BOS id) each sequence starts with it at position 0, as every
+    prompt the phone runs does.
+
+    Why BOS: the calibrate stage's windows are cut from running text and hold
+    none, and a model's first token is its attention sink. On Gemma 3 270M the
+    residual stream at the BOS reaches 103,795 (the next tokens 1,000-38,000),
+    its K/V entries are read by every later step, and ranges calibrated
+    without it clip them (docs/phone-fidelity.md, finding 5)."""
     flat = np.asarray(token_ids, dtype=np.int64).ravel().tolist()
-    seqs = [flat[i:i + context_length] for i in range(0, len(flat), context_length)][:n]
+    lead = [] if bos is None else [int(bos)]
+    step = context_length - len(lead)
+    seqs = [lead + flat[i:i + step] for i in range(0, len(flat), step)][:n]
     return [s for s in seqs if len(s) >= 2]
 
 

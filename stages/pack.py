@@ -197,7 +197,7 @@ QNN_CALIBRATION_STEPS = 1024
 QNN_CHECK_MIN_SNR_DB = 100.0
 
 
-def _calibration_sequences(cal_dir: Path, context_length: int, n: int) -> list[list[int]]:
+def _calibration_sequences(cal_dir: Path, context_length: int, n: int, bos: int | None = None) -> list[list[int]]:
     import numpy as np
 
     from pipeline.qnn import calibration_sequences
@@ -205,7 +205,38 @@ def _calibration_sequences(cal_dir: Path, context_length: int, n: int) -> list[l
     tokens = cal_dir / "token_ids.npy"
     if not tokens.is_file():
         raise StageError(f"pack: {tokens} is missing: the calibrate stage predates QDQ calibration; rerun it")
-    return calibration_sequences(np.load(tokens), context_length, n)
+    return calibration_sequences(np.load(tokens), context_length, n, bos)
+
+
+STREAM_PROBE = ".stream_probe.onnx"
+
+
+def _check_and_probe_stream(float_dir: Path, want: list, check: list[int], embed) -> tuple[float, float]:
+    """The QNN-ready float graph decoding `check` against the export's logits `want`: (its worst step's
+    SNR, the largest |entry| of its residual stream over those steps). The stream's tensors are fetched
+    through a second model file of the same structure with them as outputs, beside the same weights
+    (model.onnx.data), removed after."""
+    import numpy as np
+    import onnx
+
+    from pipeline import npu_rewrite
+    from pipeline.decode_graph import OnnxDecoder, snr_db
+
+    structure = onnx.load(str(float_dir / "model.onnx"), load_external_data=False)
+    stream = npu_rewrite.residual_tensors(structure)
+    structure.graph.output.extend(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None)
+                                  for t in stream)
+    onnx.save(structure, str(float_dir / STREAM_PROBE))
+    del structure
+    try:
+        probe = OnnxDecoder(float_dir, threads=2, model_file=STREAM_PROBE, embed=embed, extra_outputs=stream)
+        worst, peak = float("inf"), 0.0
+        for w, t in zip(want, check):
+            worst = min(worst, snr_db(w, probe.step(t)))
+            peak = max([peak] + [float(np.abs(a).max()) for a in probe.extra.values()])
+    finally:
+        (float_dir / STREAM_PROBE).unlink(missing_ok=True)
+    return worst, peak
 
 
 def _phone_io(io: dict, embedding: dict | None, up: str = "") -> dict:
@@ -249,7 +280,8 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     qdq = [p for p in precisions if p != "fp16"]
     overrides = npu_rewrite.embedding_ranges(prepared) if qdq else {}  # before the save moves the data out
     residual = npu_rewrite.residual_stream(prepared)
-    float_nodes = residual["adds"] + residual["norms"] if str(cfg.qnn_residual) == "fp16" else []
+    float_nodes = [n for k in ("adds", "norms", "writers") for n in residual[k]] \
+        if str(cfg.qnn_residual) == "fp16" else []
     attention = npu_rewrite.attention_cores(prepared)
     if str(cfg.qnn_attention) == "fp16":
         float_nodes += [n for names in attention.values() for n in names]
@@ -289,7 +321,7 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     del prepared
     gc.collect()
 
-    seqs = _calibration_sequences(cal_dir, C, int(cfg.qnn_calibration_sequences))
+    seqs = _calibration_sequences(cal_dir, C, int(cfg.qnn_calibration_sequences), io.get("bos_token_id"))
     if not seqs:
         raise StageError("pack: the calibration windows hold fewer than 2 tokens: nothing to calibrate on")
     # The rewrites must not change what the graph computes: both decode the
@@ -302,15 +334,35 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     want = [ref.step(t) for t in check]
     del ref
     gc.collect()
-    # the rewrites checked with the float table's rows
-    new = OnnxDecoder(float_dir, threads=2, embed=None if table is None else table.__getitem__)
-    worst = min(snr_db(w, new.step(t)) for w, t in zip(want, check))
+    # the rewrites checked with the float table's rows; the same steps (the BOS first) measure the
+    # residual stream's range, which the HTP carries in fp16 (npu_rewrite.scale_residual says why)
+    embed = None if table is None else table.__getitem__
+    worst, stream_max = _check_and_probe_stream(float_dir, want, check, embed)
+    factor = npu_rewrite.residual_scale_factor(stream_max)
+    scaled = {"factor": 1, "muls": [], "norms": 0}
+    if factor > 1:
+        structure = onnx.load(str(float_dir / "model.onnx"), load_external_data=False)
+        try:
+            scaled = npu_rewrite.scale_residual(structure, factor)
+        except npu_rewrite.RewriteError as err:
+            raise StageError(f"pack: the residual stream reaches {stream_max:,.0f}, past fp16's 65,504 on the "
+                             f"HTP, and cannot be scaled: {err}") from None
+        onnx.save(structure, str(float_dir / "model.onnx"))  # the structure only: the weights are untouched
+        del structure
+        new = OnnxDecoder(float_dir, threads=2, embed=embed)
+        worst = min(snr_db(w, new.step(t)) for w, t in zip(want, check))
+        del new
+        if str(cfg.qnn_residual) == "fp16":
+            float_nodes += scaled["muls"]
+    ctx.log(f"residual stream: largest entry {stream_max:,.0f} over {len(check)} steps from the BOS; "
+            + (f"carried divided by {factor} for the HTP's fp16 (largest 65,504)" if factor > 1
+               else "within fp16 as it is"))
     if worst < QNN_CHECK_MIN_SNR_DB:
         raise StageError(f"pack: the QNN-ready graph departs from the export ({worst:.1f} dB at worst over "
                          f"{len(check)} steps, needs {QNN_CHECK_MIN_SNR_DB:g}): a rewrite is wrong")
     ctx.log(f"QNN-ready graph matches the export: worst step {worst:.1f} dB over {len(check)} steps")
     # The calibration sees what the device will feed: the shipped lookup's rows.
-    del new, want, table
+    del want, table, embed
     gc.collect()
     new = OnnxDecoder(float_dir, threads=2)
 
@@ -334,7 +386,8 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
         calibration = {"sequences": len(seqs), "tokens": steps, "stride": stride,
                        "samples": sum((len(s) + stride - 1) // stride for s in seqs), "step_budget": budget,
                        "max_position": max(len(s) for s in seqs) - 1,
-                       "data": "calibrate/token_ids.npy (held-out windows), joined into context-length sequences"}
+                       "data": "calibrate/token_ids.npy (held-out windows), joined into context-length "
+                               "sequences, each led by the model's BOS at position 0 (as every prompt is)"}
     spill = out / ".calibration_samples"
     try:
         paths = []
@@ -370,7 +423,8 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
                 facts["matmul_weights"]["method"] = "rtn"
             graphs[p] = {"graph": f"{p}/model.onnx", **facts,
                          "residual_stream": {"math": str(cfg.qnn_residual), "adds": len(residual["adds"]),
-                                             "norms": len(residual["norms"])},
+                                             "norms": len(residual["norms"]),
+                                             "writers": len(residual["writers"])},
                          "attention": {"math": str(cfg.qnn_attention),
                                        **{k: len(v) for k, v in attention.items()}}}
     finally:
@@ -379,6 +433,9 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     (out / "io.json").write_text(json.dumps(io_phone, indent=2) + "\n")
     info = {"format": "edgekiln-qnn-pack/1", "precisions": precisions, "deployed": precisions[0],
             "graphs": graphs, "rewrites": rewrites, "rewrite_check": {"steps": len(check), "worst_snr_db": worst},
+            "residual_scale": {"stream_max_abs": stream_max, "factor": scaled["factor"], "muls": len(scaled["muls"]),
+                               "norms": scaled["norms"], "limit": npu_rewrite.FP16_STREAM_LIMIT,
+                               "measured_over": f"the rewrite check's {len(check)} steps, the BOS first"},
             "calibration": calibration, "context_length": C,
             "embedding": embedding or {"in_graph": True, "note": "pack.qnn_embedding=graph: the table is in the "
                                                                   "binaries, a Gather the HTP runs"}}

@@ -167,7 +167,10 @@ def test_residual_stream_follows_the_scaled_embedding_through_each_layers_adds()
     model = _model(nodes, [ids, helper.make_tensor_value_info("pos", TensorProto.INT64, [1])], [_f32("y", [1, 1, 8])],
                    [("table", table), ("scale", np.array(2.0, np.float32)), ("g", g),
                     ("cos__table", np.ones((4, 8), np.float32))])
-    assert npu_rewrite.residual_stream(model) == {"adds": ["res0", "res1"], "norms": ["ln0", "ln1", "final"]}
+    # ln1 both reads the stream and writes back into it (the Add adds its output): a writer, as Gemma's
+    # post-norms are
+    assert npu_rewrite.residual_stream(model) == {"adds": ["res0", "res1"], "norms": ["ln0", "ln1", "final"],
+                                                  "writers": ["ln1"]}
 
 
 def test_attention_cores_are_the_products_of_two_activations_around_each_softmax():

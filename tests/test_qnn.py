@@ -306,7 +306,7 @@ def test_per_channel_weights_keep_an_outlier_channel_model_within_the_floor(tmp_
         assert got["per_channel"]["htp"] > got["per_channel"]["cpu"] - 2, got
 
 
-def _massive_channel_block(tmp_path):
+def _massive_channel_block(tmp_path, massive: float = 30000.0):
     """Embedding -> RMSNorm -> MLP, on a residual stream one channel of which a sublayer drives to 30,000
     (Gemma 3 270M's stream reaches 28,686; its norms' weights mute such a channel), then the final norm
     and a head: the signal is in the small channels, and one uint16 grid over the stream is steps of 0.46."""
@@ -317,7 +317,7 @@ def _massive_channel_block(tmp_path):
     h, v = 64, 32
     table = rng.standard_normal((v, h)).astype(np.float32)
     sink = np.zeros(h, np.float32)
-    sink[5] = 30000.0
+    sink[5] = massive
     w1 = (rng.standard_normal((h, h)) * 0.1).astype(np.float32)
     w1[5, :] = 0
     w1[:, 5] = 0
@@ -356,7 +356,7 @@ def test_a_float_residual_stream_keeps_a_massive_activation_model_within_the_flo
 
     path, model, samples = _massive_channel_block(tmp_path)
     stream = npu_rewrite.residual_stream(model)
-    assert stream == {"adds": ["sink_add", "mlp_add"], "norms": ["norm1", "final_norm"]}
+    assert stream == {"adds": ["sink_add", "mlp_add"], "norms": ["norm1", "final_norm"], "writers": []}
     ref = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
     def snr(session):
@@ -381,6 +381,120 @@ def test_a_float_residual_stream_keeps_a_massive_activation_model_within_the_flo
             got[name]["htp"] = snr(qnn.htp_session(tmp_path / f"ctx_{name}" / qnn.CONTEXT_MODEL, S25, "w8a16"))
     for arm, value in got["fp16"].items():
         assert got["uint16"][arm] < 30 <= value, (arm, got)
+
+
+def test_a_residual_stream_past_fp16s_largest_value_is_carried_scaled(tmp_path):
+    """docs/phone-fidelity.md finding 5: Gemma 3 270M's stream reaches 103,795 at the BOS, past fp16's
+    65,504, and the HTP carries the float stream in fp16. The block's stream holds a 100,000 channel: the
+    fp16 graph on the HTP is wrong as it is, and right with the stream carried divided by a power of two
+    (npu_rewrite.scale_residual, which the pack applies from the stream's measured range); in fp32 the
+    scaled graph computes what the original does."""
+    onnx = pytest.importorskip("onnx")
+    import onnxruntime as ort
+
+    from pipeline import npu_rewrite
+
+    path, model, samples = _massive_channel_block(tmp_path, massive=100000.0)
+    assert npu_rewrite.residual_tensors(model) == ["r0", "r1", "r2"]
+    factor = npu_rewrite.residual_scale_factor(100000.0 + 10)
+    assert factor == 16 and npu_rewrite.residual_scale_factor(8000.0) == 1
+    scaled_model = onnx.load(str(path))
+    done = npu_rewrite.scale_residual(scaled_model, factor)
+    assert done == {"factor": 16, "muls": ["residual_scale/stream_in", "residual_scale/sink_add",
+                                           "residual_scale/mlp_add"], "norms": 2}
+    scaled = tmp_path / "scaled.onnx"
+    onnx.save(scaled_model, str(scaled))
+    ref = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert _snr_over(ref, ort.InferenceSession(str(scaled), providers=["CPUExecutionProvider"]), samples) > 100
+    if qnn.missing() is not None:
+        pytest.skip(f"the HTP half needs the QNN toolchain: {qnn.missing()}")
+    got = {}
+    for name, graph in (("as_is", path), ("scaled", scaled)):
+        qnn.compile_context(graph, tmp_path / f"ctx_{name}", S25, "fp16")
+        got[name] = _snr_over(ref, qnn.htp_session(tmp_path / f"ctx_{name}" / qnn.CONTEXT_MODEL, S25, "fp16"),
+                              samples)
+    assert got["as_is"] < 30 and got["scaled"] >= 40, got
+
+
+def test_calibration_sequences_start_at_the_bos_as_prompts_do():
+    """The calibrate stage's windows hold no BOS; the phone's prompts all start with one, the attention
+    sink whose activations are the graph's largest: each QDQ calibration sequence is led by it."""
+    ids = np.arange(10, 30).reshape(2, 10)
+    assert qnn.calibration_sequences(ids, 8, 4) == [list(range(10, 18)), list(range(18, 26)), list(range(26, 30))]
+    assert qnn.calibration_sequences(ids, 8, 4, bos=2) == [[2, *range(10, 17)], [2, *range(17, 24)],
+                                                             [2, *range(24, 30)]]
+
+
+def _post_norm_block(tmp_path):
+    """Gemma's sandwich: norm -> projection -> post-norm -> residual Add. The projection's output is narrow
+    (no outlier); the post-norm's weight is 4,000 on one channel (Gemma 3 270M's post-norms
+    turn outputs within +-1.3..127 into +-400..19,866), so the norm writes the stream's massive channel;
+    the final norm mutes it and a head reads the small channels."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(6)
+    h, v = 64, 32
+    table = rng.standard_normal((v, h)).astype(np.float32)
+    w1 = (rng.standard_normal((h, h)) / np.sqrt(h)).astype(np.float32)
+    w2 = (rng.standard_normal((h, h)) / np.sqrt(h)).astype(np.float32)
+    # channel 5 of the projection is large on every token (as Gemma's are: one input channel, constant
+    # across tokens, read strongly), so the post-norm writes it massive on every token, as a sink does
+    table[:, 7] = 3.0
+    w1[:, 5] = 0.0
+    w1[7, 5] = 5.0
+    g, post, final = (np.ones(h, np.float32) for _ in range(3))
+    post[5] = 4000.0  # the norm writes ~28,000 there: within fp16, as Gemma 3 270M's 28,686
+    final[5] = 1e-3
+
+    def vi(name):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 1, h])
+
+    norm = "SimplifiedLayerNormalization"
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["r0"], name="embed"),
+             helper.make_node(norm, ["r0", "g"], ["n1"], name="pre_norm", axis=-1, epsilon=1e-6),
+             helper.make_node("MatMul", ["n1", "w1"], ["b1"], name="proj"),
+             helper.make_node(norm, ["b1", "post"], ["p1"], name="post_norm", axis=-1, epsilon=1e-6),
+             helper.make_node("Add", ["r0", "p1"], ["r1"], name="res_add"),
+             helper.make_node(norm, ["r1", "final"], ["n2"], name="final_norm", axis=-1, epsilon=1e-6),
+             helper.make_node("MatMul", ["n2", "w2"], ["y"], name="head")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 1])], [vi("y")],
+                              [numpy_helper.from_array(a, n) for a, n in
+                               ((table, "table"), (w1, "w1"), (w2, "w2"), (g, "g"), (post, "post"), (final, "final"))],
+                              value_info=[vi(t) for t in ("r0", "n1", "b1", "p1", "r1", "n2")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    onnx.save(model, str(tmp_path / "f.onnx"))
+    return tmp_path / "f.onnx", model, [{"ids": np.array([[i]], np.int64)} for i in range(v)]
+
+
+def test_float_post_norms_keep_the_massive_channel_they_write_off_the_16_bit_grid(tmp_path):
+    """The residual stream's writers (docs/phone-fidelity.md finding 5): with the stream float but the
+    post-norm that writes its massive channel quantized, the norm's uint16 grid (steps of ~0.8 over
+    +-26,700) loses the small channels it writes: 28.1 dB on the CPU EP and 23.3 on the HTP (measured),
+    below the 30 dB floor; with the writers float too (pack.qnn_residual=fp16, as built now) 37.2 and
+    44.5. Fails with the writers left out of the float islands."""
+    import onnxruntime as ort
+
+    from pipeline import npu_rewrite
+
+    path, model, samples = _post_norm_block(tmp_path)
+    stream = npu_rewrite.residual_stream(model)
+    assert stream == {"adds": ["res_add"], "norms": ["pre_norm", "final_norm"], "writers": ["post_norm"]}
+    ref = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = {}
+    for name, float_nodes in (("stream", stream["adds"] + stream["norms"]),
+                              ("stream_and_writers", stream["adds"] + stream["norms"] + stream["writers"])):
+        q = tmp_path / f"{name}.onnx"
+        qnn.qdq_quantize(path, q, samples, "w8a16", {}, float_nodes=float_nodes)
+        got[name] = {"cpu": _snr_over(ref, ort.InferenceSession(str(q), providers=["CPUExecutionProvider"]),
+                                      samples)}
+        if qnn.missing() is None:
+            qnn.compile_context(q, tmp_path / f"ctx_{name}", S25, "w8a16")
+            got[name]["htp"] = _snr_over(ref, qnn.htp_session(tmp_path / f"ctx_{name}" / qnn.CONTEXT_MODEL, S25,
+                                                              "w8a16"), samples)
+    for arm, value in got["stream_and_writers"].items():
+        assert got["stream"][arm] < 30 <= value, (arm, got)
 
 
 def _attention_block(tmp_path, wide_value_channel: float = 20.0):
@@ -436,7 +550,7 @@ def _snr_over(ref, session, samples) -> float:
     for feed in samples:
         want, got = ref.run(None, feed)[0], session.run(None, feed)[0]
         num, den = num + float((want ** 2).sum()), den + float(((want - got) ** 2).sum())
-    return 10 * np.log10(num / den)
+    return float("inf") if den == 0 else 10 * np.log10(num / den)
 
 
 @needs_qnn
