@@ -197,7 +197,7 @@ QNN_CALIBRATION_STEPS = 1024
 QNN_CHECK_MIN_SNR_DB = 100.0
 
 
-def _calibration_sequences(cal_dir: Path, context_length: int, n: int, bos: int | None = None) -> list[list[int]]:
+def _calibration_sequences(cal_dir: Path, context_length: int, n: int) -> list[list[int]]:
     import numpy as np
 
     from pipeline.qnn import calibration_sequences
@@ -205,7 +205,7 @@ def _calibration_sequences(cal_dir: Path, context_length: int, n: int, bos: int 
     tokens = cal_dir / "token_ids.npy"
     if not tokens.is_file():
         raise StageError(f"pack: {tokens} is missing: the calibrate stage predates QDQ calibration; rerun it")
-    return calibration_sequences(np.load(tokens), context_length, n, bos)
+    return calibration_sequences(np.load(tokens), context_length, n)
 
 
 STREAM_PROBE = ".stream_probe.onnx"
@@ -321,7 +321,7 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     del prepared
     gc.collect()
 
-    seqs = _calibration_sequences(cal_dir, C, int(cfg.qnn_calibration_sequences), io.get("bos_token_id"))
+    seqs = _calibration_sequences(cal_dir, C, int(cfg.qnn_calibration_sequences))
     if not seqs:
         raise StageError("pack: the calibration windows hold fewer than 2 tokens: nothing to calibrate on")
     # The rewrites must not change what the graph computes: both decode the
@@ -329,7 +329,10 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     # a time (each session holds the whole graph, 8.2 GB of weights on a 1.75B
     # model, so the two together passed the 16 GB stage bound); the export's
     # logits are kept between them (QNN_CHECK_STEPS x vocabulary floats).
-    check = seqs[0][:QNN_CHECK_STEPS]
+    # Led by the BOS, as every prompt is: the attention sink's activations are the stream's largest (the
+    # calibration windows hold none).
+    bos = io.get("bos_token_id")
+    check = ([] if bos is None else [int(bos)]) + seqs[0][:QNN_CHECK_STEPS - (bos is not None)]
     ref = OnnxDecoder(export_dir, threads=2)
     want = [ref.step(t) for t in check]
     del ref
@@ -354,7 +357,8 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
         del new
         if str(cfg.qnn_residual) == "fp16":
             float_nodes += scaled["muls"]
-    ctx.log(f"residual stream: largest entry {stream_max:,.0f} over {len(check)} steps from the BOS; "
+    ctx.log(f"residual stream: largest entry {stream_max:,.0f} over {len(check)} steps"
+            + (" from the BOS; " if bos is not None else "; ")
             + (f"carried divided by {factor} for the HTP's fp16 (largest 65,504)" if factor > 1
                else "within fp16 as it is"))
     if worst < QNN_CHECK_MIN_SNR_DB:
@@ -386,8 +390,7 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
         calibration = {"sequences": len(seqs), "tokens": steps, "stride": stride,
                        "samples": sum((len(s) + stride - 1) // stride for s in seqs), "step_budget": budget,
                        "max_position": max(len(s) for s in seqs) - 1,
-                       "data": "calibrate/token_ids.npy (held-out windows), joined into context-length "
-                               "sequences, each led by the model's BOS at position 0 (as every prompt is)"}
+                       "data": "calibrate/token_ids.npy (held-out windows), joined into context-length sequences"}
     spill = out / ".calibration_samples"
     try:
         paths = []
@@ -435,7 +438,8 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
             "graphs": graphs, "rewrites": rewrites, "rewrite_check": {"steps": len(check), "worst_snr_db": worst},
             "residual_scale": {"stream_max_abs": stream_max, "factor": scaled["factor"], "muls": len(scaled["muls"]),
                                "norms": scaled["norms"], "limit": npu_rewrite.FP16_STREAM_LIMIT,
-                               "measured_over": f"the rewrite check's {len(check)} steps, the BOS first"},
+                               "measured_over": f"the rewrite check's {len(check)} steps"
+                                                + (", the BOS first" if bos is not None else "")},
             "calibration": calibration, "context_length": C,
             "embedding": embedding or {"in_graph": True, "note": "pack.qnn_embedding=graph: the table is in the "
                                                                   "binaries, a Gather the HTP runs"}}

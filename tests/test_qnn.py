@@ -416,15 +416,6 @@ def test_a_residual_stream_past_fp16s_largest_value_is_carried_scaled(tmp_path):
     assert got["as_is"] < 30 and got["scaled"] >= 40, got
 
 
-def test_calibration_sequences_start_at_the_bos_as_prompts_do():
-    """The calibrate stage's windows hold no BOS; the phone's prompts all start with one, the attention
-    sink whose activations are the graph's largest: each QDQ calibration sequence is led by it."""
-    ids = np.arange(10, 30).reshape(2, 10)
-    assert qnn.calibration_sequences(ids, 8, 4) == [list(range(10, 18)), list(range(18, 26)), list(range(26, 30))]
-    assert qnn.calibration_sequences(ids, 8, 4, bos=2) == [[2, *range(10, 17)], [2, *range(17, 24)],
-                                                             [2, *range(24, 30)]]
-
-
 def _post_norm_block(tmp_path):
     """Gemma's sandwich: norm -> projection -> post-norm -> residual Add. The projection's output is narrow
     (no outlier); the post-norm's weight is 4,000 on one channel (Gemma 3 270M's post-norms
