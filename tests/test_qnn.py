@@ -310,8 +310,8 @@ def _massive_channel_block(tmp_path, massive: float = 30000.0):
     """Embedding -> RMSNorm -> MLP, on a residual stream one channel of which a sublayer drives to 30,000
     (Gemma 3 270M's stream reaches 28,686; its norms' weights mute such a channel), then the final norm
     and a head: the signal is in the small channels, and one uint16 grid over the stream is steps of 0.46."""
-    onnx = pytest.importorskip("onnx")
-    from onnx import TensorProto, helper, numpy_helper
+    pytest.importorskip("onnx")
+    from onnx import helper
 
     rng = np.random.default_rng(4)
     h, v = 64, 32
@@ -325,9 +325,6 @@ def _massive_channel_block(tmp_path, massive: float = 30000.0):
     g = np.ones(h, np.float32)
     g[5] = 1e-3
 
-    def vi(name):
-        return helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 1, h])
-
     nodes = [helper.make_node("Gather", ["table", "ids"], ["r0"], name="embed"),
              helper.make_node("SimplifiedLayerNormalization", ["r0", "g"], ["n1"], name="norm1", axis=-1, epsilon=1e-6),
              helper.make_node("MatMul", ["n1", "w1"], ["b1"], name="mlp"),
@@ -336,10 +333,21 @@ def _massive_channel_block(tmp_path, massive: float = 30000.0):
              helper.make_node("SimplifiedLayerNormalization", ["r2", "g"], ["n2"], name="final_norm", axis=-1,
                               epsilon=1e-6),
              helper.make_node("MatMul", ["n2", "w2"], ["y"], name="head")]
+    return _token_block(tmp_path, nodes, {"table": table, "w1": w1, "w2": w2, "g": g, "sink": sink},
+                        ("r0", "n1", "b1", "r1", "r2", "n2"), h, v)
+
+
+def _token_block(tmp_path, nodes, weights: dict, hidden: tuple, h: int = 64, v: int = 32):
+    """A token-id -> [1, 1, h] block of `nodes` saved as f.onnx: (its path, the model, one sample per id)."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    def vi(name):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 1, h])
+
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 1])], [vi("y")],
-                              [numpy_helper.from_array(a, n) for a, n in
-                               ((table, "table"), (w1, "w1"), (w2, "w2"), (g, "g"), (sink, "sink"))],
-                              value_info=[vi(t) for t in ("r0", "n1", "b1", "r1", "r2", "n2")])
+                              [numpy_helper.from_array(a, n) for n, a in weights.items()],
+                              value_info=[vi(t) for t in hidden])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
     model.ir_version = 10
     onnx.save(model, str(tmp_path / "f.onnx"))
@@ -421,8 +429,8 @@ def _post_norm_block(tmp_path):
     (no outlier); the post-norm's weight is 4,000 on one channel (Gemma 3 270M's post-norms
     turn outputs within +-1.3..127 into +-400..19,866), so the norm writes the stream's massive channel;
     the final norm mutes it and a head reads the small channels."""
-    onnx = pytest.importorskip("onnx")
-    from onnx import TensorProto, helper, numpy_helper
+    pytest.importorskip("onnx")
+    from onnx import helper
 
     rng = np.random.default_rng(6)
     h, v = 64, 32
@@ -438,9 +446,6 @@ def _post_norm_block(tmp_path):
     post[5] = 4000.0  # the norm writes ~28,000 there: within fp16, as Gemma 3 270M's 28,686
     final[5] = 1e-3
 
-    def vi(name):
-        return helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 1, h])
-
     norm = "SimplifiedLayerNormalization"
     nodes = [helper.make_node("Gather", ["table", "ids"], ["r0"], name="embed"),
              helper.make_node(norm, ["r0", "g"], ["n1"], name="pre_norm", axis=-1, epsilon=1e-6),
@@ -449,14 +454,8 @@ def _post_norm_block(tmp_path):
              helper.make_node("Add", ["r0", "p1"], ["r1"], name="res_add"),
              helper.make_node(norm, ["r1", "final"], ["n2"], name="final_norm", axis=-1, epsilon=1e-6),
              helper.make_node("MatMul", ["n2", "w2"], ["y"], name="head")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 1])], [vi("y")],
-                              [numpy_helper.from_array(a, n) for a, n in
-                               ((table, "table"), (w1, "w1"), (w2, "w2"), (g, "g"), (post, "post"), (final, "final"))],
-                              value_info=[vi(t) for t in ("r0", "n1", "b1", "p1", "r1", "n2")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-    model.ir_version = 10
-    onnx.save(model, str(tmp_path / "f.onnx"))
-    return tmp_path / "f.onnx", model, [{"ids": np.array([[i]], np.int64)} for i in range(v)]
+    return _token_block(tmp_path, nodes, {"table": table, "w1": w1, "w2": w2, "g": g, "post": post, "final": final},
+                        ("r0", "n1", "b1", "p1", "r1", "n2"), h, v)
 
 
 def test_float_post_norms_keep_the_massive_channel_they_write_off_the_16_bit_grid(tmp_path):
