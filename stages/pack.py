@@ -332,7 +332,9 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     # Led by the BOS, as every prompt is: the attention sink's activations are the stream's largest (the
     # calibration windows hold none).
     bos = io.get("bos_token_id")
-    check = ([] if bos is None else [int(bos)]) + seqs[0][:QNN_CHECK_STEPS - (bos is not None)]
+    # At most the context: the BOS takes a position of its own (a 64-position export held 65 steps).
+    lead = [] if bos is None else [int(bos)]
+    check = lead + seqs[0][:min(QNN_CHECK_STEPS, C) - len(lead)]
     ref = OnnxDecoder(export_dir, threads=2)
     want = [ref.step(t) for t in check]
     del ref
