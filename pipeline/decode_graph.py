@@ -754,7 +754,11 @@ def snr_db(ref: np.ndarray, test: np.ndarray) -> float:
     """10*log10(sum ref^2 / sum (ref-test)^2); inf when identical."""
     ref = np.asarray(ref, dtype=np.float64)
     err = float(np.sum((ref - np.asarray(test, dtype=np.float64)) ** 2))
-    sig = float(np.sum(ref ** 2))
+    return snr_from_sums(float(np.sum(ref ** 2)), err)
+
+
+def snr_from_sums(sig: float, err: float) -> float:
+    """snr_db from its two sums (sum ref^2, sum (ref-test)^2), for a measure summed in parts."""
     if err == 0.0:
         return math.inf
     return 10.0 * math.log10(sig / err) if sig > 0 else -math.inf
