@@ -508,15 +508,16 @@ def write_embedding(table: np.ndarray, out_dir: Path, bits: int, ids_dims: list[
     # Both widths are measured (bytes, and the lookup's SNR against the float table), so the choice
     # is recorded beside its alternative. A row's codes depend on that row alone, so the table is
     # coded EMBED_CHUNK_ROWS rows at a time and the SNR summed over the chunks: at once, the SNR's
-    # float64 copies of the whole table added ~8 GB on a 151,936 x 2048 table (the 1.75B phone
-    # build's pack peaked at 19.9 GB in this step).
+    # float64 copies of the whole table added 4.46 GB on a 151,936 x 2048 table (the 1.75B phone
+    # build's pack peaked at 19.9 GB around this step).
     widths = (8, 4)
     sig, err, nbytes, chosen = 0.0, dict.fromkeys(widths, 0.0), dict.fromkeys(widths, 0), []
     for start in range(0, v, EMBED_CHUNK_ROWS):
-        rows = np.asarray(table[start:start + EMBED_CHUNK_ROWS], np.float64)
+        chunk = table[start:start + EMBED_CHUNK_ROWS]
+        rows = np.asarray(chunk, np.float64)
         sig += float(np.einsum("ij,ij->", rows, rows))
         for w in widths:
-            b, s16, deq = _block_codes(table[start:start + EMBED_CHUNK_ROWS], w, block)
+            b, s16, deq = _block_codes(chunk, w, block)
             d = rows - deq
             err[w] += float(np.einsum("ij,ij->", d, d))
             nbytes[w] += int(b.nbytes + s16.nbytes)

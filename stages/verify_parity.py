@@ -131,13 +131,6 @@ def _teacher(ref, encoded, decode_tokens, ctx):
         return [ref.greedy_run(ids, decode_tokens, progress=bar.advance) for ids in encoded]
 
 
-def _step_snr(sig, err) -> float:
-    """decode_graph.snr_db from its two sums."""
-    if err == 0.0:
-        return math.inf
-    return 10.0 * math.log10(sig / err) if sig > 0 else -math.inf
-
-
 def _log_softmax(x):
     """(log-softmax, softmax) of rows of logits."""
     import numpy as np
@@ -200,7 +193,9 @@ class _Sums:
             setattr(self, k, getattr(self, k) + getattr(other, k))
 
     def snr_db(self) -> float:
-        return _step_snr(self.sig, self.err)
+        from pipeline.decode_graph import snr_from_sums
+
+        return snr_from_sums(self.sig, self.err)
 
 
 class _Evaluation:
@@ -311,6 +306,8 @@ def _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, what: str, free
     still runs `dec`'s own greedy loop after the fed run."""
     import numpy as np
 
+    from pipeline.decode_graph import snr_from_sums
+
     total = _Sums()
     per_prompt = []
     n_steps = sum(len(ids) + decode_tokens for ids in encoded)
@@ -329,7 +326,7 @@ def _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, what: str, free
                 rows = _rows(run.logits(start, stop), o)
                 del o
                 sums.add(rows)
-                step_snr += [_step_snr(a, b) for a, b in zip(rows["sig"].tolist(), rows["err"].tolist())]
+                step_snr += [snr_from_sums(a, b) for a, b in zip(rows["sig"].tolist(), rows["err"].tolist())]
                 picks += rows["argmax"].tolist()
                 bar.advance(stop - start)
             if free_decode:
