@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from importlib import metadata
 from pathlib import Path
@@ -341,10 +342,18 @@ def gptq_weights(qdq_model: Path, float_model: Path, checkpoint: Path, calibrati
             zero_init.CopyFrom(numpy_helper.from_array(np.zeros(codes.shape[1], np.int8), zero_init.name))
         done += 1
         advance()
-    tmp = qdq_model.with_name(qdq_model.name + ".gptq")
-    onnx.save(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
-              location=f"{qdq_model.name}.data", size_threshold=1024)
-    tmp.replace(qdq_model)
+    # Saved beside, then moved over: onnx.save appends external data to a file of that name that exists,
+    # so saving in place left the rounded codes' bytes as dead weight ahead of GPTQ's (Gemma 3 270M's
+    # w8a16 data file was 542.6 MB, of which 270.3 MB unreferenced).
+    data = f"{qdq_model.name}.data"
+    tmp = qdq_model.parent / f".{qdq_model.name}.gptq"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    onnx.save(model, str(tmp / qdq_model.name), save_as_external_data=True, all_tensors_to_one_file=True,
+              location=data, size_threshold=1024)
+    (tmp / data).replace(qdq_model.parent / data)
+    (tmp / qdq_model.name).replace(qdq_model)
+    tmp.rmdir()
     gain = [10 * np.log10(r / g) for g, r in errors if g > 0 and r > 0]
     return {"method": "gptq", "weights": done, "rounded": len(targets) - done,
             "output_error_db_gain": {"median": round(float(np.median(gain)), 2), "min": round(float(min(gain)), 2)}

@@ -623,7 +623,11 @@ def test_gptq_codes_replace_the_rounded_int8_weights_on_the_same_grid(tmp_path):
     q = tmp_path / "q.onnx"
     qnn.qdq_quantize(tmp_path / "f.onnx", q, samples, "w8a16", {})
     rounded = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(q)).graph.initializer}
+    # as the pack's graphs are: their weights in q.onnx.data, which the new codes must replace, not follow
+    onnx.save(onnx.load(str(q)), str(q), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="q.onnx.data", size_threshold=0)
     facts = qnn.gptq_weights(q, tmp_path / "f.onnx", ckpt, cal)
+    assert _external_bytes(q) == (tmp_path / "q.onnx.data").stat().st_size  # no dead bytes left in front
     assert facts["method"] == "gptq" and facts["weights"] == 1 and facts["rounded"] == 0
     assert facts["output_error_db_gain"]["min"] > 0.5, facts
     after = {i.name: numpy_helper.to_array(i) for i in qnn_load(q).graph.initializer}
@@ -641,6 +645,17 @@ def test_gptq_codes_replace_the_rounded_int8_weights_on_the_same_grid(tmp_path):
     assert err(q) < err(tmp_path / "r.onnx")
     if qnn.missing() is None:
         qnn.compile_context(q, tmp_path / "ctx", S25, "w8a16")
+
+
+def _external_bytes(path) -> int:
+    """The bytes a graph's initializers take in its external data file."""
+    import onnx
+
+    total = 0
+    for i in onnx.load(str(path), load_external_data=False).graph.initializer:
+        if i.data_location == onnx.TensorProto.EXTERNAL:
+            total += int({e.key: e.value for e in i.external_data}["length"])
+    return total
 
 
 def qnn_load(path):
