@@ -400,8 +400,13 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
             # Memory: the samples are made first and spilled to disk (qnn.spill_samples), then the float
             # decoder is dropped, so its session (the model's weights) is never held beside the
             # quantizer's two copies; one sample is in memory at a time, and every precision reads them.
+            try:  # before the decode steps, not after minutes of them with the disk full
+                need = qnn.spill_space(calibration["samples"], new.feed, out)
+            except qnn.QnnError as err:
+                raise StageError(f"pack: {err}: free space there or lower pack.qnn_calibration_steps "
+                                 f"(now {budget})") from None
             ctx.log(f"QDQ calibration: {calibration['samples']} samples over {len(seqs)} sequence(s) of "
-                    f"{calibration['max_position'] + 1} positions, spilled to disk")
+                    f"{calibration['max_position'] + 1} positions, {need / 1e9:.1f} GB spilled to disk")
             with ctx.progress(calibration["tokens"], "QDQ calibration: decode steps of the float graph") as bar:
                 paths = qnn.spill_samples(qnn.decode_samples(new, seqs, stride, advance=bar.advance), spill)
         del new

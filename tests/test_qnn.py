@@ -647,6 +647,19 @@ def test_gptq_codes_replace_the_rounded_int8_weights_on_the_same_grid(tmp_path):
         qnn.compile_context(q, tmp_path / "ctx", S25, "w8a16")
 
 
+def test_the_calibration_spill_is_checked_against_free_disk_before_it_starts(tmp_path, monkeypatch):
+    """The pack's QDQ samples (each a decode step's whole input, KV caches included) are sized before any
+    is decoded: on a disk too small the stage stops at once, naming the bytes needed and free."""
+    import shutil
+
+    feed = {"past_key_0": np.zeros((1, 2, 511, 256), np.float32), "position": np.zeros(1, np.int64)}
+    need = 256 * (2 * 511 * 256 * 4 + 8)
+    assert qnn.spill_space(256, feed, tmp_path) == need
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - need // 2, need // 2))
+    with pytest.raises(qnn.QnnError, match=r"spills 0\.3 GB of samples to .*, 0\.1 GB free"):
+        qnn.spill_space(256, feed, tmp_path)
+
+
 def _external_bytes(path) -> int:
     """The bytes a graph's initializers take in its external data file."""
     import onnx
