@@ -62,7 +62,7 @@ CHOICES = {
     "benchmark.huge_pages": ("auto", "off"),
     "quantize.scale_dtype": ("fp32", "fp16"),  # pipeline/gptq.py SCALE_DTYPES
     "pack.gguf_token_embedding": ("auto", "shared", "keep", "q8_0", "q4_0"),  # pipeline/gguf_q4.py OTHERS
-    "pack.qnn_weights": ("per_channel", "per_tensor"),  # pipeline/qnn.py WEIGHT_GRANULARITIES
+    "pack.qnn_weights": ("per_block", "per_channel", "per_tensor"),  # pipeline/qnn.py WEIGHT_GRANULARITIES
     "pack.qnn_residual": ("fp16", "uint16"),  # pipeline/npu_rewrite.py residual_stream
     "pack.qnn_attention": ("fp16", "uint16"),  # pipeline/npu_rewrite.py attention_cores
     "pack.qnn_embedding": ("int8", "int4", "graph"),  # pipeline/qnn.py EMBEDDING_CHOICES

@@ -313,12 +313,14 @@ class PackConfig:
     # (one sequence on Gemma 3 270M at context 1024, four on the embedded model).
     qnn_calibration_steps: Optional[int] = None
     qnn_calibration_stride: int = 4
-    # MatMul weights of the QDQ graphs: per_channel (one scale per output
-    # channel, symmetric) or per_tensor (ONNX Runtime's QNN config's own
-    # choice for MatMul; 10-15 dB worse on real checkpoints, kept to measure).
-    qnn_weights: str = "per_channel"
-    # How w8a16's per-channel int8 MatMul codes are chosen: gptq (the calibrate
-    # stage's Hessians, same grid) or rtn (ONNX Runtime's rounding). w4a16 rounds.
+    # MatMul weights of the QDQ graphs, symmetric: per_block (w8a16: one scale
+    # per qnn_weight_block inputs of each output channel; w4a16 per channel),
+    # per_channel (one scale per output channel) or per_tensor (ONNX Runtime's
+    # QNN config's own choice for MatMul; 10-15 dB worse on real checkpoints).
+    qnn_weights: str = "per_block"
+    qnn_weight_block: int = 32
+    # How w8a16's int8 MatMul codes are chosen: gptq (the calibrate stage's
+    # Hessians, on the grid above) or rtn (rounded). w4a16 rounds.
     qnn_weight_method: str = "gptq"
     # The QDQ graphs' residual stream (its Adds and the RMSNorms reading it):
     # fp16 (left float, run in the HTP's fp16) or uint16 (quantized like the

@@ -278,6 +278,11 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     except npu_rewrite.RewriteError as err:
         raise StageError(f"pack: the exported graph cannot be made QNN-ready: {err}") from None
     qdq = [p for p in precisions if p != "fp16"]
+    if "w8a16" in qdq and str(cfg.qnn_weights) == "per_block":
+        try:
+            qnn.check_weight_block(prepared, int(cfg.qnn_weight_block))
+        except qnn.QnnError as err:
+            raise StageError(f"pack: {err}") from None
     overrides = npu_rewrite.embedding_ranges(prepared) if qdq else {}  # before the save moves the data out
     residual = npu_rewrite.residual_stream(prepared)
     float_nodes = [n for k in ("adds", "norms", "writers") for n in residual[k]] \
@@ -374,6 +379,8 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
 
     graphs = {}
     calibration = None
+    weights, method = str(cfg.qnn_weights), str(cfg.qnn_weight_method)
+    ort_weights = "per_channel" if weights == "per_block" else weights  # the blocks come after ORT's pass
     stride = int(cfg.qnn_calibration_stride)
     # Time: every calibration token is a decode step of the float graph, and
     # every stride-th one also a run of the calibrator's augmented graph. On
@@ -419,16 +426,22 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
             with ctx.progress(None, f"QDQ {p}: ONNX Runtime's quantizer over {len(paths)} samples"):
                 try:
                     facts = qnn.qdq_quantize(float_dir / "model.onnx", out / p / "model.onnx",
-                                             qnn.read_samples(paths), p, overrides, str(cfg.qnn_weights),
+                                             qnn.read_samples(paths), p, overrides, ort_weights,
                                              float_nodes=float_nodes)
                 except qnn.QnnError as err:
                     raise StageError(f"pack: {err}") from None
-            if p == "w8a16" and str(cfg.qnn_weight_method) == "gptq" and str(cfg.qnn_weights) == "per_channel":
+            # w8a16's codes made here, not ONNX Runtime's rounding: GPTQ's, and/or on a grid in blocks
+            # (ORT's quantizer goes no finer than a scale per channel). w4a16 keeps ORT's codes.
+            block = int(cfg.qnn_weight_block) if weights == "per_block" else None
+            if p == "w8a16" and weights != "per_tensor" and (method == "gptq" or block is not None):
                 n_w = facts["matmul_weights"]["count"]
-                with ctx.progress(n_w, f"QDQ {p}: GPTQ codes for {n_w} MatMul weights") as bar:
-                    facts["matmul_weights"].update(qnn.gptq_weights(
-                        out / p / "model.onnx", float_dir / "model.onnx", Path(ctx.inputs["untie_head"]), cal_dir,
-                        advance=bar.advance))
+                with ctx.progress(n_w, f"QDQ {p}: {method} codes for {n_w} MatMul weights") as bar:
+                    try:
+                        facts["matmul_weights"].update(qnn.requantize_weights(
+                            out / p / "model.onnx", float_dir / "model.onnx", Path(ctx.inputs["untie_head"]),
+                            cal_dir, method=method, block=block, advance=bar.advance))
+                    except qnn.QnnError as err:
+                        raise StageError(f"pack: {err}") from None
             else:
                 facts["matmul_weights"]["method"] = "rtn"
             graphs[p] = {"graph": f"{p}/model.onnx", **facts,

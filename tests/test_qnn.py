@@ -591,6 +591,98 @@ def test_graph_diff_on_the_htp_names_the_product_where_the_htp_departs_from_the_
     assert by["mixed"]["ref_cpu_db"] > 30  # on the CPU EP the product is fine
 
 
+def _gptq_case(tmp_path, k=96, n=64, seed=5):
+    """A float MatMul graph f.onnx over correlated inputs, its checkpoint linear `lin`, the calibrate
+    stage's files for it, and its samples."""
+    onnx = pytest.importorskip("onnx")
+    import torch
+    from onnx import TensorProto, helper, numpy_helper
+    from safetensors.torch import save_file
+
+    rng = np.random.default_rng(seed)
+    mix = rng.standard_normal((k, k)).astype(np.float32)
+    xs = [(rng.standard_normal((1, 1, k)).astype(np.float32) @ mix) for _ in range(64)]
+    # within each output channel, runs of 32 inputs of very different magnitudes (x0.02 .. x7): what one
+    # scale per channel serves badly and one per 32 inputs well
+    runs = np.repeat(np.exp(2 * rng.standard_normal((1, k // 32))), 32, axis=1)
+    w = (rng.standard_normal((n, k)) * runs).astype(np.float32) * 0.05
+    ckpt, cal = tmp_path / "ckpt", tmp_path / "cal"
+    ckpt.mkdir()
+    cal.mkdir()
+    save_file({"lin.weight": torch.from_numpy(w)}, str(ckpt / "model.safetensors"))
+    x = np.concatenate([v.reshape(1, k) for v in xs]).astype(np.float64)
+    save_file({"lin": torch.from_numpy(x.T @ x / len(xs))}, str(cal / "hessians.safetensors"))
+    (cal / "calibration.json").write_text(json.dumps({"layers": {"lin": {"hessian": "lin", "in_features": k,
+                                                                         "out_features": n}}}))
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, n])],
+                          [numpy_helper.from_array(w.T.copy(), "w")])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), str(tmp_path / "f.onnx"))
+    return ckpt, cal, [{"x": v} for v in xs]
+
+
+def _output_error(ref_model, model, samples) -> float:
+    import onnxruntime as ort
+
+    ref = ort.InferenceSession(str(ref_model), providers=["CPUExecutionProvider"])
+    s = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    return sum(float(((ref.run(None, f)[0] - s.run(None, f)[0]) ** 2).sum()) for f in samples)
+
+
+@pytest.mark.parametrize("method", ["gptq", "rtn"])
+def test_block_codes_put_each_weight_on_a_finer_grid_the_htp_takes(tmp_path, method):
+    """pack.qnn_weights=per_block: w8a16's MatMul weights get a scale per 32 inputs of each output channel
+    (a blockwise DequantizeLinear, no zero point, no orphan initializer left), their output error on the
+    calibration inputs is below the per-channel grid's with the same method, and the HTP compiles it and
+    agrees with the CPU EP."""
+    from onnx import numpy_helper
+
+    ckpt, cal, samples = _gptq_case(tmp_path)
+    per_channel, per_block = tmp_path / "c.onnx", tmp_path / "b.onnx"
+    for q in (per_channel, per_block):
+        qnn.qdq_quantize(tmp_path / "f.onnx", q, samples, "w8a16", {})
+    if method == "gptq":
+        qnn.requantize_weights(per_channel, tmp_path / "f.onnx", ckpt, cal)
+    facts = qnn.requantize_weights(per_block, tmp_path / "f.onnx", ckpt, cal, method=method, block=32)
+    assert facts["granularity"] == "per_block" and facts["block"] == 32 and facts["weights"] == 1
+    assert facts["scales"] == (96 // 32) * 64 and qnn.weight_scales(per_block) == {"w_quantized": 3 * 64}
+    m = qnn_load(per_block)
+    dq = next(n for n in m.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == "w_quantized")
+    assert {a.name: a.i for a in dq.attribute} == {"axis": 0, "block_size": 32} and len(dq.input) == 2
+    used = {i for n in m.graph.node for i in n.input}
+    assert all(i.name in used for i in m.graph.initializer)
+    scales = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}["w_scale"]
+    assert scales.shape == (3, 64)
+    # the weights' own error on the calibration inputs (activations exact): tr(dW H dW^T)
+    x = np.concatenate([f["x"].reshape(1, -1) for f in samples]).astype(np.float64)
+    w = numpy_helper.to_array(qnn_load(tmp_path / "f.onnx").graph.initializer[0]).astype(np.float64)
+
+    def weight_error(model):
+        i = {t.name: numpy_helper.to_array(t).astype(np.float64) for t in qnn_load(model).graph.initializer}
+        s = i["w_scale"]
+        deq = i["w_quantized"] * (np.repeat(s, 32, axis=0) if s.ndim == 2 else s)
+        return float((((x @ (deq - w)) ** 2).sum()))
+
+    assert weight_error(per_block) < 0.5 * weight_error(per_channel)
+    assert _output_error(tmp_path / "f.onnx", per_block, samples) < \
+        _output_error(tmp_path / "f.onnx", per_channel, samples)
+    with pytest.raises(qnn.QnnError, match="pack.qnn_weight_block=64 does not divide"):
+        qnn.check_weight_block(tmp_path / "f.onnx", 64)
+    with pytest.raises(qnn.QnnError, match="multiple of 4"):
+        qnn.check_weight_block(tmp_path / "f.onnx", 6)
+    qnn.check_weight_block(tmp_path / "f.onnx", 32)
+    if qnn.missing() is None:
+        info = qnn.compile_context(per_block, tmp_path / "ctx", S25, "w8a16")
+        htp = qnn.htp_session(tmp_path / "ctx" / info["context_model"], S25, "w8a16")
+        import onnxruntime as ort
+
+        cpu = ort.InferenceSession(str(per_block), providers=["CPUExecutionProvider"])
+        a = np.concatenate([cpu.run(None, f)[0] for f in samples[:8]])
+        b = np.concatenate([htp.run(None, f)[0] for f in samples[:8]])
+        assert 10 * np.log10((a ** 2).sum() / ((a - b) ** 2).sum()) > 30
+
+
 def test_gptq_codes_replace_the_rounded_int8_weights_on_the_same_grid(tmp_path):
     """w8a16's codes from GPTQ (pack.qnn_weight_method=gptq): the graph weight found by content in the
     checkpoint, its Hessian from the calibrate stage's files; the same per-channel grid, a smaller output
@@ -626,7 +718,7 @@ def test_gptq_codes_replace_the_rounded_int8_weights_on_the_same_grid(tmp_path):
     # as the pack's graphs are: their weights in q.onnx.data, which the new codes must replace, not follow
     onnx.save(onnx.load(str(q)), str(q), save_as_external_data=True, all_tensors_to_one_file=True,
               location="q.onnx.data", size_threshold=0)
-    facts = qnn.gptq_weights(q, tmp_path / "f.onnx", ckpt, cal)
+    facts = qnn.requantize_weights(q, tmp_path / "f.onnx", ckpt, cal)
     assert _external_bytes(q) == (tmp_path / "q.onnx.data").stat().st_size  # no dead bytes left in front
     assert facts["method"] == "gptq" and facts["weights"] == 1 and facts["rounded"] == 0
     assert facts["output_error_db_gain"]["min"] > 0.5, facts
