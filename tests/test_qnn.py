@@ -591,9 +591,9 @@ def test_graph_diff_on_the_htp_names_the_product_where_the_htp_departs_from_the_
     assert by["mixed"]["ref_cpu_db"] > 30  # on the CPU EP the product is fine
 
 
-def _gptq_case(tmp_path, k=96, n=64, seed=5):
+def _gptq_case(tmp_path, k=96, n=64, seed=5, runs=True):
     """A float MatMul graph f.onnx over correlated inputs, its checkpoint linear `lin`, the calibrate
-    stage's files for it, and its samples."""
+    stage's files for it, and its samples; with `runs`, the weight's runs of 32 inputs scaled apart."""
     onnx = pytest.importorskip("onnx")
     import torch
     from onnx import TensorProto, helper, numpy_helper
@@ -604,8 +604,8 @@ def _gptq_case(tmp_path, k=96, n=64, seed=5):
     xs = [(rng.standard_normal((1, 1, k)).astype(np.float32) @ mix) for _ in range(64)]
     # within each output channel, runs of 32 inputs of very different magnitudes (x0.02 .. x7): what one
     # scale per channel serves badly and one per 32 inputs well
-    runs = np.repeat(np.exp(2 * rng.standard_normal((1, k // 32))), 32, axis=1)
-    w = (rng.standard_normal((n, k)) * runs).astype(np.float32) * 0.05
+    scale = np.repeat(np.exp(2 * rng.standard_normal((1, k // 32))), 32, axis=1) if runs else 1.0
+    w = (rng.standard_normal((n, k)) * scale).astype(np.float32) * 0.05  # the checkpoint's [out, in]
     ckpt, cal = tmp_path / "ckpt", tmp_path / "cal"
     ckpt.mkdir()
     cal.mkdir()
@@ -689,29 +689,10 @@ def test_gptq_codes_replace_the_rounded_int8_weights_on_the_same_grid(tmp_path):
     error on the calibration inputs than ONNX Runtime's rounding, and the HTP still takes it."""
     onnx = pytest.importorskip("onnx")
     import onnxruntime as ort
-    import torch
-    from onnx import TensorProto, helper, numpy_helper
-    from safetensors.torch import save_file
+    from onnx import numpy_helper
 
-    rng = np.random.default_rng(5)
-    k, n = 96, 64
-    mix = rng.standard_normal((k, k)).astype(np.float32)  # correlated inputs: where GPTQ beats rounding
-    xs = [(rng.standard_normal((1, 1, k)).astype(np.float32) @ mix) for _ in range(64)]
-    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05  # the checkpoint's [out, in]
-    ckpt, cal = tmp_path / "ckpt", tmp_path / "cal"
-    ckpt.mkdir()
-    cal.mkdir()
-    save_file({"lin.weight": torch.from_numpy(w)}, str(ckpt / "model.safetensors"))
-    x = np.concatenate([v.reshape(1, k) for v in xs]).astype(np.float64)
-    save_file({"lin": torch.from_numpy(x.T @ x / len(xs))}, str(cal / "hessians.safetensors"))
-    (cal / "calibration.json").write_text(json.dumps({"layers": {"lin": {"hessian": "lin", "in_features": k,
-                                                                         "out_features": n}}}))
-    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, k])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, n])],
-                          [numpy_helper.from_array(w.T.copy(), "w")])
-    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), str(tmp_path / "f.onnx"))
-    samples = [{"x": v} for v in xs]
+    n = 64
+    ckpt, cal, samples = _gptq_case(tmp_path, n=n, runs=False)
     q = tmp_path / "q.onnx"
     qnn.qdq_quantize(tmp_path / "f.onnx", q, samples, "w8a16", {})
     rounded = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(q)).graph.initializer}
