@@ -11,9 +11,10 @@ same calibration samples for every variant) after cumulative sets of rewrites
 - + embedding ranges: the lookup's quantization range from the whole table;
 - + rotary tables: cos/sin gathered from tables, no in-graph angle;
 - + RMSNorm fused: the pack stage's graph before per-channel weights;
-- + per-channel MatMul weights: the pack stage's graph and recipe
-  (`pack.qnn_weights`; before it, ONNX Runtime's QNN config quantized every
-  MatMul weight with one scale).
+- + per-channel MatMul weights, rounded (`pack.qnn_weights`; before it, ONNX
+  Runtime's QNN config quantized every MatMul weight with one scale). The pack
+  stage has since gone further (float residual stream and attention cores,
+  GPTQ codes in blocks of 32: docs/phone-fidelity.md); this ablation stops here.
 
 `--only 3,4` runs just those variants (a real model's QDQ pass and CPU-EP
 parity cost minutes each).
@@ -126,7 +127,8 @@ def main(argv=None) -> int:
         ("+ embedding ranges", clean, True, "per_tensor"),
         ("+ rotary tables", tabled, True, "per_tensor"),
         ("+ RMSNorm fused", fused, True, "per_tensor"),
-        ("+ per-channel MatMul weights (the pack stage's graph)", fused, True, "per_channel"),
+        ("+ per-channel MatMul weights (rounded; the pack now goes further: docs/phone-fidelity.md)", fused, True,
+         "per_channel"),
     ]
     chosen = {int(k) for k in a.only.split(",")} if a.only else set(range(len(variants)))
     rows = []
