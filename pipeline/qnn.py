@@ -437,10 +437,8 @@ def widen(ranges, margin: float):
 def _release_freed_heap() -> None:
     """Hand the heap's free pages back to the OS (glibc's malloc_trim; a no-op elsewhere).
 
-    Why: a graph's weights loaded into protobuf and then dropped stay in the process's heap as free
-    chunks (tensors under glibc's mmap threshold come from the heap), so the pack stage kept the
-    size of the whole graph resident through the calibration that followed: 8.4 GB on the 1.75B phone
-    build."""
+    Why: a dropped graph's weights can stay in the heap as free chunks (glibc keeps those under its
+    mmap threshold); called where the calibrator lets its loaded graph go (_calibrate)."""
     import ctypes
     import ctypes.util
 
@@ -465,9 +463,11 @@ def _calibrate(model: Path, cfg, tmp: Path, cache: Path, margin: float = 1.0) ->
 
     And the session neither prepacks its MatMul weights nor is created beside the loaded model's: ONNX
     Runtime's own (create_calibrator) held the loaded model, the initializers its session read and their
-    prepacked copies at once, 2.9x the graph's weights (Gemma 3 270M's 1.07 GB: 3.09 GB; the 1.75B phone
-    build's calibration reached 16.46 GB). Here the loaded model's weights go before the session is made,
-    and the session reads its weights from the augmented graph's data file as it runs."""
+    prepacked copies at once, 2.9x the graph's weights (Gemma 3 270M's 1.07 GB: 3.09 GB). Clearing the
+    loaded model's initializers freed nothing (protobuf keeps them in the message's arena: the 1.75B phone
+    build's calibration held 8.6 GB of it, 16.45 GB in all). Here the loaded model is let go before the
+    session is made, and the session reads its weights from the augmented graph's data file as it runs:
+    Gemma 3 270M's calibration peak 2.03 GB (docs/large-models.md)."""
     import gc
 
     import onnx
