@@ -278,9 +278,11 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     except npu_rewrite.RewriteError as err:
         raise StageError(f"pack: the exported graph cannot be made QNN-ready: {err}") from None
     qdq = [p for p in precisions if p != "fp16"]
-    if "w8a16" in qdq and str(cfg.qnn_weights) == "per_block":
+    weights, method = str(cfg.qnn_weights), str(cfg.qnn_weight_method)
+    block = int(cfg.qnn_weight_block) if weights == "per_block" else None  # w8a16's, see the QDQ loop
+    if "w8a16" in qdq and block is not None:
         try:
-            qnn.check_weight_block(prepared, int(cfg.qnn_weight_block))
+            qnn.check_weight_block(prepared, block)
         except qnn.QnnError as err:
             raise StageError(f"pack: {err}") from None
     overrides = npu_rewrite.embedding_ranges(prepared) if qdq else {}  # before the save moves the data out
@@ -379,7 +381,6 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
 
     graphs = {}
     calibration = None
-    weights, method = str(cfg.qnn_weights), str(cfg.qnn_weight_method)
     ort_weights = "per_channel" if weights == "per_block" else weights  # the blocks come after ORT's pass
     stride = int(cfg.qnn_calibration_stride)
     # Time: every calibration token is a decode step of the float graph, and
@@ -432,7 +433,6 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
                     raise StageError(f"pack: {err}") from None
             # w8a16's codes made here, not ONNX Runtime's rounding: GPTQ's, and/or on a grid in blocks
             # (ORT's quantizer goes no finer than a scale per channel). w4a16 keeps ORT's codes.
-            block = int(cfg.qnn_weight_block) if weights == "per_block" else None
             if p == "w8a16" and weights != "per_tensor" and (method == "gptq" or block is not None):
                 n_w = facts["matmul_weights"]["count"]
                 with ctx.progress(n_w, f"QDQ {p}: {method} codes for {n_w} MatMul weights") as bar:
