@@ -132,6 +132,18 @@ def _level_of(graph_dir) -> int:
     return next(a.i for a in node.attribute if a.name == "accuracy_level")
 
 
+class FakeClock:
+    """The sweep's clock (pipeline.tune.time), advanced by FakeDecoder's steps: its speeds are
+    exact, so a verdict never depends on how loaded the test host is (a sleep-timed
+    decoder once measured its 4 KiB pages >8% slower than identical huge pages on CI)."""
+
+    now = 0.0
+
+    @staticmethod
+    def perf_counter() -> float:
+        return FakeClock.now
+
+
 class FakeDecoder:
     """Known speeds: 2 threads twice as fast as 1, spinning no faster; a graph at
     accuracy level `SLOW_LEVEL` three times slower."""
@@ -150,10 +162,9 @@ class FakeDecoder:
         pass
 
     def step(self, token):
-        import time
-
-        time.sleep(self.seconds)
         import numpy as np
+
+        FakeClock.now += self.seconds
 
         return np.zeros(4)
 
@@ -163,8 +174,10 @@ def _on_target(tmp_path, monkeypatch) -> dict:
     the onnxruntime.json written."""
     import pipeline.gqa_graph
     import pipeline.pages
+    import pipeline.tune
 
     monkeypatch.setattr(pipeline.gqa_graph, "GqaDecoder", FakeDecoder)
+    monkeypatch.setattr(pipeline.tune, "time", FakeClock)
     monkeypatch.setattr(pipeline.pages, "support", lambda: (FakeDecoder.HUGE_PAGES_HERE, "test host"))
     monkeypatch.setattr(deploy_profile, "SWEEP_DECODE", 8)
     monkeypatch.setattr(deploy_profile, "SWEEP_PROMPT", 2)
