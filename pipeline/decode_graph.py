@@ -496,7 +496,8 @@ class OnnxDecoder(_Greedy):
     """Runs an exported decode step with onnxruntime; numpy caches, slot writes per io.json."""
 
     def __init__(self, artifact_dir, threads: int = 1, providers: Iterable = ("CPUExecutionProvider",), *,
-                 model_file: str = "model.onnx", session=None, embed=None, extra_outputs: Sequence[str] = ()):
+                 model_file: str = "model.onnx", session=None, embed=None, extra_outputs: Sequence[str] = (),
+                 config: dict | None = None):
         """`artifact_dir` holds io.json; the graph is `model_file` inside it, or
         `session` when given (a graph of the same io.json compiled elsewhere,
         e.g. a QNN context binary: pipeline/qnn.py).
@@ -509,13 +510,14 @@ class OnnxDecoder(_Greedy):
 
         `extra_outputs`: more of the graph's outputs fetched each step, left in
         `self.extra` (name -> array) for a caller that probes the graph (the
-        pack stage's residual-stream range)."""
+        pack stage's residual-stream range). `config`: session config entries
+        for the graph's session (pipeline/qnn.py's CPU stand-in of a QDQ graph)."""
         import onnxruntime as ort
 
         self.dir = Path(artifact_dir)
         self.io = json.loads((self.dir / "io.json").read_text())
         self.session = session or ort.InferenceSession(str(self.dir / model_file),
-                                                       sess_options=session_options(threads),
+                                                       sess_options=session_options(threads, config=config),
                                                        providers=list(providers))
         self.context_length = int(self.io["context_length"])
         self.vocab_size = int(self.io["vocab_size"])

@@ -35,6 +35,22 @@ INSTALL = "pip install -e '.[qnn]' (onnxruntime-qnn 2.7.0, which bundles the QNN
 CONTEXT_MODEL = "model_ctx.onnx"
 
 
+# ONNX Runtime's CPU EP fuses DequantizeLinear(int8 or int4 weight, per channel or per block) + MatMul
+# into MatMulNBits and, at its default accuracy level (4), quantizes the MatMul's input to int8 per
+# block of K: arithmetic the HTP never does (it multiplies the 16-bit activations exactly, or in fp16
+# against block-quantized weights). Level 1 keeps that input in fp32, so the CPU EP runs a QDQ graph
+# as its Q/DQ pairs say. Measured: one MatMul whose input has an outlier channel, 41 dB at level 4
+# and exact at 1 (tests/test_qnn.py); docs/phone-fidelity.md finding 7 for Gemma 3 270M.
+CPU_QDQ_CONFIG = {"session.qdq_matmulnbits_accuracy_level": "1"}
+
+
+def cpu_qdq_decoder(pack_dir: Path, precision: str, threads: int = 2):
+    """The pack's `precision` QDQ graph on the CPU EP: the HTP's quantization arithmetic, on this host."""
+    from .decode_graph import OnnxDecoder
+
+    return OnnxDecoder(pack_dir, model_file=f"{precision}/model.onnx", threads=threads, config=CPU_QDQ_CONFIG)
+
+
 class QnnError(RuntimeError):
     """The QNN toolchain is absent, or refused a graph (user-facing)."""
 

@@ -306,6 +306,56 @@ def test_per_channel_weights_keep_an_outlier_channel_model_within_the_floor(tmp_
         assert got["per_channel"]["htp"] > got["per_channel"]["cpu"] - 2, got
 
 
+@pytest.mark.parametrize("weights", ["per_channel", "per_block"])
+def test_the_cpu_stand_in_multiplies_a_16_bit_activation_outlier_as_its_qdq_says(tmp_path, weights):
+    """The CPU EP's stand-in for the HTP (qnn.CPU_QDQ_CONFIG): a uint16 activation with an outlier
+    channel times int8 weights (per output channel, or per block of 32 inputs) is the product of the
+    dequantized values, as on the HTP. With ONNX Runtime's defaults the CPU EP fuses the weight's
+    DequantizeLinear + MatMul into MatMulNBits and puts the activation on an int8 grid per block of
+    K, where the outlier's block loses its small channels: the bulk parity measure was that loose."""
+    onnx = pytest.importorskip("onnx")
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    k, n, block = 256, 64, 32
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((16, k)).astype(np.float32)
+    x[:, 3] *= 300.0  # one outlier channel, as real checkpoints carry
+    a_scale = np.float32((x.max() - x.min()) / 65535)
+    a_zero = np.uint16(round(-x.min() / a_scale))
+    w = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    if weights == "per_channel":
+        w_scale, dq = (rng.random(n) * 0.01 + 1e-3).astype(np.float32), {"axis": 1}
+        wf = w.astype(np.float32) * w_scale
+    else:
+        w_scale, dq = (rng.random((k // block, n)) * 0.01 + 1e-3).astype(np.float32), {"axis": 0, "block_size": block}
+        wf = w.astype(np.float32) * np.repeat(w_scale, block, axis=0)
+    nodes = [helper.make_node("QuantizeLinear", ["x", "a_scale", "a_zero"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "a_scale", "a_zero"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["w", "w_scale"], ["wd"], **dq),
+             helper.make_node("MatMul", ["xd", "wd"], ["y"])]
+    inits = [numpy_helper.from_array(a, name) for name, a in
+             (("a_scale", np.array(a_scale)), ("a_zero", np.array(a_zero)), ("w", w), ("w_scale", w_scale))]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [16, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [16, n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    onnx.save(model, str(tmp_path / "q.onnx"))
+    xd = (np.clip(np.round(x / a_scale) + int(a_zero), 0, 65535) - int(a_zero)).astype(np.float32) * a_scale
+    want = xd.astype(np.float64) @ wf.astype(np.float64)
+
+    def snr(config):
+        so = ort.SessionOptions()
+        for key, value in config.items():
+            so.add_session_config_entry(key, value)
+        got = ort.InferenceSession(str(tmp_path / "q.onnx"), so, providers=["CPUExecutionProvider"]).run(
+            None, {"x": x})[0]
+        return 10 * np.log10((want ** 2).sum() / ((want - got) ** 2).sum())
+
+    assert snr(qnn.CPU_QDQ_CONFIG) > 100  # fp32 arithmetic on the dequantized values
+    assert snr({}) < 60  # ONNX Runtime's default: the activation on an int8 grid (the trap the config avoids)
+
+
 def _massive_channel_block(tmp_path, massive: float = 30000.0):
     """Embedding -> RMSNorm -> MLP, on a residual stream one channel of which a sublayer drives to 30,000
     (Gemma 3 270M's stream reaches 28,686; its norms' weights mute such a channel), then the final norm
