@@ -38,10 +38,13 @@ CONTEXT_MODEL = "model_ctx.onnx"
 # ONNX Runtime's CPU EP fuses DequantizeLinear(int8 or int4 weight, per channel or per block) + MatMul
 # into MatMulNBits and, at its default accuracy level (4), quantizes the MatMul's input to int8 per
 # block of K: arithmetic the HTP never does (it multiplies the 16-bit activations exactly, or in fp16
-# against block-quantized weights). Level 1 keeps that input in fp32, so the CPU EP runs a QDQ graph
-# as its Q/DQ pairs say. Measured: one MatMul whose input has an outlier channel, 41 dB at level 4
-# and exact at 1 (tests/test_qnn.py); docs/phone-fidelity.md finding 7 for Gemma 3 270M.
-CPU_QDQ_CONFIG = {"session.qdq_matmulnbits_accuracy_level": "1"}
+# against block-quantized weights). `session.disable_quant_qdq` turns ONNX Runtime's QDQ fusions off,
+# so its constant folding dequantizes each weight once into an fp32 initializer and every activation
+# Q/DQ pair runs as written: the graph's arithmetic as its Q/DQ pairs say. (MatMulNBits at accuracy
+# level 1 is as exact but took ~2.9 s a step on Gemma 3 270M's graph against ~0.25 s this way.)
+# Measured: one MatMul whose input has an outlier channel, 39 dB with the fusion and exact without
+# (tests/test_qnn.py); docs/phone-fidelity.md finding 7 for Gemma 3 270M.
+CPU_QDQ_CONFIG = {"session.disable_quant_qdq": "1"}
 
 
 def cpu_qdq_decoder(pack_dir: Path, precision: str, threads: int = 2):

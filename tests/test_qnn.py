@@ -308,7 +308,7 @@ def test_per_channel_weights_keep_an_outlier_channel_model_within_the_floor(tmp_
 
 @pytest.mark.parametrize("weights", ["per_channel", "per_block"])
 def test_the_cpu_stand_in_multiplies_a_16_bit_activation_outlier_as_its_qdq_says(tmp_path, weights):
-    """The CPU EP's stand-in for the HTP (qnn.CPU_QDQ_CONFIG): a uint16 activation with an outlier
+    """The CPU EP's stand-in for the HTP (qnn.CPU_QDQ_CONFIG, QDQ fusions off): a uint16 activation with an outlier
     channel times int8 weights (per output channel, or per block of 32 inputs) is the product of the
     dequantized values, as on the HTP. With ONNX Runtime's defaults the CPU EP fuses the weight's
     DequantizeLinear + MatMul into MatMulNBits and puts the activation on an int8 grid per block of
