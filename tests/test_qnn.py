@@ -137,7 +137,8 @@ def test_expected_device_latency_is_the_s25_table_labelled_as_such():
 @needs_qnn
 def test_phone_build_end_to_end_compiles_once_and_verifies_on_the_htp(tmp_path):
     repo = repo_copy(tmp_path / "repo")
-    args = ["device=galaxy_s25", *TINY_MODEL, *FAST_RUN, "parity.qnn_prompts=2"]
+    # 32 HTP steps a prompt: the tiny model's runs are longer, so both HTP parts (cold, past the window) run
+    args = ["device=galaxy_s25", *TINY_MODEL, *FAST_RUN, "parity.qnn_prompts=2", "parity.qnn_steps=32"]
     first = run_cli(repo, *args)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     build = repo / "artifacts" / "galaxy_s25-embedded-speed"
@@ -171,18 +172,19 @@ def test_phone_build_end_to_end_compiles_once_and_verifies_on_the_htp(tmp_path):
     assert fp16["logits_snr_db"] >= 40 and w8["logits_snr_db"] >= 30, (fp16, w8)
     assert fp16["top1_agreement"] >= 0.98 and w8["top1_agreement"] >= 0.95
     parts = art["precisions"]["w8a16"]["parts"]
-    # the bulk on the CPU EP covers every prompt in full; the HTP confirms on 64 steps a prompt (parity.qnn_steps),
+    # the bulk on the CPU EP covers every prompt in full; the HTP confirms on 32 steps a prompt (parity.qnn_steps),
     # a cold run and one across the window's wrap, the CPU EP's figures on exactly its steps beside each
     assert set(parts) == {"cpu_qdq", "cold", "past_window"}
     assert parts["cold"]["prompts"] == parts["past_window"]["prompts"] == 2  # parity.qnn_prompts
     assert parts["cpu_qdq"]["prompts"] == len(parity["per_prompt"]) == 12
     htp_steps = parts["cold"]["metrics"]["steps"] + parts["past_window"]["metrics"]["steps"]
-    assert htp_steps <= 2 * 64 < parts["cpu_qdq"]["metrics"]["steps"]
+    assert htp_steps <= 2 * 32 < parts["cpu_qdq"]["metrics"]["steps"]
     for key in ("cold", "past_window"):
         same = parts[key]["cpu_qdq_same_steps"]
         assert same["steps"] == parts[key]["metrics"]["steps"]
-        # the CPU EP's QDQ is the conservative measure: the HTP measured the same or better on its steps
-        assert parts[key]["metrics"]["logits_snr_db"] > same["logits_snr_db"] - 3, parts
+        # the stand-in runs the graph's quantization exactly and its float residual in fp32; the HTP reaches
+        # its figure, or the ceiling of its own fp16 residual (~60-70 dB: the tiny model's 74 stand-in, 70.5 HTP)
+        assert parts[key]["metrics"]["logits_snr_db"] > min(same["logits_snr_db"], 60) - 3, parts
     assert art["kld"] is not None and art["kld"]["tokens"] > 0 and "kld_skipped" not in art
     assert set(art["precisions"]["fp16"]["parts"]) == {"cold"}  # no CPU stand-in for the HTP's fp16
     assert art["precisions"]["fp16"]["prompts"] == 1 and fp16["steps"] < w8["steps"]
