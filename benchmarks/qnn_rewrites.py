@@ -143,7 +143,7 @@ def main(argv=None) -> int:
             overrides = npu_rewrite.embedding_ranges(graph) if ranges else {}
             qnn.qdq_quantize(d / "float.onnx", d / "model.onnx", qnn.read_samples(sample_paths), "w8a16",
                              overrides, weights, a.range_margin)
-            arms = {} if a.no_parity else {"cpu_qdq": OnnxDecoder(d, threads=2, config=qnn.CPU_QDQ_CONFIG)}
+            arms = {} if a.no_parity else {"cpu_qdq": qnn.cpu_qdq_decoder(d, "model.onnx")}
             if a.htp and not a.no_parity:
                 target = OmegaConf.to_container(cfg.device.qnn)
                 qnn.compile_context(d / "model.onnx", d / "ctx", target, "w8a16")

@@ -47,11 +47,11 @@ CONTEXT_MODEL = "model_ctx.onnx"
 CPU_QDQ_CONFIG = {"session.disable_quant_qdq": "1"}
 
 
-def cpu_qdq_decoder(pack_dir: Path, precision: str, threads: int = 2):
-    """The pack's `precision` QDQ graph on the CPU EP: the HTP's quantization arithmetic, on this host."""
+def cpu_qdq_decoder(artifact_dir: Path, model_file: str, threads: int = 2):
+    """A QDQ graph (`model_file` beside io.json) on the CPU EP: the HTP's quantization arithmetic, on this host."""
     from .decode_graph import OnnxDecoder
 
-    return OnnxDecoder(pack_dir, model_file=f"{precision}/model.onnx", threads=threads, config=CPU_QDQ_CONFIG)
+    return OnnxDecoder(artifact_dir, model_file=model_file, threads=threads, config=CPU_QDQ_CONFIG)
 
 
 class QnnError(RuntimeError):

@@ -901,7 +901,7 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
         what = f"{precision} context binary on the HTP backend"
         parts, stats, cpu = {}, None, None
         if precision != "fp16":
-            cpu = qnn.cpu_qdq_decoder(pack, precision)
+            cpu = qnn.cpu_qdq_decoder(pack, f"{precision}/model.onnx")
             on_cpu = f"{precision} QDQ graph on the CPU EP"
             with _timed(seconds, f"{name}_cpu_qdq"):
                 metrics, per_prompt = _compare(teacher, cpu, prompts, encoded, decode_tokens, ctx, on_cpu)
