@@ -135,3 +135,14 @@ def save_tiny_qwen3(path: Path) -> Path:
                       bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     Qwen3ForCausalLM(cfg).eval().save_pretrained(path)
     return path
+
+
+class StepClock:
+    """A stand-in for pipeline.tune's `time` (monkeypatch it in), advanced only by fake decoders'
+    steps: their speeds are exact on any host load (sleep-timed fakes once flaked on a loaded CI)."""
+
+    now = 0.0
+
+    @staticmethod
+    def perf_counter() -> float:
+        return StepClock.now

@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 
 from pipeline.context import StageContext
 from stages import deploy_profile
+from tests.conftest import StepClock
 
 CONFIG = {"num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
           "hidden_size": 256, "sliding_window": 64,
@@ -132,18 +133,6 @@ def _level_of(graph_dir) -> int:
     return next(a.i for a in node.attribute if a.name == "accuracy_level")
 
 
-class FakeClock:
-    """The sweep's clock (pipeline.tune.time), advanced by FakeDecoder's steps: its speeds are
-    exact, so a verdict never depends on how loaded the test host is (a sleep-timed
-    decoder once measured its 4 KiB pages >8% slower than identical huge pages on CI)."""
-
-    now = 0.0
-
-    @staticmethod
-    def perf_counter() -> float:
-        return FakeClock.now
-
-
 class FakeDecoder:
     """Known speeds: 2 threads twice as fast as 1, spinning no faster; a graph at
     accuracy level `SLOW_LEVEL` three times slower."""
@@ -164,7 +153,7 @@ class FakeDecoder:
     def step(self, token):
         import numpy as np
 
-        FakeClock.now += self.seconds
+        StepClock.now += self.seconds
 
         return np.zeros(4)
 
@@ -177,7 +166,7 @@ def _on_target(tmp_path, monkeypatch) -> dict:
     import pipeline.tune
 
     monkeypatch.setattr(pipeline.gqa_graph, "GqaDecoder", FakeDecoder)
-    monkeypatch.setattr(pipeline.tune, "time", FakeClock)
+    monkeypatch.setattr(pipeline.tune, "time", StepClock)
     monkeypatch.setattr(pipeline.pages, "support", lambda: (FakeDecoder.HUGE_PAGES_HERE, "test host"))
     monkeypatch.setattr(deploy_profile, "SWEEP_DECODE", 8)
     monkeypatch.setattr(deploy_profile, "SWEEP_PROMPT", 2)

@@ -6,20 +6,11 @@ import numpy as np
 import pytest
 
 from pipeline import tune
-
-
-class Clock:
-    """The sweep's clock (tune.time), advanced only by Stepper: speeds exact on any host load."""
-
-    now = 0.0
-
-    @staticmethod
-    def perf_counter() -> float:
-        return Clock.now
+from tests.conftest import StepClock
 
 
 class Stepper:
-    """A decoder whose step takes a fixed time on Clock: a stand-in with known speed."""
+    """A decoder whose step takes a fixed time on StepClock: a stand-in with known speed."""
 
     def __init__(self, seconds: float):
         self.seconds, self.steps = seconds, 0
@@ -29,7 +20,7 @@ class Stepper:
 
     def step(self, token):
         self.steps += 1
-        Clock.now += self.seconds
+        StepClock.now += self.seconds
         return np.zeros(4)
 
 
@@ -46,7 +37,7 @@ def test_candidates_cover_threads_and_spinning():
     ({1: 0.004, 2: 0.0039}, 1),    # within the noise floor: keep the cheaper setting
 ])
 def test_the_pick_is_measured_and_never_buys_noise(speeds, chosen, monkeypatch):
-    monkeypatch.setattr(tune, "time", Clock)
+    monkeypatch.setattr(tune, "time", StepClock)
     settings = [{"intra_op_num_threads": t, "allow_spinning": False} for t in speeds]
     made = []
 
