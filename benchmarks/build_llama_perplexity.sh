@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build llama.cpp's llama-perplexity tool from the llama.cpp that llama-cpp-python vendors (its sdist),
-# for tests/test_kld_llamacpp.py's cross-check of pipeline/kld.py. llama-cpp-python ships the library,
+# for tests/test_kld_llamacpp.py's cross-check of pipeline/measure/kld.py. llama-cpp-python ships the library,
 # not the tools. Usage: benchmarks/build_llama_perplexity.sh [DEST]   (default: .cache/llama-perplexity)
 # then: export EDGEKILN_LLAMA_PERPLEXITY=DEST/llama-perplexity
 # Built without -march=native and without AMX, as the benchmarks' llama-cpp-python (benchmarks/README.md).

@@ -6,7 +6,7 @@
 Reads artifacts/<build>/benchmark/{manifest.json,report.json} (never re-runs
 anything). Figures are median [min-max] over the build's passes; the last
 column compares each build's artifact decode speed with the first build's, by
-the same noise-floor rule as the benchmark stage (pipeline/stats.py): builds
+the same noise-floor rule as the benchmark stage (pipeline/measure/stats.py): builds
 measured in different runs were not interleaved, so treat that column as a
 hint, and re-run them in one benchmark when the answer matters.
 """
@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from pipeline.stats import compare, fmt
+    from pipeline.measure.stats import compare, fmt
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("builds", nargs="*")

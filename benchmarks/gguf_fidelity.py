@@ -4,10 +4,10 @@
         --llamacpp-src /path/to/llama.cpp [--work /tmp/gguf_fidelity] [--passes 5] [--threads 2]
 
 `--quant` is a quantize-stage output with group_size 32, sym and
-scale_dtype fp16 (pipeline/gguf_q4.py refuses anything else). From one f16
+scale_dtype fp16 (pipeline/quant/gguf_q4.py refuses anything else). From one f16
 conversion of `--model` (llama.cpp's converter) it builds:
 
-- ours_q4_0: our GPTQ codes and scales as Q4_0 (pipeline/gguf_q4.py); the
+- ours_q4_0: our GPTQ codes and scales as Q4_0 (pipeline/quant/gguf_q4.py); the
   token embedding, which our quantizer does not touch, left f16 as converted;
 - ours_q4_0_emb_q4_0: the same with the token embedding rounded to Q4_0 by
   gguf's quantizer, as llama.cpp's Q4_0 file holds it;
@@ -28,7 +28,7 @@ arm is fed that same sequence (teacher forcing) and compared at every step:
 logits SNR dB (over all steps of all prompts), top-1 agreement, KL; then
 decodes freely: greedy prompts reproduced of N.
 
-Speed: decode tok/s of each GGUF by pipeline.bench_arm (the benchmark stage's
+Speed: decode tok/s of each GGUF by pipeline.measure.bench_arm (the benchmark stage's
 runner: one fresh process per pass, arms interleaved A B C A B C), median
 [min-max] over the passes, at `--threads`.
 """
@@ -67,7 +67,8 @@ class _Progress:
 
 
 def build_files(model: Path, quant: Path, work: Path, src: str | None) -> dict[str, dict]:
-    from pipeline import gguf_q4, llamacpp
+    from pipeline.quant import gguf_q4
+    from pipeline.toolchains import llamacpp
 
     work.mkdir(parents=True, exist_ok=True)
     f16 = llamacpp.convert(model, work / "model-f16.gguf", outtype="f16", src=src)
@@ -88,12 +89,12 @@ def build_files(model: Path, quant: Path, work: Path, src: str | None) -> dict[s
 
 
 def _quantize_pure(f16: Path, out: Path, ftype: int) -> Path:
-    """llama_model_quantize with params.pure (pipeline.llamacpp.quantize has no switch for it)."""
+    """llama_model_quantize with params.pure (pipeline.runtimes.llamacpp.quantize has no switch for it)."""
     import ctypes
 
     import llama_cpp
 
-    from pipeline.llamacpp import _NativeStderrSilenced
+    from pipeline.toolchains.llamacpp import _NativeStderrSilenced
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype, params.nthread, params.pure = ftype, 2, True
@@ -118,9 +119,9 @@ def fidelity(model: Path, quant: Path, files: dict[str, dict], decode_tokens: in
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
-    from pipeline import gguf_q4
-    from pipeline.config import CONF_DIR
-    from pipeline.decode_graph import TorchReference
+    from pipeline.quant import gguf_q4
+    from pipeline.engine.config import CONF_DIR
+    from pipeline.graphs.decode_graph import TorchReference
     from stages.verify_parity import REF_THREADS, _compare, _prompt_ids, _teacher
 
     prompts = [str(p) for p in OmegaConf.load(CONF_DIR / "parity" / "default.yaml").prompts][:n_prompts]
@@ -138,7 +139,7 @@ def fidelity(model: Path, quant: Path, files: dict[str, dict], decode_tokens: in
     out["gptq_dequant_fp32"], _ = _compare(teacher, ceiling, prompts, encoded, decode_tokens, ctx,
                                            "gptq_dequant_fp32")
     for arm, info in files.items():
-        from pipeline.llamacpp import LlamaCppDecoder
+        from pipeline.runtimes.llamacpp import LlamaCppDecoder
 
         dec = LlamaCppDecoder(info["file"], threads=2, n_ctx=n_ctx)
         out[arm], _ = _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, arm)
@@ -148,8 +149,8 @@ def fidelity(model: Path, quant: Path, files: dict[str, dict], decode_tokens: in
 
 def speed(files: dict[str, dict], passes: int, threads: int, prompt_length: int, decode_tokens: int,
           n_ctx: int) -> dict[str, dict]:
-    from pipeline import bench_arm
-    from pipeline.stats import interleave, spread
+    from pipeline.measure import bench_arm
+    from pipeline.measure.stats import interleave, spread
 
     runs: dict[str, list[float]] = {a: [] for a in files}
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
@@ -184,7 +185,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     a = p.parse_args(argv)
 
-    from pipeline.stats import fmt
+    from pipeline.measure.stats import fmt
 
     t0 = time.perf_counter()
     files = build_files(a.model, a.quant, a.work, a.llamacpp_src)

@@ -1,4 +1,4 @@
-"""The GQA graph (pipeline/gqa_graph.py) against the ORT int4 artifact and llama.cpp Q4_K_M, side by side.
+"""The GQA graph (pipeline/graphs/gqa_graph.py) against the ORT int4 artifact and llama.cpp Q4_K_M, side by side.
 
     python benchmarks/gqa_speed.py --build x86_avx512-embedded-speed --prompts 32,512 \
         --decode-tokens 64 --threads 2 --passes 5
@@ -8,7 +8,7 @@ the arm order rotated each pass), each arm-pass in a fresh process (this file
 with --worker). Inside a pass: load, one warm-up run (a prefill of the same
 length + 8 decode steps: every arm sees its prompt shape once before the
 clock), then `--reps` timed runs of reset -> prefill(prompt) -> greedy decode
-of `--decode-tokens` (pipeline.bench_arm._run); the pass's figure is the median
+of `--decode-tokens` (pipeline.measure.bench_arm._run); the pass's figure is the median
 of its reps. Figures across passes: median [min-max].
 
 Arms (default gqa and llamacpp; `--arms` picks, `--arm label=kind:path` adds any):
@@ -18,9 +18,9 @@ Arms (default gqa and llamacpp; `--arms` picks, `--arm label=kind:path` adds any
              prefill, its own context length); when prompt + decode does not fit that
              context, the same pack recipe (export_decode_step + quantize_onnx_matmuls,
              accuracy_level 4) is rebuilt under --work with the smallest context that fits.
-- llamacpp:  llama.cpp Q4_K_M (pipeline/llamacpp.py), n_ctx = --max-len, batched prefill.
+- llamacpp:  llama.cpp Q4_K_M (pipeline/toolchains/llamacpp.py), n_ctx = --max-len, batched prefill.
 - with --huge-pages, two more: gqa_thp and llamacpp_thp, the same arms in processes
-             started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (pipeline/pages.py), so
+             started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (pipeline/runtimes/pages.py), so
              both runtimes' malloc'ed weights get transparent huge pages: like for like.
 Kinds for --arm: gqa, gqa_thp, gqa_collapse (GqaDecoder(huge_pages=True): MADV_COLLAPSE
 after load), gqa_nospin (allow_spinning 0), gqa_basic (graph optimization level
@@ -56,7 +56,7 @@ WARM_DECODE = 8
 
 def make_decoder(kind: str, path: str, threads: int, n_ctx: int):
     if kind.startswith("gqa"):
-        from pipeline.gqa_graph import GqaDecoder
+        from pipeline.graphs.gqa_graph import GqaDecoder
 
         kw = {}
         if kind == "gqa_collapse":
@@ -73,11 +73,11 @@ def make_decoder(kind: str, path: str, threads: int, n_ctx: int):
             raise SystemExit(f"unknown kind {kind}")
         return GqaDecoder(path, threads=threads, **kw)
     if kind == "ort_int4":
-        from pipeline.decode_graph import OnnxDecoder
+        from pipeline.graphs.decode_graph import OnnxDecoder
 
         return OnnxDecoder(path, threads=threads)
     if kind in ("llamacpp", "llamacpp_thp"):
-        from pipeline.llamacpp import LlamaCppDecoder
+        from pipeline.runtimes.llamacpp import LlamaCppDecoder
 
         return LlamaCppDecoder(path, threads=threads, n_ctx=n_ctx)
     raise SystemExit(f"unknown arm kind {kind!r}")
@@ -86,7 +86,7 @@ def make_decoder(kind: str, path: str, threads: int, n_ctx: int):
 def worker(a) -> dict:
     import numpy as np
 
-    from pipeline import bench_arm
+    from pipeline.measure import bench_arm
 
     if a.kind.startswith("llamacpp"):
         import llama_cpp  # noqa: F401
@@ -113,7 +113,7 @@ def worker(a) -> dict:
 
 
 def prepare_gqa(art: Path, work: Path, max_len: int, accuracy_level: int, rebuild: bool) -> Path:
-    from pipeline.gqa_graph import build_gqa_graph
+    from pipeline.graphs.gqa_graph import build_gqa_graph
 
     out = work / f"gqa_acc{accuracy_level}_L{max_len}"
     if rebuild or not (out / "io.json").is_file():
@@ -135,8 +135,8 @@ def prepare_ort_int4(art: Path, work: Path, need: int) -> Path:
     if not (out / "io.json").is_file():
         import shutil
 
-        from pipeline.decode_graph import export_decode_step
-        from pipeline.int4_runtime import quantize_onnx_matmuls
+        from pipeline.graphs.decode_graph import export_decode_step
+        from pipeline.runtimes.tinygemm import quantize_onnx_matmuls
 
         exp = work / f"export_ctx{ctx}"
         export_decode_step(art / "untie_head", exp, context_length=ctx)
@@ -147,7 +147,7 @@ def prepare_ort_int4(art: Path, work: Path, need: int) -> Path:
 
 
 def prepare_gguf(art: Path, work: Path) -> Path:
-    from pipeline.llamacpp import Q4_K_M, build_quantized
+    from pipeline.toolchains.llamacpp import Q4_K_M, build_quantized
 
     gguf = work / "gguf" / "model-q4_k_m.gguf"
     if not gguf.is_file():
@@ -164,7 +164,7 @@ def run_pass(kind, path, prompt, decode, threads, n_ctx, reps, seed) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--kind", kind, "--path", str(path),
            "--prompt-length", str(prompt), "--decode-tokens", str(decode), "--threads", str(threads),
            "--n-ctx", str(n_ctx), "--reps", str(reps), "--seed", str(seed)]
-    from pipeline import pages
+    from pipeline.runtimes import pages
 
     env = pages.hugetlb_env(dict(os.environ)) if kind.endswith("_thp") else dict(os.environ)
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)

@@ -3,9 +3,9 @@
     python benchmarks/qnn_rewrites.py --build galaxy_s25-embedded-speed [--prompts 4] [--htp]
 
 From the build's own export, calibration windows and parity prompts, it builds
-the w8a16 QDQ graph (the pack stage's recipe: pipeline/qnn.py qdq_quantize, the
+the w8a16 QDQ graph (the pack stage's recipe: pipeline/graphs/qnn.py qdq_quantize, the
 same calibration samples for every variant) after cumulative sets of rewrites
-(pipeline/npu_rewrite.py):
+(pipeline/graphs/npu_rewrite.py):
 
 - sanitize: only what QNN needs to compile at all;
 - + embedding ranges: the lookup's quantization range from the whole table;
@@ -63,9 +63,9 @@ def main(argv=None) -> int:
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
-    from pipeline import npu_rewrite, qnn
-    from pipeline.decode_graph import OnnxDecoder, TorchReference
-    from pipeline.tensorfile import load_onnx
+    from pipeline.graphs import npu_rewrite, qnn
+    from pipeline.graphs.decode_graph import OnnxDecoder, TorchReference
+    from pipeline.sources.tensorfile import load_onnx
     from stages import pack as pack_stage
     from stages import verify_parity as vp
 
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
                          "may never have held, where a clipped range shows")
     ap.add_argument("--only", help="comma-separated variant numbers (0-4) to run; default all")
     ap.add_argument("--keep", type=Path, help="build the variants in this folder and keep them (for "
-                                             "python -m pipeline.graph_diff); default a temporary one")
+                                             "python -m pipeline.measure.graph_diff); default a temporary one")
     ap.add_argument("--no-parity", action="store_true", help="build the variants only (with --keep)")
     ap.add_argument("--range-margin", type=float, default=1.0,
                     help="scale every calibrated activation range by this (qnn.widen; the pack uses 1)")

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from pipeline.context import StageContext  # noqa: E402
+from pipeline.engine.context import StageContext  # noqa: E402
 
 
 def _ctx(stage: str, out: Path, cfg: dict, inputs: dict) -> StageContext:
@@ -64,7 +64,7 @@ def main() -> None:
         calibrate.run(_ctx("calibrate", a.work / "calibrate", {"calibrate": cal},
                            {"untie_head": a.work / "untie_head"}))
     else:
-        from pipeline import devices
+        from pipeline.engine import devices
         from stages import quantize
 
         q = OmegaConf.to_container(OmegaConf.load(Path(__file__).resolve().parents[1] / "conf/quantize/default.yaml"))
@@ -74,7 +74,7 @@ def main() -> None:
         cfg = {"quantize": q, "device": devices.spec_sheet(a.device), "priority": {"name": a.priority}}
         out = a.out or a.work / "quantize"
         if a.per_window:  # keep measure()'s per-window errors, to see the choice a subset of windows makes
-            from pipeline import bit_alloc
+            from pipeline.quant import bit_alloc
 
             inner = bit_alloc.measure
 

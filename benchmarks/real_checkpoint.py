@@ -31,7 +31,7 @@ from tests.conftest import repo_copy, venv_env  # noqa: E402
 
 def stage_costs(repo: Path, build: str) -> list[dict]:
     """Every stage manifest of the build (and its shared model), in pipeline order."""
-    from pipeline.layout import STAGES
+    from pipeline.engine.layout import STAGES
 
     found = {}
     for mf in list((repo / "artifacts" / build).glob("*/manifest.json")) + \

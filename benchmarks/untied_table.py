@@ -29,8 +29,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import numpy as np
 
-    from pipeline.decode_graph import TorchReference, load_hf_model, snr_db
-    from pipeline.gqa_graph import GqaDecoder, build_gqa_graph
+    from pipeline.graphs.decode_graph import TorchReference, load_hf_model, snr_db
+    from pipeline.graphs.gqa_graph import GqaDecoder, build_gqa_graph
 
     b = a.build
     chosen = (json.loads((b / "quantize" / "quant.json").read_text()).get("embedding") or {}).get("chosen")

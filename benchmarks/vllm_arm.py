@@ -4,7 +4,7 @@ artifact of the same model, on this host, in one run.
     python benchmarks/vllm_arm.py --vllm-build xeon_amx-gemma3_270m-speed \
         --ort-build x86_avx512-gemma3_270m-speed --prompts 32,512 --decode 64 --passes 5
 
-vLLM: `python -m pipeline serve`'s server (pipeline/vllm_server.py), as the deploy
+vLLM: `python -m pipeline serve`'s server (pipeline/toolchains/vllm_server.py), as the deploy
 profile says (env.sh's binding, vllm.yaml's settings), measured as its users see it:
 streamed completions of a seeded random prompt of each length, ignoring EOS:
 prefill tok/s = prompt / time to the first token, decode tok/s = (tokens - 1) /
@@ -14,7 +14,7 @@ processes mapping it; RSS beside it counts the three processes' shared libraries
 three times). ORT's is the RSS of its one process. With `--w4a16` a second server runs with
 VLLM_CPU_INT4_W4A8=0: the W4A16 fallback beside AMX's W4A8, same weights; with
 `--no-tcmalloc` one with VLLM_TCMALLOC=none (env.sh's tcmalloc preload off).
-ORT: pipeline.bench_arm's `ort_int4` arm, a fresh process per pass (as the benchmark
+ORT: pipeline.measure.bench_arm's `ort_int4` arm, a fresh process per pass (as the benchmark
 stage runs it), 2 threads.
 
 The arms do not interleave pass by pass: a vLLM server left up keeps its engine
@@ -34,8 +34,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline import vllm_server, weight_path  # noqa: E402
-from pipeline.stats import fmt, spread  # noqa: E402
+from pipeline.toolchains import vllm_server  # noqa: E402
+from pipeline.quant import weight_path
+from pipeline.measure.stats import fmt, spread  # noqa: E402
 
 
 def _spreads(rows: dict) -> dict:
@@ -70,7 +71,7 @@ def ort_arm(build: str, prompts: list[int], decode: int, passes: int, threads: i
     resident = []
     for k in range(passes):
         for p in prompts:
-            out = subprocess.run([sys.executable, "-m", "pipeline.bench_arm", "--arm", "ort_int4", "--artifact",
+            out = subprocess.run([sys.executable, "-m", "pipeline.measure.bench_arm", "--arm", "ort_int4", "--artifact",
                                   str(pack), "--prompt-length", str(p), "--decode-tokens", str(decode),
                                   "--warmup-tokens", "4", "--threads", str(threads), "--seed", str(k)],
                                  cwd=ROOT, capture_output=True, text=True, check=True)

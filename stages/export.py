@@ -1,7 +1,7 @@
 """export: the untied HF checkpoint -> an fp32 ONNX decode step with explicit per-layer KV.
 
 The artifact (ctx.out) is self-contained: `model.onnx`, `io.json` (inputs,
-outputs, per-layer cache sizes and slot rules; see pipeline/decode_graph.py),
+outputs, per-layer cache sizes and slot rules; see pipeline/graphs/decode_graph.py),
 plus the checkpoint's `config.json`, generation config and tokenizer files.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.context import StageContext, StageError
+from pipeline.engine.context import StageContext, StageError
 
 READS = ("export",)
 INPUTS = ("untie_head",)
@@ -20,8 +20,8 @@ MIN_OPSET = 18  # the dynamo exporter's floor
 
 
 def run(ctx: StageContext) -> dict:
-    from pipeline.checkpoint_files import copy_side_files
-    from pipeline.decode_graph import DecodeGraphError, export_decode_step
+    from pipeline.sources.checkpoint_files import copy_side_files
+    from pipeline.graphs.decode_graph import DecodeGraphError, export_decode_step
 
     src = Path(ctx.inputs["untie_head"])
     if not (src / "config.json").is_file():

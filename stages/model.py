@@ -14,7 +14,7 @@ Two sources (conf/model/<name>.yaml):
 - `gguf`: a GGUF file (`model.path`), or the one a model package ships
   (`model.package`, e.g. conf/model/gemma3_270m.yaml: the package's chunks
   assembled and checked against `model.sha256`), dequantized to fp32
-  (pipeline/gguf_checkpoint.py) and then validated as an `hf` folder is.
+  (pipeline/sources/gguf_checkpoint.py) and then validated as an `hf` folder is.
 
 Either way `ctx.out` ends up loadable by `AutoModelForCausalLM.from_pretrained`
 and `AutoTokenizer.from_pretrained`, with weights in `*.safetensors` only.
@@ -30,9 +30,9 @@ import shutil
 import time
 from pathlib import Path
 
-from pipeline import corpus, gguf_checkpoint, model_facts
-from pipeline.context import StageError
-from pipeline.manifest import sha256_file
+from pipeline.sources import corpus, gguf_checkpoint, model_facts
+from pipeline.engine.context import StageError
+from pipeline.engine.manifest import sha256_file
 
 READS = ("model",)
 INPUTS = ()

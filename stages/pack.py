@@ -1,6 +1,6 @@
 """pack: the quantize stage's 4-bit codes -> the layout of the kernel the device runs.
 
-The weight path is chosen by `pipeline.weight_path.select(device, priority)`
+The weight path is chosen by `pipeline.quant.weight_path.select(device, priority)`
 (written as `weight_path.json` in every case). Per path the artifact is:
 
 - w4a8_gptq_vllm: `gptq/`, a GPTQ v1 checkpoint vLLM loads from its config.json
@@ -15,7 +15,7 @@ The weight path is chosen by `pipeline.weight_path.select(device, priority)`
   non-quantized tensors and its config/tokenizer, so the folder loads on its
   own: `int4_runtime.load_tinygemm_model(out, out)`.
 - w4_ort_matmulnbits: `model.onnx` + `io.json` (format edgekiln-gqa/1), the
-  graph ONNX Runtime runs fast (pipeline/gqa_graph.py): GroupQueryAttention
+  graph ONNX Runtime runs fast (pipeline/graphs/gqa_graph.py): GroupQueryAttention
   over KV buffers the runtime binds as past and present, window-sized for
   sliding layers, every linear (the head included) a MatMulNBits from the
   quantize stage's own codes, one graph for prefill and decode; serves the
@@ -25,7 +25,7 @@ The weight path is chosen by `pipeline.weight_path.select(device, priority)`
   as the quantize stage measured and chose (quant.json "embedding"). Config and tokenizer copied from the export
   artifact; runs in `gqa_graph.GqaDecoder`.
 - qnn_graph (phone NPU): `float/model.onnx` (+ its external data), the export made QNN-ready
-  (pipeline/npu_rewrite.py: sanitized, rotary tables, fused RMSNorm; checked
+  (pipeline/graphs/npu_rewrite.py: sanitized, rotary tables, fused RMSNorm; checked
   against the export on a decode past the window), and per QDQ precision in
   `pack.qnn_precisions` `<precision>/model.onnx`, calibrated on the calibrate
   stage's windows run through the float graph (16-bit activations, MatMul
@@ -37,10 +37,10 @@ The weight path is chosen by `pipeline.weight_path.select(device, priority)`
   the rewrites and the calibration; `io.json` and the tokenizer travel along.
   stages/compile_qnn.py turns each into a context binary.
 - gguf_q4_0 (llama.cpp devices): `model.gguf`, llama.cpp's own conversion of
-  the untied checkpoint (metadata, tokenizer, names: pipeline/converter.py
+  the untied checkpoint (metadata, tokenizer, names: pipeline/toolchains/converter.py
   finds the converter) with every quantized linear, the head included, written
   as Q4_0 blocks of the quantize stage's own codes and fp16 scales (a group-32
-  symmetric result is Q4_0 exactly, an 8-bit one Q8_0: pipeline/gguf_q4.py);
+  symmetric result is Q4_0 exactly, an 8-bit one Q8_0: pipeline/quant/gguf_q4.py);
   a tied checkpoint's token embedding is the head's own tensor, one copy, an
   untied one's the quantize stage's measured choice (its codes as Q8_0 / Q4_0,
   or the converter's f16 table) (pack.gguf_token_embedding: auto). Read back with
@@ -55,8 +55,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.checkpoint_files import copy_side_files
-from pipeline.context import StageContext, StageError
+from pipeline.sources.checkpoint_files import copy_side_files
+from pipeline.engine.context import StageContext, StageError
 
 READS = ("pack", "device", "priority")
 INPUTS = ("untie_head", "calibrate", "quantize", "export")
@@ -93,7 +93,7 @@ def _bytes(paths) -> int:
 def _write_gptq(ctx, meta, layers, src: Path) -> dict:
     from safetensors.torch import save_file
 
-    from pipeline import int4_layouts as L
+    from pipeline.quant import int4_layouts as L
 
     if any((z != 8).any() for _, _, z, _ in layers.values()):
         raise StageError("pack: the vLLM GPTQ path takes symmetric codes only (vLLM's gptq_marlin/CPU kernels "
@@ -141,8 +141,8 @@ def _write_gptq(ctx, meta, layers, src: Path) -> dict:
 def _write_tinygemm(ctx, meta, layers, src: Path, prefill: str, threshold: int) -> dict:
     from safetensors.torch import save_file
 
-    from pipeline import int4_layouts as L
-    from pipeline.int4_runtime import TINYGEMM_JSON, TINYGEMM_TENSORS, pack_tinygemm
+    from pipeline.quant import int4_layouts as L
+    from pipeline.runtimes.tinygemm import TINYGEMM_JSON, TINYGEMM_TENSORS, pack_tinygemm
 
     for name, (q, s, z, g) in layers.items():
         if g not in L.TINYGEMM_GROUP_SIZES:
@@ -162,7 +162,7 @@ def _write_tinygemm(ctx, meta, layers, src: Path, prefill: str, threshold: int) 
         "sym": bool(meta.get("sym", False)), "activation_dtype": "bfloat16", "prefill": prefill,
         "prefill_threshold": threshold, "layers": records, "fallback_layers": fallback,
         "base_tensors": "model.safetensors", "side_files": copied,
-        "load": "pipeline.int4_runtime.load_tinygemm_model(<this folder>, <this folder>, prefill_mode)",
+        "load": "pipeline.runtimes.tinygemm.load_tinygemm_model(<this folder>, <this folder>, prefill_mode)",
     }
     (out / TINYGEMM_JSON).write_text(json.dumps(doc, indent=2) + "\n")
     return {"files": [TINYGEMM_TENSORS, TINYGEMM_JSON, "model.safetensors"], "fallback_layers": fallback,
@@ -170,8 +170,8 @@ def _write_tinygemm(ctx, meta, layers, src: Path, prefill: str, threshold: int) 
 
 
 def _write_ort(ctx, untied: Path, export_dir: Path, quant_dir: Path, accuracy_level: int) -> dict:
-    from pipeline.gqa_graph import GqaGraphError, build_gqa_graph
-    from pipeline.int4_runtime import PackError
+    from pipeline.graphs.gqa_graph import GqaGraphError, build_gqa_graph
+    from pipeline.quant.codes import PackError
 
     io_path = export_dir / "io.json"
     if not io_path.is_file():
@@ -200,7 +200,7 @@ QNN_CHECK_MIN_SNR_DB = 100.0
 def _calibration_sequences(cal_dir: Path, context_length: int, n: int) -> list[list[int]]:
     import numpy as np
 
-    from pipeline.qnn import calibration_sequences
+    from pipeline.graphs.qnn import calibration_sequences
 
     tokens = cal_dir / "token_ids.npy"
     if not tokens.is_file():
@@ -219,8 +219,8 @@ def _check_and_probe_stream(float_dir: Path, want: list, check: list[int], embed
     import numpy as np
     import onnx
 
-    from pipeline import npu_rewrite
-    from pipeline.decode_graph import OnnxDecoder, snr_db
+    from pipeline.graphs import npu_rewrite
+    from pipeline.graphs.decode_graph import OnnxDecoder, snr_db
 
     structure = onnx.load(str(float_dir / "model.onnx"), load_external_data=False)
     stream = npu_rewrite.residual_tensors(structure)
@@ -244,7 +244,7 @@ def _phone_io(io: dict, embedding: dict | None, up: str = "") -> dict:
     replaced by `inputs_embeds` and "embedding" names the lookup's model (relative to the io.json)."""
     if embedding is None:
         return io
-    from pipeline.qnn import EMBED_DIR
+    from pipeline.graphs.qnn import EMBED_DIR
 
     ids = next(i for i in io["inputs"] if i["name"] == "input_ids")
     embeds = {"name": embedding["output"], "shape": list(ids["shape"]) + [embedding["hidden"]], "dtype": "float32"}
@@ -261,9 +261,10 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
 
     import onnx
 
-    from pipeline import gptq, npu_rewrite, qnn
-    from pipeline.decode_graph import OnnxDecoder, snr_db
-    from pipeline.tensorfile import load_onnx
+    from pipeline.quant import gptq
+    from pipeline.graphs import npu_rewrite, qnn
+    from pipeline.graphs.decode_graph import OnnxDecoder, snr_db
+    from pipeline.sources.tensorfile import load_onnx
 
     cfg = ctx.cfg.pack
     precisions = [str(p) for p in cfg.qnn_precisions]
@@ -470,8 +471,10 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
 
 def _write_gguf(ctx, untied: Path, quant_dir: Path, meta: dict, layers: dict) -> dict:
     """Our GPTQ codes as GGUF Q4_0 in llama.cpp's own conversion of the checkpoint (module docstring)."""
-    from pipeline import converter, gguf_q4, llamacpp
-    from pipeline.gguf_q4 import GGUF_FILE
+    from pipeline.toolchains import converter
+    from pipeline.quant import gguf_q4
+    from pipeline.toolchains import llamacpp
+    from pipeline.quant.gguf_q4 import GGUF_FILE
 
     try:
         gguf_q4.check_q4_0(layers, meta)
@@ -514,8 +517,9 @@ def _converter_source(tree: Path) -> str:
 def run(ctx: StageContext) -> dict:
     from omegaconf import OmegaConf
 
-    from pipeline import weight_path
-    from pipeline.int4_runtime import PREFILL_MODES, PackError, read_quant
+    from pipeline.quant import weight_path
+    from pipeline.runtimes.tinygemm import PREFILL_MODES
+    from pipeline.quant.codes import PackError, read_quant
 
     cfg = ctx.cfg.pack
     prefill = str(cfg.tinygemm_prefill)

@@ -82,7 +82,7 @@ def accelerators() -> list[str]:
 
 
 def probe_host() -> dict:
-    from pipeline.devices import classify
+    from pipeline.engine.devices import classify
 
     cpuinfo = Path("/proc/cpuinfo").read_text()
     info = read_cpuinfo(cpuinfo)
@@ -106,8 +106,8 @@ def probe_host() -> dict:
 
 
 def run(ctx) -> dict:
-    from pipeline.layout import declarations
-    from pipeline.toolchain import fingerprint
+    from pipeline.engine.layout import declarations
+    from pipeline.toolchains.toolchain import fingerprint
 
     host = probe_host()
     (ctx.out / "host.json").write_text(json.dumps(host, indent=2, sort_keys=True) + "\n")

@@ -3,12 +3,12 @@ decoder linear and the output head.
 
 The head is quantized too: left in 16/32-bit it cost more per decode step
 than the whole 4-bit saving on the 1.7B model (field notes); untie_head has
-made it `lm_head.weight`. The algorithm and the grid are in pipeline/gptq.py;
+made it `lm_head.weight`. The algorithm and the grid are in pipeline/quant/gptq.py;
 which decoder linears get 8 bits, where the kernel takes them, in
-pipeline/bit_alloc.py (each unit's effect on the calibration logits, measured
+pipeline/quant/bit_alloc.py (each unit's effect on the calibration logits, measured
 from the final hidden states and the head's Grams, the layers below it replayed).
 
-Output (the contract the packers read; pipeline.gptq.load_quantized and
+Output (the contract the packers read; pipeline.quant.gptq.load_quantized and
 quant_meta read it back):
 
 - quant.json: {"format": "edgekiln-int4/1", "bits": 4, "group_size": g, "sym",
@@ -25,7 +25,7 @@ quant_meta read it back):
   the kernel's (absent otherwise);
   the head at 8 bits (`head_bits`) records "bits": 8 (with "head_bits": 8 at
   the top level), its codes 0..255 with the symmetric zero at 128. Decoder
-  linears promoted to 8 bits (`eight_bit_budget`, pipeline/bit_alloc.py)
+  linears promoted to 8 bits (`eight_bit_budget`, pipeline/quant/bit_alloc.py)
   record "bits": 8 the same way, and quant.json an "eight_bit" record: the
   budget; every unit's extra bytes, gain (the relative squared error of the
   calibration logits it removes alone at full precision) and the SNR then;
@@ -55,7 +55,7 @@ import json
 import time
 from pathlib import Path
 
-from pipeline.context import StageError
+from pipeline.engine.context import StageError
 
 # device and priority: which kernel the codes are for decides whether the head
 # may have its own group size (quantize.head_group_size: null).
@@ -64,7 +64,7 @@ HEAD = "lm_head"
 HEAD_GROUP_SIZE = 32
 HEAD_BITS_ORT = 8
 # quantize.head_bits: null where the kernel takes 8-bit heads (ORT's MatMulNBits; llama.cpp, whose Q8_0 holds
-# a group-32 symmetric 8-bit head exactly, pipeline/gguf_q4.py; HEAD8_PATHS): both widths are measured
+# a group-32 symmetric 8-bit head exactly, pipeline/quant/gguf_q4.py; HEAD8_PATHS): both widths are measured
 # on the calibration windows (the logits' SNR with the decoder at its final codes and the head at 4, then 8
 # bits) and 8 bits are kept where they buy at least this much; the extra bytes (K*N/2) are recorded beside.
 # ~135M Llama-family model (README): 4-bit g32 head 38.9 dB against 46.2 at 8 bits, 7.3 dB.
@@ -92,7 +92,7 @@ PER_LAYER_PATHS = (ORT_PATH, "w4a16_tinygemm", "qnn_graph", "model_dtype")
 ONE_GROUP_PATHS = (None, "w4a8_gptq_vllm")
 # GGUF Q4_0 is 32-weight blocks (conf/quantize/q4_0.yaml pins group_size: 32): no other size to fall back to
 FIXED_GROUP_PATHS = ("gguf_q4_0",)
-# extra bytes for 8-bit decoder linears (pipeline/bit_alloc.py), a fraction of the 4-bit code bytes:
+# extra bytes for 8-bit decoder linears (pipeline/quant/bit_alloc.py), a fraction of the 4-bit code bytes:
 # buys back what the coarser groups cost: on the ~100M model at g256, 4% (layer 0's attention) gave
 # 9.8 dB, 10% (and layer 1's q|k|v, layer 0's down, layer 1's o) 11.4; Q4_K_M 9.7 (README)
 EIGHT_BIT_BUDGET_ORT = 0.1
@@ -109,7 +109,7 @@ _QUANTIZED_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "zeros")
 
 
 def _settings(cfg) -> dict:
-    from pipeline import bit_alloc, gptq
+    from pipeline.quant import bit_alloc, gptq
 
     q = cfg.quantize
     path = _weight_path(cfg)  # resolved once: every null default below depends on it
@@ -181,10 +181,10 @@ def _optional_int(value) -> int | None:
 
 
 def _weight_path(cfg) -> str | None:
-    """The device's weight path (pipeline/weight_path.py), or None where the config names no device."""
+    """The device's weight path (pipeline/quant/weight_path.py), or None where the config names no device."""
     from omegaconf import OmegaConf
 
-    from pipeline import weight_path
+    from pipeline.quant import weight_path
 
     if "device" not in cfg or "priority" not in cfg:
         return None
@@ -219,7 +219,7 @@ def _layer_group_size(name: str, k: int, s: dict) -> int:
     group_fallback=divisor or the kernel's own default (group_size: null), the largest size the
     4-bit kernels take (config.GROUP_SIZES: powers of two, as MatMulNBits requires) below it
     that divides K; else an error naming the fix."""
-    from pipeline.config import GROUP_SIZES
+    from pipeline.engine.config import GROUP_SIZES
 
     g = s["head_group_size"] if name == HEAD else s["group_size"]
     if k % g == 0:
@@ -240,7 +240,7 @@ def _model_group_size(layers: dict, s: dict) -> int:
     """For a kernel that takes one group size for every layer (vLLM's GPTQ) under group_size: null: the
     kernel's size where it divides every linear's K (the head's too, which shares it), else the largest
     size the kernels take below it that does; an error where none does."""
-    from pipeline.config import GROUP_SIZES
+    from pipeline.engine.config import GROUP_SIZES
 
     g = s["group_size"]
     ks = sorted({int(info["in_features"]) for name, info in layers.items()
@@ -254,7 +254,7 @@ def _model_group_size(layers: dict, s: dict) -> int:
 
 
 def _weight_map(src: Path) -> dict[str, str]:
-    from pipeline.checkpoint_files import weight_map
+    from pipeline.sources.checkpoint_files import weight_map
 
     found = weight_map(src)
     if not found:
@@ -271,7 +271,7 @@ def _snr_db(rel_err: float) -> float | None:
 
 def _promote(ctx, s, src: Path, cal_dir: Path, layers: dict, tensors: dict, group_sizes: dict,
              weight, quantize_layer, head_alt: dict | None = None) -> tuple[dict, dict | None, dict | None]:
-    """The decoder units worth 8 bits under the budget (pipeline/bit_alloc.py), requantized at 8 bits
+    """The decoder units worth 8 bits under the budget (pipeline/quant/bit_alloc.py), requantized at 8 bits
     in place of their 4-bit codes; returns quant.json's "eight_bit" record (what was measured, what was
     chosen, the logits' SNR on the calibration windows before and after), given `head_alt` (the
     head's 4-bit tensors beside the 8-bit ones in `tensors`) the head's width record (_head_width), and
@@ -279,8 +279,8 @@ def _promote(ctx, s, src: Path, cal_dir: Path, layers: dict, tensors: dict, grou
     import numpy as np
     import torch
 
-    from pipeline import bit_alloc, gptq
-    from pipeline.decode_graph import load_hf_model
+    from pipeline.quant import bit_alloc, gptq
+    from pipeline.sources.checkpoint_files import load_hf_model
 
     windows = np.load(cal_dir / "token_ids.npy")
     count = s["sensitivity_windows"]
@@ -357,13 +357,13 @@ def _head_width(s, found, model, error_8bit_head: float, tensors: dict, head_alt
                 group_sizes, tied: bool) -> dict:
     """The head's width by measurement: the calibration logits' error with the decoder at its final codes
     and the head at 4 and at 8 bits; 8 bits kept where they gain at least HEAD_MIN_GAIN_DB. Where the
-    checkpoint is tied, the pack ships one table for the embedding and the head (pipeline/gqa_graph.py),
+    checkpoint is tied, the pack ships one table for the embedding and the head (pipeline/graphs/gqa_graph.py),
     so the embedding takes each width's codes too and each is a full run. Where the error is not
     HeadError's (a softcapped or biased head: no per-head shortcut), the kernel's default, 8, stays and
     the record says so."""
     import math
 
-    from pipeline import bit_alloc, gptq
+    from pipeline.quant import bit_alloc, gptq
 
     err = found["error"]
     n, k = tensors[f"{HEAD}.qweight"].shape
@@ -412,7 +412,7 @@ def _embedding_width(s, found, model, weight, tied: bool, head_codes) -> dict:
     is not a multiple of the block, the table is kept and the record says why."""
     import math
 
-    from pipeline import bit_alloc, gptq
+    from pipeline.quant import bit_alloc, gptq
 
     emb = model.get_input_embeddings()
     record = {"block_size": gptq.EMBED_BLOCK, "scale_dtype": "fp16", "max_loss_db": EMBED_MAX_LOSS_DB}
@@ -458,8 +458,8 @@ def run(ctx) -> dict:
     import torch
     from safetensors import safe_open
 
-    from pipeline import gptq
-    from pipeline.tensorfile import SpilledTensors
+    from pipeline.quant import gptq
+    from pipeline.sources.tensorfile import SpilledTensors
 
     s = _settings(ctx.cfg)
     src = Path(ctx.inputs["untie_head"])
@@ -493,7 +493,7 @@ def run(ctx) -> dict:
                     f"divide every in_features K, and it takes one group size for the whole model")
     group_sizes = {name: _layer_group_size(name, int(info["in_features"]), s) for name, info in layers.items()}
 
-    # The codes go to a spill file as they are made and are read back when needed (pipeline/tensorfile.py):
+    # The codes go to a spill file as they are made and are read back when needed (pipeline/sources/tensorfile.py):
     # held, they were 1.75 GB of the 1.75B geometry's 15.9 GB peak, with the fp32 model loaded beside them.
     tensors = SpilledTensors(ctx.out / SPILL, [f"{n}.{k}" for n in layers for k in ("qweight", "scales", "zeros")])
     try:

@@ -34,7 +34,7 @@ def _embedding_name(weight_map: dict[str, str]) -> str:
     candidates = [k for k in weight_map if k.endswith("embed_tokens.weight")]
     if len(candidates) == 1:
         return candidates[0]
-    from pipeline.context import StageError
+    from pipeline.engine.context import StageError
 
     raise StageError(f"cannot find the token embedding among {len(weight_map)} tensors (looked for *embed_tokens.weight)")
 
@@ -43,7 +43,7 @@ def run(ctx) -> dict:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from pipeline import checkpoint_files
+    from pipeline.sources import checkpoint_files
 
     src = ctx.inputs["model"]
     for p in sorted(src.iterdir()):

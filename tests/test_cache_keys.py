@@ -14,9 +14,9 @@ import copy
 
 import pytest
 
-from pipeline.config import compose, validate
-from pipeline.dvcgen import generate
-from pipeline.layout import (
+from pipeline.engine.config import compose, validate
+from pipeline.engine.dvcgen import generate
+from pipeline.engine.layout import (
     PROBED_SECTIONS,
     STAGES,
     canonical_json,
@@ -25,7 +25,7 @@ from pipeline.layout import (
     params_file,
     stage_ref,
 )
-from pipeline.run_stage import visible_params
+from pipeline.engine.run_stage import visible_params
 
 HOST = {
     "arch": "x86_64", "cpu_model": "test", "isa": ["avx2", "avx512f"], "physical_cores": 2,

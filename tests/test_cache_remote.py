@@ -1,4 +1,4 @@
-"""The shared cache (pipeline/cache_remote.py): a stage computed in one clone is
+"""The shared cache (pipeline/engine/cache_remote.py): a stage computed in one clone is
 restored in another through a local-directory DVC remote, without running.
 
 A tiny DVC repository, not a pipeline build: the stage appends a line to a
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import cache_remote
+from pipeline.engine import cache_remote
 from tests.conftest import git, venv_env
 
 STAGE = "make"

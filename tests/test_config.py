@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-from pipeline import config as config_mod
-from pipeline.config import ConfigError, compose, validate
+from pipeline.engine import config as config_mod
+from pipeline.engine.config import ConfigError, compose, validate
 from tests.conftest import ROOT, run_cli
 
 

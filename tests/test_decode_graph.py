@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from pipeline.decode_graph import (  # noqa: E402
+from pipeline.graphs.decode_graph import (  # noqa: E402
     ContextFull,
     DecodeGraphError,
     OnnxDecoder,

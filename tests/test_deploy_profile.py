@@ -7,7 +7,7 @@ import json
 import yaml
 from omegaconf import OmegaConf
 
-from pipeline.context import StageContext
+from pipeline.engine.context import StageContext
 from stages import deploy_profile
 from tests.conftest import StepClock
 
@@ -76,7 +76,7 @@ def test_vllm_profile_is_serve_config_with_model_sized_kv(tmp_path):
 
 
 def test_vllm_gpu_profile_states_cuda_rules_and_says_it_is_unverified(tmp_path):
-    from pipeline.kv_budget import vllm_kv_bytes
+    from pipeline.runtimes.kv_budget import vllm_kv_bytes
 
     gpu = {"name": "cuda_discrete", "threads": 16, "runtime": "vllm", "accelerator": "cuda"}
     (tmp_path / "gpu").mkdir()
@@ -161,13 +161,13 @@ class FakeDecoder:
 def _on_target(tmp_path, monkeypatch) -> dict:
     """A level-4 GQA pack built on this (fake) host, profiled with FakeDecoder's known speeds:
     the onnxruntime.json written."""
-    import pipeline.gqa_graph
-    import pipeline.pages
-    import pipeline.tune
+    import pipeline.graphs.gqa_graph
+    import pipeline.runtimes.pages
+    import pipeline.measure.tune
 
-    monkeypatch.setattr(pipeline.gqa_graph, "GqaDecoder", FakeDecoder)
-    monkeypatch.setattr(pipeline.tune, "time", StepClock)
-    monkeypatch.setattr(pipeline.pages, "support", lambda: (FakeDecoder.HUGE_PAGES_HERE, "test host"))
+    monkeypatch.setattr(pipeline.graphs.gqa_graph, "GqaDecoder", FakeDecoder)
+    monkeypatch.setattr(pipeline.measure.tune, "time", StepClock)
+    monkeypatch.setattr(pipeline.runtimes.pages, "support", lambda: (FakeDecoder.HUGE_PAGES_HERE, "test host"))
     monkeypatch.setattr(deploy_profile, "SWEEP_DECODE", 8)
     monkeypatch.setattr(deploy_profile, "SWEEP_PROMPT", 2)
     (tmp_path / "pack").mkdir(parents=True)

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import locks, manifest, run_stage
-from pipeline.context import StageError
-from pipeline.layout import StageDecl
+from pipeline.engine import locks, manifest, run_stage
+from pipeline.engine.context import StageError
+from pipeline.engine.layout import StageDecl
 from tests.conftest import report_line
 
 FAULTS: Counter = Counter()
@@ -536,9 +536,11 @@ def _cli_child(root, log, overrides, stale=False, seconds=0.8):
         p.write_text("x")
         return p
 
-    cli.ROOT, locks.ROOT = Path(root), Path(root)
-    cli._run_dvc, cli.register, cli.summary = fake_dvc, fake_register, lambda name: None
-    cli._stale = lambda ref: stale
+    from pipeline.engine import build
+
+    cli.ROOT, build.ROOT, locks.ROOT = Path(root), Path(root), Path(root)
+    build._run_dvc, cli.register, cli.summary = fake_dvc, fake_register, lambda name: None
+    build._stale = lambda ref: stale
     sys.stderr = open(Path(root) / f"stderr-{os.getpid()}.txt", "w")
     rc = cli.main(list(overrides))
     sys.stderr.flush()
@@ -641,7 +643,7 @@ def test_dvc_files_are_written_by_rename_so_a_failed_write_leaves_the_whole_old_
     import yaml
     from dvc.utils.serialize import modify_yaml
 
-    from pipeline.__main__ import atomic_dvc_files
+    from pipeline.engine.build import atomic_dvc_files
 
     lock = tmp_path / "dvc.lock"
     before = "schema: '2.0'\nstages:\n  a:\n    cmd: x\n"
@@ -666,7 +668,7 @@ def test_dvc_rwlock_is_written_by_rename_so_a_failed_write_leaves_the_whole_old_
     from dvc import rwlock
     from dvc.fs import localfs
 
-    from pipeline.__main__ import atomic_dvc_files
+    from pipeline.engine.build import atomic_dvc_files
 
     atomic_dvc_files()
     assert getattr(rwlock._edit_rwlock, "edgekiln_atomic", False)

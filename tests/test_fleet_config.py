@@ -8,8 +8,8 @@ import importlib.util
 
 import pytest
 
-from pipeline.config import CONF_DIR, ConfigError
-from pipeline.fleet import expand, plan
+from pipeline.engine.config import CONF_DIR, ConfigError
+from pipeline.fleet.sweep import expand, plan
 
 
 def test_a_sweep_expands_like_hydras_basic_sweeper():
@@ -44,7 +44,7 @@ def _compose_launcher(choice: str):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from pipeline.schema import register
+    from pipeline.engine.schema import register
 
     register()
     GlobalHydra.instance().clear()

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.config import GROUPS, ConfigError, compose, validate
+from pipeline.engine.config import GROUPS, ConfigError, compose, validate
 from tests.conftest import ROOT, report_line, venv_env
 
 INPUTS: Counter = Counter()
@@ -246,8 +246,8 @@ def test_paths_cannot_escape_or_read_artifacts(overrides, words):
 
 
 def test_group_sizes_match_the_kernels():
-    from pipeline import config
-    from pipeline.int4_layouts import TINYGEMM_GROUP_SIZES
+    from pipeline.engine import config
+    from pipeline.quant.int4_layouts import TINYGEMM_GROUP_SIZES
 
     assert tuple(config.GROUP_SIZES) == tuple(TINYGEMM_GROUP_SIZES)
     assert all(g >= 16 and g & (g - 1) == 0 for g in config.GROUP_SIZES)  # MatMulNBits: powers of two >= 16

@@ -31,7 +31,7 @@ def test_generate_streams_the_greedy_continuation_of_the_artifact(built_repo):
     again = gen(repo, BUILD, "def read", "--max-new-tokens", "12")
     assert again.stdout == proc.stdout
     sys.path.insert(0, str(repo))
-    from pipeline.bench_arm import make_decoder
+    from pipeline.measure.bench_arm import make_decoder
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(repo / "artifacts" / BUILD / "untie_head"))
@@ -81,7 +81,7 @@ def test_a_tampered_artifact_is_refused_before_it_runs(built_repo):
 def test_the_chat_template_option_renders_one_user_turn():
     """--chat-template: the prompt goes in as one user message through the tokenizer's own template, the
     assistant's turn opened; without a template it is a one-line error; plain prompts are unchanged."""
-    from pipeline.generate import GenerateError, prompt_ids
+    from pipeline.runtimes.generate import GenerateError, prompt_ids
 
     class Tok:
         chat_template = None

@@ -1,4 +1,4 @@
-"""GGUF Q4_0 from our GPTQ codes (pipeline/gguf_q4.py) and the fp16-scale quantizer option.
+"""GGUF Q4_0 from our GPTQ codes (pipeline/quant/gguf_q4.py) and the fp16-scale quantizer option.
 
 Three layers of checks:
 
@@ -6,8 +6,8 @@ Three layers of checks:
   dequantizer, the refusals, and a round trip through a GGUF written here in
   the converter's place (tensor names from gguf's name table, Q/K rows
   permuted the way llama.cpp's Llama converter permutes them);
-- llama.cpp's converter (where pipeline/converter.py finds it:
-  $EDGEKILN_LLAMACPP_SRC, `python -m pipeline.converter fetch`'s copy, the
+- llama.cpp's converter (where pipeline/toolchains/converter.py finds it:
+  $EDGEKILN_LLAMACPP_SRC, `python -m pipeline.toolchains.converter fetch`'s copy, the
   installed llama-cpp-python): a tiny random
   Gemma 3 and a tiny random Llama, each with a SentencePiece tokenizer trained
   here, converted for real; every Q4_0 tensor must dequantize bit-exactly to
@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import gguf_q4, gptq
+from pipeline.quant import gguf_q4, gptq
 
 try:
     import gguf
@@ -111,7 +111,7 @@ def _layer_names(n_layers: int = 2) -> list[str]:
 
 def _quantize(hf_dir: Path, out: Path, *, group_size=32, sym=True, scale_dtype="fp16", method="gptq",
               head_bits=4) -> Path:
-    """Every linear of `hf_dir` quantized with pipeline.gptq, written as the quantize stage writes it
+    """Every linear of `hf_dir` quantized with pipeline.quant.gptq, written as the quantize stage writes it
     (the head at `head_bits`)."""
     from safetensors.torch import load_file, save_file
 
@@ -185,7 +185,7 @@ def _fake_conversion(hf_dir: Path, out: Path, *, permute_qk: bool = True, tamper
 def _check_round_trip(out_file: Path, quant_dir: Path, report: dict) -> int:
     """Every Q4_0 tensor of the file dequantizes (gguf's dequantizer) bit-exactly to our weights,
     permuted as the report says the converter permuted the rows; returns how many were checked."""
-    from pipeline.int4_runtime import read_quant
+    from pipeline.quant.codes import read_quant
 
     _, layers = read_quant(quant_dir, bits=(4, 8))  # permuted: attention rows, 4-bit here
     by_name = {t.name: t for t in gguf.GGUFReader(str(out_file)).tensors}
@@ -234,7 +234,7 @@ def test_fp16_scales_tiny_and_huge_groups():
 def test_stage_settings_scale_dtype():
     from omegaconf import OmegaConf
 
-    from pipeline.context import StageError
+    from pipeline.engine.context import StageError
     from stages import quantize
 
     cfg = OmegaConf.create({"quantize": {"scale_dtype": "fp16"}})
@@ -403,7 +403,7 @@ def test_an_untied_table_ships_as_the_quantize_stages_codes_where_it_chose_them(
     (which then needs the checkpoint), and the model the file stands for (file_model), like the
     reference of the weights (dequantized_model), holds those rows; the file is the f16 table's bytes
     lighter, less the blocks'."""
-    from pipeline import gptq
+    from pipeline.quant import gptq
 
     hf = _tiny("llama", tmp_path / "hf", seed=3)
     quant = _quantize(hf, tmp_path / "quant")
@@ -465,8 +465,8 @@ def test_refuses_quant_results_q4_0_cannot_hold(tiny_llama, tmp_path):
 
 
 def _need_converter() -> str:
-    """The llama.cpp tree where the stages look for the converter (pipeline/converter.py), or skip saying how to get it."""
-    from pipeline import converter
+    """The llama.cpp tree where the stages look for the converter (pipeline/toolchains/converter.py), or skip saying how to get it."""
+    from pipeline.toolchains import converter
 
     tree = converter.find()
     if tree is None:
@@ -507,8 +507,9 @@ def test_real_conversion_round_trip(converted_pair, kind):
 @gguf_only
 @pytest.mark.parametrize("kind", ["gemma3", "llama"])
 def test_llama_cpp_runs_it_close_to_our_dequantized_weights(converted_pair, kind):
-    from pipeline import llamacpp
-    from pipeline.decode_graph import TorchReference, snr_db
+    from pipeline.toolchains import llamacpp
+    from pipeline.runtimes.llamacpp import LlamaCppDecoder
+    from pipeline.graphs.decode_graph import TorchReference, snr_db
 
     ok, reason = llamacpp.available()
     if not ok:
@@ -516,7 +517,7 @@ def test_llama_cpp_runs_it_close_to_our_dequantized_weights(converted_pair, kind
     hf, quant, out, _ = converted_pair[kind]
     ref = TorchReference(gguf_q4.dequantized_model(hf, quant))
     fp32 = TorchReference(hf)
-    dec = llamacpp.LlamaCppDecoder(out, threads=1, n_ctx=64)
+    dec = LlamaCppDecoder(out, threads=1, n_ctx=64)
     ids = [2] + list(range(10, 250, 8))  # BOS + 30 tokens: past the Gemma model's 16-token window
     r, f, o = [], [], []
     for d, acc in ((ref, r), (fp32, f), (dec, o)):
@@ -543,8 +544,9 @@ def test_llama_cpp_runs_a_tied_checkpoint_from_the_head_alone(tmp_path, kind):
     tensor as token_embd and no output.weight; llama.cpp loads it, gathers and computes its logits
     from that one tensor, close to the fp32 model holding our weights with the dequantized head as the
     embedding (its own departures: 8-bit activations)."""
-    from pipeline import llamacpp
-    from pipeline.decode_graph import TorchReference, snr_db
+    from pipeline.toolchains import llamacpp
+    from pipeline.runtimes.llamacpp import LlamaCppDecoder
+    from pipeline.graphs.decode_graph import TorchReference, snr_db
 
     src = _need_converter()
     ok, reason = llamacpp.available()
@@ -558,7 +560,7 @@ def test_llama_cpp_runs_a_tied_checkpoint_from_the_head_alone(tmp_path, kind):
     names = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors}
     assert names["token_embd.weight"] == "Q8_0" and "output.weight" not in names
     ref = TorchReference(gguf_q4.file_model(hf, out, report))
-    dec = llamacpp.LlamaCppDecoder(out, threads=1, n_ctx=64)
+    dec = LlamaCppDecoder(out, threads=1, n_ctx=64)
     ids = [2] + list(range(10, 250, 8))
     r, o = [], []
     for d, acc in ((ref, r), (dec, o)):

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline import model_facts
-from pipeline.context import StageContext, StageError
+from pipeline.sources import model_facts
+from pipeline.engine.context import StageContext, StageError
 from stages import model as stage
 
 from tests import gguf_fixture
@@ -118,7 +118,7 @@ def test_package_source_assembles_its_chunks(tiny_gguf, tmp_path, monkeypatch):
     import sys
     import types
 
-    from pipeline.manifest import sha256_file
+    from pipeline.engine.manifest import sha256_file
 
     path, _ = tiny_gguf
     data = path.read_bytes()

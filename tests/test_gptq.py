@@ -15,8 +15,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from pipeline import gptq
-from pipeline.context import StageContext, StageError
+from pipeline.quant import gptq
+from pipeline.engine.context import StageContext, StageError
 
 torch.set_num_threads(1)
 
@@ -223,14 +223,14 @@ def test_calibrate_hessians_for_every_linear(tiny_untied, calibrated):
 
 
 def test_layer_by_layer_calibration_is_the_whole_model_forwards(tiny_untied, calibrated):
-    """The stage runs one decoder layer at a time over every batch (pipeline/layerwise.py); the same
+    """The stage runs one decoder layer at a time over every batch (pipeline/quant/layerwise.py); the same
     windows through the whole model's forward, batch after batch, hooks on every linear, give the same
     second moments (to float64 rounding: the order of the sums is the same) and so the same GPTQ codes."""
     import numpy as np
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from pipeline import gptq
+    from pipeline.quant import gptq
     from stages import calibrate
 
     out, _ = calibrated
@@ -268,7 +268,7 @@ def test_layer_by_layer_run_refuses_a_loop_it_does_not_reproduce(tiny_untied, mo
     before any long work: here the loop stops after the first of the two layers."""
     from transformers import AutoModelForCausalLM
 
-    from pipeline import layerwise
+    from pipeline.quant import layerwise
 
     model = AutoModelForCausalLM.from_pretrained(tiny_untied, dtype=torch.float32).eval()
     decoder = model.get_decoder()
@@ -393,7 +393,7 @@ def test_the_kernels_group_size_gives_way_to_a_k_it_does_not_divide():
 
 
 def test_quantize_records_the_layers_the_kernels_size_does_not_divide(tiny_untied, calibrated, tmp_path):
-    from pipeline import devices
+    from pipeline.engine import devices
     from stages import quantize
 
     cal, _ = calibrated
@@ -416,7 +416,7 @@ def test_quantize_records_the_layers_the_kernels_size_does_not_divide(tiny_untie
 
 def _quantize_settings(device: str, priority: str, **quantize) -> dict:
     """The quantize stage's settings for QCFG plus `quantize`, built for `device` at `priority`."""
-    from pipeline import devices
+    from pipeline.engine import devices
     from stages import quantize as stage
 
     cfg = OmegaConf.create({"quantize": {**QCFG, **quantize},
@@ -438,7 +438,7 @@ def test_the_head_gets_8_bits_where_the_kernel_takes_them(device, priority, head
 
 
 def test_an_8_bit_head_is_recorded_and_4_bit_layouts_refuse_it(tiny_untied, calibrated, tmp_path):
-    from pipeline.int4_runtime import PackError, read_quant
+    from pipeline.quant.codes import PackError, read_quant
     from stages import quantize
 
     cal, _ = calibrated
@@ -473,8 +473,8 @@ def test_the_8_bit_budget_is_spent_only_where_the_kernel_takes_8_bits(device, se
 
 
 def test_the_8_bit_budget_promotes_whole_units_by_measured_gain(tiny_untied, calibrated, tmp_path):
-    from pipeline import bit_alloc
-    from pipeline.int4_runtime import PackError, read_quant
+    from pipeline.quant import bit_alloc
+    from pipeline.quant.codes import PackError, read_quant
     from stages import quantize
 
     cal, _ = calibrated
@@ -554,7 +554,7 @@ def test_quantize_refuses_quantized_checkpoint_and_bad_config(tiny_untied, calib
 
 
 def test_heldout_split_is_the_tail_and_never_empty():
-    from pipeline import corpus
+    from pipeline.sources import corpus
 
     train, held = corpus.heldout_split(list(range(1000)), 0.05)
     assert len(held) == 50 and train + held == list(range(1000))
@@ -597,7 +597,8 @@ def k576(tiny_untied, tmp_path_factory):
 ])
 def test_a_k_576_model_quantizes_with_the_null_group_size_on_every_weight_path(k576, tmp_path, device, priority,
                                                                                 path, body, down, head):
-    from pipeline import devices, weight_path
+    from pipeline.engine import devices
+    from pipeline.quant import weight_path
     from stages import quantize
 
     spec = devices.spec_sheet(device)
@@ -628,7 +629,7 @@ def test_a_k_576_model_quantizes_with_the_null_group_size_on_every_weight_path(k
 
 @pytest.mark.parametrize("device", ["galaxy_s25", "x86_avx2", "xeon_amx", "x86_avx512"])
 def test_an_explicit_group_size_that_does_not_divide_k_still_fails(k576, tmp_path, device):
-    from pipeline import devices
+    from pipeline.engine import devices
     from stages import quantize
 
     untied, cal = k576
@@ -672,7 +673,7 @@ def test_a_weight_already_on_the_8bit_grid_skips_the_search_with_the_same_codes(
     gptq.on_grid gives what the 32-candidate search and GPTQ give, bytes and all, at once."""
     import torch
 
-    from pipeline import gptq
+    from pipeline.quant import gptq
 
     torch.manual_seed(0)
     n, k, g = 48, 128, 32
@@ -702,7 +703,7 @@ def test_a_weight_already_on_the_8bit_grid_skips_the_search_with_the_same_codes(
 def test_errors_by_row_slabs_equal_the_whole_formula():
     import torch
 
-    from pipeline import gptq
+    from pipeline.quant import gptq
 
     torch.manual_seed(1)
     w = torch.randn(1000, 64)
@@ -724,7 +725,7 @@ def _at_codes_model(untied: Path, quant_dir: Path):
     """The untied checkpoint's model with every quantized linear at its dequantized codes."""
     from safetensors.torch import load_file
 
-    from pipeline.decode_graph import load_hf_model
+    from pipeline.sources.checkpoint_files import load_hf_model
 
     meta = json.loads((quant_dir / "quant.json").read_text())
     t = load_file(str(quant_dir / gptq.QUANT_TENSORS))
@@ -739,7 +740,7 @@ def _at_codes_model(untied: Path, quant_dir: Path):
 
 def _quantize_no_budget(device: str, extra: dict, untied: Path, cal: Path, out: Path) -> dict:
     """The quantize stage for `device` at speed with no 8-bit budget (QCFG plus `extra`); its quant.json."""
-    from pipeline import devices
+    from pipeline.engine import devices
     from stages import quantize
 
     cfg = {"quantize": {**QCFG, "eight_bit_budget": 0, **extra}, "device": devices.spec_sheet(device),
@@ -761,7 +762,7 @@ def test_the_heads_width_is_measured_where_the_kernel_takes_8_bits(tiny_untied, 
     and the head that ships is the chosen one."""
     import numpy as np
 
-    from pipeline import bit_alloc
+    from pipeline.quant import bit_alloc
     from stages import quantize
 
     monkeypatch.setattr(quantize, "HEAD_MIN_GAIN_DB", min_gain_db)
@@ -769,8 +770,8 @@ def test_the_heads_width_is_measured_where_the_kernel_takes_8_bits(tiny_untied, 
     out = tmp_path / "measured"
     meta = _quantize_no_budget(device, extra, tiny_untied, cal, out)
     if device == "x86_llamacpp":  # either width is what GGUF holds exactly (Q4_0 / Q8_0)
-        from pipeline import gguf_q4
-        from pipeline.int4_runtime import read_quant
+        from pipeline.quant import gguf_q4
+        from pipeline.quant.codes import read_quant
 
         gguf_q4.check_q4_0(read_quant(out, bits=(4, 8))[1], meta)
     rec = meta["head"]
@@ -783,7 +784,7 @@ def test_the_heads_width_is_measured_where_the_kernel_takes_8_bits(tiny_untied, 
     assert rec["chosen"] == want and gptq.layer_bits(meta, "lm_head") == want
     # the recorded SNR of the chosen width is the one a direct run of the logits measures
     windows = np.load(cal / "token_ids.npy")[:4]
-    from pipeline.decode_graph import load_hf_model
+    from pipeline.sources.checkpoint_files import load_hf_model
 
     err = bit_alloc.LogitsError(load_hf_model(tiny_untied), windows)
     err.model = _at_codes_model(tiny_untied, out)
@@ -832,8 +833,8 @@ def test_an_untied_tables_form_is_measured_and_recorded(truly_untied, tmp_path, 
     bytes; the narrowest option within EMBED_MAX_LOSS_DB ships (the table kept whatever the bound)."""
     import numpy as np
 
-    from pipeline import bit_alloc
-    from pipeline.decode_graph import load_hf_model
+    from pipeline.quant import bit_alloc
+    from pipeline.sources.checkpoint_files import load_hf_model
     from stages import quantize
 
     if max_loss_db is not None:
@@ -871,7 +872,7 @@ def test_calibrate_on_a_users_chat_file_through_the_chat_template(tiny_untied, t
 
     from transformers import AutoTokenizer
 
-    from pipeline import textdata
+    from pipeline.sources import textdata
     from stages import calibrate
 
     ck = tmp_path / "ck"

@@ -19,10 +19,11 @@ torch = pytest.importorskip("torch")
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from pipeline import int4_layouts as L  # noqa: E402
-from pipeline.decode_graph import ContextFull, TorchReference, snr_db  # noqa: E402
-from pipeline.gqa_graph import GqaDecoder, GqaGraphError, build_gqa_graph  # noqa: E402
-from pipeline.int4_runtime import GptqReference, read_quant  # noqa: E402
+from pipeline.quant import int4_layouts as L  # noqa: E402
+from pipeline.graphs.decode_graph import ContextFull, TorchReference, snr_db  # noqa: E402
+from pipeline.graphs.gqa_graph import GqaDecoder, GqaGraphError, build_gqa_graph  # noqa: E402
+from pipeline.runtimes.tinygemm import GptqReference
+from pipeline.quant.codes import read_quant  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW = 8
@@ -424,7 +425,7 @@ def test_an_untied_table_ships_as_its_own_block_codes_where_the_quantize_stage_c
     lighter, less the codes'; quant.json's "keep" (or no record) ships the fp32 table."""
     import onnx
 
-    from pipeline import gptq
+    from pipeline.quant import gptq
 
     ck = ckpts("gemma3")
     quant = _with_embedding_choice(ck["quant"], tmp_path / f"q{bits}", f"int{bits}")
@@ -605,7 +606,7 @@ EMBEDDED = ROOT / "artifacts" / "x86_avx512-embedded-speed"
 
 @pytest.mark.skipif(not (EMBEDDED / "quantize" / "quant.json").is_file(), reason="embedded build artifacts absent")
 def test_embedded_build_matches_dequantized_model(tmp_path):
-    from pipeline.decode_graph import load_hf_model
+    from pipeline.sources.checkpoint_files import load_hf_model
 
     out = tmp_path / "gqa"
     build_gqa_graph(EMBEDDED / "untie_head", EMBEDDED / "quantize", out, max_len=160, accuracy_level=0, **EXACT)
@@ -632,7 +633,7 @@ def test_embedded_build_matches_dequantized_model(tmp_path):
 def test_initializers_are_encoded_as_from_array_serializes_them(tmp_path):
     from onnx import TensorProto, numpy_helper
 
-    from pipeline import gqa_graph
+    from pipeline.graphs import gqa_graph
 
     rng = np.random.default_rng(0)
     arrays = {"f32": rng.standard_normal((5, 7)).astype(np.float32), "scalar": np.asarray(3.5, np.float32),
@@ -659,7 +660,7 @@ def test_model_file_is_what_onnx_save_model_writes(ckpts, tmp_path, monkeypatch,
     """model.onnx is assembled from the node skeleton and the spilled initializers: byte for byte what
     serializing the whole ModelProto gives (onnx.save_model of it), and nothing else is left behind
     (written inline here: the artifact's data is external, next test)."""
-    from pipeline import gqa_graph
+    from pipeline.graphs import gqa_graph
 
     monkeypatch.setattr(gqa_graph, "_EXTERNAL_DATA_BYTES", 1 << 62)
     out = tmp_path / "inline"
@@ -675,7 +676,7 @@ def test_model_file_is_what_onnx_save_model_writes(ckpts, tmp_path, monkeypatch,
 def test_external_data_is_what_onnx_save_model_writes(ckpts, tmp_path, monkeypatch):
     """The artifact's tensors go, one at a time, where onnx.save_model(..., save_as_external_data=True,
     size_threshold=1024) puts them: the same two files; the logits those of the inline graph."""
-    from pipeline import gqa_graph
+    from pipeline.graphs import gqa_graph
 
     ck = ckpts("gemma3")
     out = tmp_path / "ext"
@@ -700,7 +701,7 @@ def test_benchmark_pass_splits_resident_memory_into_components(ckpts):
     """bench_arm's pass says where the resident MiB go: runtime + mapped weight pages + what the runtime
     allocated (prepacked copies, arena) + KV + other = resident after the run; the mapped part is at most
     the weight files."""
-    from pipeline import bench_arm
+    from pipeline.measure import bench_arm
 
     out = _graph(ckpts("gemma3", tied=True), 4)
     r = bench_arm.measure("ort_int4", str(out), prompt_length=8, decode_tokens=4, warmup=1, threads=1, seed=0)
@@ -714,7 +715,8 @@ def test_benchmark_pass_splits_resident_memory_into_components(ckpts):
 def test_a_long_prefill_hands_its_workspace_back(ckpts, monkeypatch):
     """GqaDecoder.prefill of _TRIM_AFTER_ROWS rows or more calls pages.release_heap (glibc's malloc_trim), so
     the prefill's freed workspace leaves the resident set; shorter prefills and steps do not pay for it."""
-    from pipeline import gqa_graph, pages
+    from pipeline.graphs import gqa_graph
+    from pipeline.runtimes import pages
 
     calls = []
     monkeypatch.setattr(gqa_graph, "release_heap", lambda: calls.append(1) or True)

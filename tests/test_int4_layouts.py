@@ -22,17 +22,13 @@ ort = pytest.importorskip("onnxruntime")
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from pipeline import int4_layouts as L  # noqa: E402
-from pipeline import devices, weight_path  # noqa: E402
-from pipeline.context import StageContext, StageError  # noqa: E402
-from pipeline.decode_graph import OnnxDecoder, TorchReference, export_decode_step, snr_db  # noqa: E402
-from pipeline.int4_runtime import (  # noqa: E402
-    GptqReference,
-    PackError,
-    load_tinygemm_model,
-    quantize_onnx_matmuls,
-    read_quant,
-)
+from pipeline.quant import int4_layouts as L  # noqa: E402
+from pipeline.engine import devices  # noqa: E402
+from pipeline.quant import weight_path
+from pipeline.engine.context import StageContext, StageError  # noqa: E402
+from pipeline.graphs.decode_graph import OnnxDecoder, TorchReference, export_decode_step, snr_db  # noqa: E402
+from pipeline.quant.codes import PackError, read_quant  # noqa: E402
+from pipeline.runtimes.tinygemm import GptqReference, load_tinygemm_model, quantize_onnx_matmuls  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -249,7 +245,7 @@ def test_tinygemm_model_decode_and_prefill(tmp_path, prefill):
     """Llama with k_proj/v_proj N=32 (a tinygemm tail block): decode via the kernel, prefill via dequant."""
     from safetensors.torch import save_file
 
-    from pipeline.int4_runtime import TINYGEMM_JSON, TINYGEMM_TENSORS, TinygemmLinear, pack_tinygemm
+    from pipeline.runtimes.tinygemm import TINYGEMM_JSON, TINYGEMM_TENSORS, TinygemmLinear, pack_tinygemm
 
     model = tiny_llama()
     model.save_pretrained(tmp_path / "hf")
@@ -435,7 +431,7 @@ def test_stage_ort_path(gemma_build, tmp_path):
     out = tmp_path / "pack_x86_avx512_speed"
     assert json.loads((out / "weight_path.json").read_text())["path"] == "w4_ort_matmulnbits"
     assert json.loads((out / "io.json").read_text())["format"] == "edgekiln-gqa/1"
-    from pipeline.gqa_graph import GqaDecoder
+    from pipeline.graphs.gqa_graph import GqaDecoder
 
     # The packed graph computes the GPTQ weights' model (int8 activations: close, not equal).
     want = with_weights(tiny_gemma3(), deq[True])
@@ -536,7 +532,7 @@ def test_tinygemm_x86_without_onnxruntime_runtime():
 
 @pytest.mark.optional
 def test_vllm_loads_gptq_folder(gemma_build, tmp_path):
-    from pipeline import vllm_server
+    from pipeline.toolchains import vllm_server
     from stages import pack
 
     ok, why = vllm_server.available()
@@ -556,7 +552,7 @@ def test_vllm_loads_gptq_folder(gemma_build, tmp_path):
     )
     script = tmp_path / "run_vllm.py"
     script.write_text(code)
-    # vLLM's own venv (pipeline/vllm_server.py says why it is not the project's). Not enforce_eager:
+    # vLLM's own venv (pipeline/toolchains/vllm_server.py says why it is not the project's). Not enforce_eager:
     # its custom ops killed the worker with SIGILL on a Xeon host with AMX (docs/vllm.md); the
     # compiled default is what deploy profiles run.
     proc = subprocess.run([why, str(script)], capture_output=True, text=True, timeout=600)

@@ -1,4 +1,4 @@
-"""pipeline/kld.py: llama.cpp's perplexity / KL-divergence statistics on logits whose answer is known by hand."""
+"""pipeline/measure/kld.py: llama.cpp's perplexity / KL-divergence statistics on logits whose answer is known by hand."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from pipeline import kld
+from pipeline.measure import kld
 
 
 def _logits_of(p):

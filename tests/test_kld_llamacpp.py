@@ -1,4 +1,4 @@
-"""pipeline/kld.py against llama.cpp's own `llama-perplexity --kl-divergence` on the same text and windows.
+"""pipeline/measure/kld.py against llama.cpp's own `llama-perplexity --kl-divergence` on the same text and windows.
 
 A tiny random Llama checkpoint (SentencePiece tokenizer), converted by llama.cpp's converter to an f32 GGUF
 (the base) and quantized by llama.cpp to Q4_0 (the arm). llama-perplexity computes its statistics over the
@@ -26,14 +26,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline import kld, llamacpp
+from pipeline.measure import kld
+from pipeline.toolchains import llamacpp
+from pipeline.runtimes.llamacpp import LlamaCppDecoder
 
 N_CTX, CHUNKS = 64, 4
 
 
 @pytest.mark.optional
 def test_our_statistics_are_llama_perplexitys(tmp_path):
-    from pipeline import converter
+    from pipeline.toolchains import converter
 
     tool = llamacpp.perplexity_tool()
     if tool is None:
@@ -70,7 +72,7 @@ def test_our_statistics_are_llama_perplexitys(tmp_path):
     assert len(windows) == CHUNKS
     rows = {}
     for name, path in (("base", base), ("q", q)):
-        dec = llamacpp.LlamaCppDecoder(str(path), threads=1, n_ctx=N_CTX)
+        dec = LlamaCppDecoder(str(path), threads=1, n_ctx=N_CTX)
         rows[name] = []
         for w in windows:
             dec.reset()

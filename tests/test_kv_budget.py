@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.kv_budget import kv_budget
+from pipeline.runtimes.kv_budget import kv_budget
 
 # 28 layers (21 sliding, window 512 + 7 full), K,V x 512 values x 2 bytes = 56 KiB/token.
 SPARK = {

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.codedeps import imported_modules, stage_code
-from pipeline.layout import ROOT, STAGES, declaration
+from pipeline.engine.codedeps import imported_modules, stage_code
+from pipeline.engine.layout import ROOT, STAGES, declaration
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -28,7 +28,7 @@ def test_stage_declares_its_contract(stage):
 def test_code_deps_follow_imports_inside_functions():
     code = stage_code("benchmark")
     # bench_arm runs in a subprocess, imported inside a function: still a dependency
-    assert "pipeline/bench_arm.py" in code
-    assert "pipeline/decode_graph.py" in code
-    assert "pipeline/run_stage.py" in code and "stages/benchmark.py" in code
+    assert "pipeline/measure/bench_arm.py" in code
+    assert "pipeline/graphs/decode_graph.py" in code
+    assert "pipeline/engine/run_stage.py" in code and "stages/benchmark.py" in code
     assert not any(p.startswith("stages/") and p != "stages/benchmark.py" and p != "stages/__init__.py" for p in code)

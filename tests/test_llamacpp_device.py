@@ -2,7 +2,7 @@
 
 The whole build (pack writes our GPTQ codes as GGUF Q4_0 inside llama.cpp's own
 conversion) needs llama.cpp's converter, which no wheel ships:
-`python -m pipeline.converter fetch` (CI runs it) puts it where the stages look.
+`python -m pipeline.toolchains.converter fetch` (CI runs it) puts it where the stages look.
 Without it that test is skipped, saying so. llama-cpp-python (the runtime) is
 optional: without it the parity stage runs the file's weights in PyTorch and
 says so, and the benchmark says why the artifact was not timed.
@@ -17,8 +17,10 @@ import tarfile
 
 import pytest
 
-from pipeline import converter, devices, toolchain, weight_path
-from pipeline.config import compose, validate
+from pipeline.toolchains import converter, toolchain
+from pipeline.engine import devices
+from pipeline.quant import weight_path
+from pipeline.engine.config import compose, validate
 from tests.conftest import FAST_RUN, TINY_MODEL, ran_stages, repo_copy, run_cli
 
 LLAMA_DEVICES = ("x86_llamacpp", "arm64_llamacpp")
@@ -59,7 +61,7 @@ def test_lookup_order_and_identity(tmp_path, monkeypatch):
     monkeypatch.delenv(converter.ENV_SRC, raising=False)
     monkeypatch.setattr(converter, "_installed_tree", lambda: None)
     assert converter.find() is None and converter.identity() == "absent"
-    assert "python -m pipeline.converter fetch" in converter.missing_message()
+    assert "python -m pipeline.toolchains.converter fetch" in converter.missing_message()
     fetched = _fake_tree(converter.fetched_tree())
     assert converter.find() == fetched
     other = _fake_tree(tmp_path / "elsewhere")
@@ -122,7 +124,8 @@ def test_fetch_keeps_only_the_converter_and_leaves_nothing_on_failure(tmp_path, 
 def test_llamacpp_build_end_to_end_writes_our_codes_as_q4_0(tmp_path):
     if converter.find() is None:
         pytest.skip(converter.missing_message())
-    from pipeline import gguf_q4, llamacpp
+    from pipeline.quant import gguf_q4
+    from pipeline.toolchains import llamacpp
 
     repo = repo_copy(tmp_path / "repo")
     build = repo / "artifacts" / "x86_llamacpp-embedded-speed"

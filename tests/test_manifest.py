@@ -7,8 +7,8 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline import manifest
-from pipeline.context import StageContext, StageError
+from pipeline.engine import manifest
+from pipeline.engine.context import StageContext, StageError
 
 
 def make_artifact(folder):
@@ -72,7 +72,7 @@ def test_wrong_stage_is_refused(tmp_path):
 
 def test_failed_stage_leaves_nothing(tmp_path, monkeypatch):
     """run_stage writes to a hidden temp folder and renames only on success."""
-    from pipeline import run_stage
+    from pipeline.engine import run_stage
 
     final = tmp_path / "artifacts" / "b" / "untie_head"
 
@@ -84,7 +84,7 @@ def test_failed_stage_leaves_nothing(tmp_path, monkeypatch):
             (ctx.out / "half.bin").write_bytes(b"x" * 10)
             raise StageError("disk on fire")
 
-    from pipeline.layout import StageDecl
+    from pipeline.engine.layout import StageDecl
 
     decl = StageDecl("untie_head", (), (), (), "build", Boom)
     monkeypatch.setattr(run_stage, "declaration", lambda s: decl)

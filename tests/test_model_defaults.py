@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import model_facts
-from pipeline.config import ConfigError, compose, validate
+from pipeline.sources import model_facts
+from pipeline.engine.config import ConfigError, compose, validate
 from stages import model as model_stage
 from tests.conftest import ROOT, run_cli
 

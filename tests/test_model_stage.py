@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline.context import StageContext, StageError
+from pipeline.engine.context import StageContext, StageError
 from stages import model as stage
 
 TINY_RECIPE = {

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import cache_remote, manifest
+from pipeline.engine import cache_remote, manifest
 from tests.conftest import FAST_RUN, TINY_MODEL, git, ran_stages, repo_copy, venv_env
 
 pytestmark = pytest.mark.slow

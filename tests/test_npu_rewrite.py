@@ -1,5 +1,5 @@
 """Each QNN rewrite on a small graph that contains its pattern: the pattern is
-gone afterwards and the graph computes the same (pipeline/npu_rewrite.py)."""
+gone afterwards and the graph computes the same (pipeline/graphs/npu_rewrite.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
-from pipeline import npu_rewrite  # noqa: E402
+from pipeline.graphs import npu_rewrite  # noqa: E402
 
 RNG = np.random.default_rng(0)
 
@@ -239,7 +239,7 @@ def test_embedding_input_refuses_a_graph_without_a_lookup():
 
 
 def test_graph_diff_names_the_first_tensor_a_qdq_range_clips():
-    from pipeline import graph_diff
+    from pipeline.measure import graph_diff
 
     x = _f32("x", [1, 8])
     w1 = RNG.standard_normal((8, 8)).astype(np.float32)

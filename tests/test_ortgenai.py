@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from pipeline import ortgenai
+from pipeline.runtimes import ortgenai
 from tests.conftest import needs_genai, save_tiny_qwen3
 
 
@@ -29,12 +29,12 @@ def test_absent_package_is_a_skip_reason_not_an_error(monkeypatch):
 
 @needs_genai
 def test_its_int4_build_decodes_close_to_fp32(tmp_path):
-    from pipeline.decode_graph import TorchReference, snr_db
+    from pipeline.graphs.decode_graph import TorchReference, snr_db
 
     hf = save_tiny_qwen3(tmp_path / "hf")
     out = ortgenai.build_int4(hf, tmp_path / "genai")
     note = ortgenai.repair_head(out)
-    if note:  # 0.18's builder feeds the head the wrong tensor (pipeline/ortgenai.py)
+    if note:  # 0.18's builder feeds the head the wrong tensor (pipeline/runtimes/ortgenai.py)
         assert "rewired to" in note and ortgenai.repair_head(out) is None  # once repaired, nothing left to do
     assert json.loads((out / "genai_config.json").read_text())["model"]["type"] == "qwen3"
     ref, dec = TorchReference(hf, threads=1), ortgenai.GenaiDecoder(out, threads=1, n_ctx=64)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from pipeline import llamacpp, ortgenai
-from pipeline.context import StageContext
+from pipeline.toolchains import llamacpp
+
+from pipeline.runtimes import ortgenai
+from pipeline.engine.context import StageContext
 from stages import verify_parity
 from tests.conftest import needs_genai, save_tiny_qwen3
 
@@ -15,7 +17,7 @@ DECODE = 6
 
 
 def _peers(tmp_path):
-    from pipeline.decode_graph import TorchReference
+    from pipeline.graphs.decode_graph import TorchReference
 
     hf = save_tiny_qwen3(tmp_path / "hf")
     ctx = StageContext(stage="verify_parity", build="t", cfg=OmegaConf.create({"export": {"context_length": 64}}),

@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pipeline.decode_graph import DecodeGraphError, ReferenceRun, TorchReference, _Greedy, snr_db  # noqa: E402
+from pipeline.graphs.decode_graph import DecodeGraphError, ReferenceRun, TorchReference, _Greedy, snr_db  # noqa: E402
 from stages import verify_parity  # noqa: E402
 
 
@@ -284,8 +284,8 @@ def test_a_head_the_reference_cannot_recompute_is_refused(one_torch_thread):
 def test_evaluation_statistics_stream_over_the_second_half_of_each_window(monkeypatch, chunk):
     """The perplexity / KLD statistics over evaluation windows (verify_parity._Evaluation): fed each window,
     its first half in one prefill and a step a token after, they equal llama.cpp's formulas
-    (pipeline/kld.py) over the concatenated rows of the second half of every window, whatever CHUNK."""
-    from pipeline import kld
+    (pipeline/measure/kld.py) over the concatenated rows of the second half of every window, whatever CHUNK."""
+    from pipeline.measure import kld
 
     monkeypatch.setattr(verify_parity, "CHUNK", chunk)
     windows = [[3, *range(20, 39)], [4, *range(50, 69)]]  # 20 tokens each: positions 10..18 scored
@@ -312,7 +312,7 @@ def test_the_gate_in_llama_cpps_units():
     build above one fails naming it); null is not gated; a limit set with no evaluation run is refused."""
     from omegaconf import OmegaConf
 
-    from pipeline.context import StageError
+    from pipeline.engine.context import StageError
 
     metrics = {"logits_snr_db": 20.0, "top1_agreement": 0.9, "greedy_match": 1, "kl_nats": 0.01,
                "top5_agreement": 0.5}

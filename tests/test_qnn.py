@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline import qnn
-from pipeline.context import StageContext, StageError
+from pipeline.graphs import qnn
+from pipeline.engine.context import StageContext, StageError
 from tests.conftest import FAST_RUN, TINY_MODEL, ran_stages, repo_copy, run_cli
 
 needs_qnn = pytest.mark.skipif(qnn.missing() is not None, reason=f"QNN toolchain absent: {qnn.missing()}")
@@ -55,7 +55,7 @@ def test_the_embedding_taken_out_leaves_its_table_out_of_the_context_binary(tmp_
     onnx = pytest.importorskip("onnx")
     from onnx import TensorProto, helper, numpy_helper
 
-    from pipeline import npu_rewrite
+    from pipeline.graphs import npu_rewrite
 
     v, h = 8192, 64
     rng = np.random.default_rng(2)
@@ -87,8 +87,8 @@ def test_a_graph_that_would_fall_back_to_the_cpu_is_a_failure(tmp_path):
 
 
 def test_the_qnn_sdk_version_is_part_of_the_compile_key():
-    from pipeline.layout import declaration
-    from pipeline.toolchain import fingerprint
+    from pipeline.engine.layout import declaration
+    from pipeline.toolchains.toolchain import fingerprint
 
     decl = declaration("compile_qnn")
     assert "qnn-sdk" in decl.toolchain and "onnxruntime-qnn" in decl.toolchain
@@ -412,7 +412,7 @@ def test_a_float_residual_stream_keeps_a_massive_activation_model_within_the_flo
     float (pack.qnn_residual=fp16, run in the HTP's fp16) the block passes, on the CPU EP and on the HTP."""
     import onnxruntime as ort
 
-    from pipeline import npu_rewrite
+    from pipeline.graphs import npu_rewrite
 
     path, model, samples = _massive_channel_block(tmp_path)
     stream = npu_rewrite.residual_stream(model)
@@ -452,7 +452,7 @@ def test_a_residual_stream_past_fp16s_largest_value_is_carried_scaled(tmp_path):
     onnx = pytest.importorskip("onnx")
     import onnxruntime as ort
 
-    from pipeline import npu_rewrite
+    from pipeline.graphs import npu_rewrite
 
     path, model, samples = _massive_channel_block(tmp_path, massive=100000.0)
     assert npu_rewrite.residual_tensors(model) == ["r0", "r1", "r2"]
@@ -518,7 +518,7 @@ def test_float_post_norms_keep_the_massive_channel_they_write_off_the_16_bit_gri
     44.5. Fails with the writers left out of the float islands."""
     import onnxruntime as ort
 
-    from pipeline import npu_rewrite
+    from pipeline.graphs import npu_rewrite
 
     path, model, samples = _post_norm_block(tmp_path)
     stream = npu_rewrite.residual_stream(model)
@@ -604,7 +604,7 @@ def test_float_attention_cores_keep_a_wide_value_channel_within_the_floor_on_the
     never have shown it: the test runs the HTP."""
     import onnxruntime as ort
 
-    from pipeline import npu_rewrite
+    from pipeline.graphs import npu_rewrite
 
     path, model, samples = _attention_block(tmp_path)
     cores = npu_rewrite.attention_cores(model)
@@ -625,9 +625,9 @@ def test_float_attention_cores_keep_a_wide_value_channel_within_the_floor_on_the
 
 @needs_qnn
 def test_graph_diff_on_the_htp_names_the_product_where_the_htp_departs_from_the_cpu_ep(tmp_path):
-    """`python -m pipeline.graph_diff --htp`: the quantized attention block's tensors agree between the CPU EP
+    """`python -m pipeline.measure.graph_diff --htp`: the quantized attention block's tensors agree between the CPU EP
     and the HTP until softmax.V, the first where they part (by > 10 dB below everything before it)."""
-    from pipeline import graph_diff
+    from pipeline.measure import graph_diff
 
     path, model, samples = _attention_block(tmp_path)
     q = tmp_path / "uint16.onnx"
@@ -797,7 +797,7 @@ def _external_bytes(path) -> int:
 
 
 def qnn_load(path):
-    from pipeline.tensorfile import load_onnx
+    from pipeline.sources.tensorfile import load_onnx
 
     return load_onnx(path)
 

@@ -1,4 +1,4 @@
-"""The artifact registry (pipeline/registry.py).
+"""The artifact registry (pipeline/fleet/registry.py).
 
 Fast: the gates (parity, speed against stable within the noise floor), channel
 histories and rollback, the index and records, the CLI's exit codes and JSON,
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import registry as reg
+from pipeline.fleet import registry as reg
 from tests.conftest import git, ran_stages, run_cli, venv_env
 
 BUILD = "x86_avx512-embedded-speed"
@@ -232,7 +232,7 @@ def _dvc(repo: Path, *args: str, timeout=600) -> subprocess.CompletedProcess:
 
 
 def _registry(repo: Path, *args: str) -> subprocess.CompletedProcess:
-    return run_cli(repo, *args, module="pipeline.registry", timeout=600)
+    return run_cli(repo, *args, module="pipeline.fleet.registry", timeout=600)
 
 
 def _slower_copy(repo: Path, src: str, dst: str, factor: float) -> None:
@@ -241,7 +241,7 @@ def _slower_copy(repo: Path, src: str, dst: str, factor: float) -> None:
     recorded in dvc.lock with `dvc commit` (no stage runs). The regressed
     figures are derived, not measured: a real slower build would cost a second
     tiny build and its speed on a shared 2-core builder is not predictable."""
-    from pipeline import manifest
+    from pipeline.engine import manifest
 
     art = repo / "artifacts"
     shutil.copytree(art / src, art / dst)
@@ -257,7 +257,7 @@ def _slower_copy(repo: Path, src: str, dst: str, factor: float) -> None:
     m["result"]["metrics"]["decode_tok_s"] *= factor
     (bench / "manifest.json").unlink()
     manifest.write(bench, stage="benchmark", build=dst, key=m["key"], result=m["result"], timings=m["timings"])
-    subprocess.run([sys.executable, "-m", "pipeline.dvcgen"], cwd=repo, check=True, capture_output=True, env=venv_env())
+    subprocess.run([sys.executable, "-m", "pipeline.engine.dvcgen"], cwd=repo, check=True, capture_output=True, env=venv_env())
     stages = [s for s in yaml.safe_load((repo / "dvc.yaml").read_text())["stages"] if s.startswith(f"{dst}--")]
     proc = _dvc(repo, "commit", "-f", *stages)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -348,7 +348,7 @@ def test_publish_promote_refuse_rollback_and_pull_on_a_fresh_clone(fleet):
     assert pulled.returncode == 0, pulled.stderr
     release = json.loads((base / "device" / "RELEASE.json").read_text())
     assert release["version"] == "v1" and release["bundle_sha256"] == rec["bundle_sha256"]
-    from pipeline.manifest import verify
+    from pipeline.engine.manifest import verify
 
     for stage in reg.BUNDLE_STAGES:
         verify(base / "device" / stage, expect_stage=stage)

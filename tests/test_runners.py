@@ -1,4 +1,4 @@
-"""Runners (pipeline/runners.py) against a real SSH server on loopback: asyncssh
+"""Runners (pipeline/fleet/runners.py) against a real SSH server on loopback: asyncssh
 in a thread of the test, a generated host key, a client key, SFTP, and an exec
 handler that runs each command in a shell (so the remote side really executes
 the stage). The end-to-end test sends a build's parity and benchmark stages
@@ -14,9 +14,9 @@ import threading
 
 import pytest
 
-from pipeline import manifest
-from pipeline.context import StageError
-from pipeline.runners import IDENTITY_ENV, KNOWN_HOSTS_ENV, PROVENANCE, SshRunner, fetch_output
+from pipeline.engine import manifest
+from pipeline.engine.context import StageError
+from pipeline.fleet.runners import IDENTITY_ENV, KNOWN_HOSTS_ENV, PROVENANCE, SshRunner, fetch_output
 from tests.conftest import FAST_RUN, TINY_MODEL, ran_stages, run_cli, venv_env
 
 asyncssh = pytest.importorskip("asyncssh", reason="asyncssh is in the test extra: pip install -e '.[test]'")
@@ -134,10 +134,10 @@ def test_parity_and_benchmark_run_on_the_device_over_ssh(built_repo, ssh, tmp_pa
     device_dir = tmp_path / "device"
     target = f"ssh://127.0.0.1:{ssh.port}{device_dir}"
     env = dict(venv_env(), **ssh.env())
-    set_ = subprocess.run([sys.executable, "-m", "pipeline.runners", "set", build, target, "--python", sys.executable],
+    set_ = subprocess.run([sys.executable, "-m", "pipeline.fleet.runners", "set", build, target, "--python", sys.executable],
                           cwd=repo, capture_output=True, text=True, env=env)
     assert set_.returncode == 0, set_.stderr
-    assert f"python -m pipeline.runners run benchmark --build {build}" in (repo / "dvc.yaml").read_text()
+    assert f"python -m pipeline.fleet.runners run benchmark --build {build}" in (repo / "dvc.yaml").read_text()
     before = len(ssh.commands)
     proc = subprocess.run([sys.executable, "-m", "pipeline", "device=x86_avx512", *TINY_MODEL, *FAST_RUN],
                           cwd=repo, capture_output=True, text=True, env=env, timeout=900)
@@ -145,7 +145,7 @@ def test_parity_and_benchmark_run_on_the_device_over_ssh(built_repo, ssh, tmp_pa
     own = [r for r in ran_stages(proc.stdout) if not r.endswith("--probe") and not r.startswith("probe--")]
     assert own == [f"{build}--verify_parity", f"{build}--benchmark"], own
     # The device really ran each stage (after its own probe), through the SSH server.
-    ran_remote = [c for c, rc in ssh.commands[before:] if "pipeline.run_stage" in c and rc == 0]
+    ran_remote = [c for c, rc in ssh.commands[before:] if "pipeline.engine.run_stage" in c and rc == 0]
     assert any(f"run_stage verify_parity --build {build}" in c for c in ran_remote), ssh.commands[before:]
     assert any(f"run_stage benchmark --build {build}" in c for c in ran_remote)
     assert all("run_stage probe" in c for c in ran_remote)
@@ -164,7 +164,7 @@ def test_parity_and_benchmark_run_on_the_device_over_ssh(built_repo, ssh, tmp_pa
     assert report["host"]["device_class"] == host_class and report["on_target"] is (host_class == "x86_avx512")
     assert not list(device_dir.glob("*")), "the remote work folder was left behind"
     # Back on the builder: its own earlier results are restored from DVC's run-cache, not re-run.
-    unset = subprocess.run([sys.executable, "-m", "pipeline.runners", "unset", build], cwd=repo, env=env,
+    unset = subprocess.run([sys.executable, "-m", "pipeline.fleet.runners", "unset", build], cwd=repo, env=env,
                            capture_output=True, text=True)
     assert unset.returncode == 0, unset.stderr
     back = run_cli(repo, "device=x86_avx512", *TINY_MODEL, *FAST_RUN)

@@ -1,6 +1,6 @@
 """Every stage's cost in its manifest, and one line when the kernel kills a stage.
 
-The runner's supervisor (pipeline/run_stage.py `supervise`) runs here, in the
+The runner's supervisor (pipeline/engine/run_stage.py `supervise`) runs here, in the
 test's process; its child is a real subprocess that sets up the same fake stage
 (tests/test_faults.py `fake_stage`) before running the stage, so what is
 measured is a real process tree: the kernel's peaks, a real SIGKILL.
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import manifest, run_stage
-from pipeline.context import StageError
+from pipeline.engine import manifest, run_stage
+from pipeline.engine.context import StageError
 from tests.test_faults import STAGE, fake_stage, good_run, leftovers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +37,7 @@ import sys
 sys.path.insert(0, {root!r})
 from pathlib import Path
 import pytest
-from pipeline import run_stage
+from pipeline.engine import run_stage
 from tests import test_stage_cost as t
 from tests.test_faults import fake_stage
 fake_stage(pytest.MonkeyPatch(), Path({tmp!r}), getattr(t, {fn!r}))
@@ -200,7 +200,7 @@ def test_the_build_summary_shows_each_stages_time_and_peak(tmp_path, monkeypatch
     import yaml
 
     import pipeline.__main__ as cli
-    from pipeline.layout import output_dir
+    from pipeline.engine.layout import output_dir
 
     model = {"name": "tiny", "source": "embedded"}
     (tmp_path / "builds").mkdir()

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline import report
-from pipeline.context import StageError
-from pipeline.stats import compare, fmt, interleave, spread
+from pipeline.measure import report
+from pipeline.engine.context import StageError
+from pipeline.measure.stats import compare, fmt, interleave, spread
 
 
 def test_interleave_runs_every_arm_once_per_pass_in_order():
@@ -132,11 +132,11 @@ def test_report_labels_cross_measured_results():
     page = report.render(synthetic_report(on_target=False), parity=None, build="b2")
     assert "CROSS-MEASURED" in page and "(cross-measured)" in page
     assert "not galaxy_s25 figures" in page
-    assert "<svg" in page and "python -m pipeline.report b2" in page
+    assert "<svg" in page and "python -m pipeline.measure.report b2" in page
 
 
 def test_step_snr_series_bins_finite_values():
-    from pipeline.report import step_snr_series
+    from pipeline.measure.report import step_snr_series
 
     per = [{"step_snr_db": [40.0, 42.0, "inf", 38.0] + [30.0] * 8}, {"step_snr_db": [44.0] * 12}]
     series = step_snr_series(per, bin_steps=8)
@@ -162,7 +162,7 @@ def test_fp32_baselines_run_in_the_first_baseline_passes_only():
 def test_report_shows_each_arms_kld_statistics_and_distribution():
     import numpy as np
 
-    from pipeline import kld
+    from pipeline.measure import kld
 
     def stats(scale, seed):
         rng = np.random.default_rng(seed)

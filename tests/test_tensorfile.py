@@ -1,4 +1,4 @@
-"""pipeline/tensorfile.py: a safetensors file written a tensor at a time reads back as safetensors' own."""
+"""pipeline/sources/tensorfile.py: a safetensors file written a tensor at a time reads back as safetensors' own."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ def test_streamed_file_is_a_safetensors_file(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from pipeline.tensorfile import StreamWriter
+    from pipeline.sources.tensorfile import StreamWriter
 
     tensors = {"model.layers.0.mlp.down_proj": torch.randn(6, 10), "codes": torch.arange(9, dtype=torch.uint8),
                "h64": torch.randn(3, 3, dtype=torch.float64), "half": torch.randn(4).half(), "empty": torch.zeros(0, 4)}
@@ -27,7 +27,7 @@ def test_streamed_file_is_a_safetensors_file(tmp_path):
 
 
 def test_a_name_outside_the_header_or_a_failure_leaves_no_file(tmp_path):
-    from pipeline.tensorfile import StreamWriter, TensorFileError
+    from pipeline.sources.tensorfile import StreamWriter, TensorFileError
 
     path = tmp_path / "t.safetensors"
     with pytest.raises(TensorFileError, match="not among the names"):
@@ -51,7 +51,7 @@ def test_load_onnx_reads_external_data_that_dvc_hardlinked(tmp_path):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from pipeline.tensorfile import TensorFileError, load_onnx
+    from pipeline.sources.tensorfile import TensorFileError, load_onnx
 
     w = np.arange(4096, dtype=np.float32).reshape(64, 64)
     g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",

@@ -1,4 +1,4 @@
-"""User text for calibration and evaluation (pipeline/textdata.py), and what it changes in the cache."""
+"""User text for calibration and evaluation (pipeline/sources/textdata.py), and what it changes in the cache."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pipeline import textdata
+from pipeline.sources import textdata
 
 
 class _Tok:
@@ -95,8 +95,8 @@ def test_a_user_calibration_text_rekeys_calibrate_and_nothing_upstream(tmp_path)
     """calibrate.dataset=FILE: the config is checked before any stage runs, calibrate's DVC entry gains the
     file as a dependency (an edit reruns it) and its params change; the stages upstream of it are the same
     entries; the quantize stage reads calibrate's output, so it reruns when the data change."""
-    from pipeline import dvcgen
-    from pipeline.config import ConfigError, compose, validate
+    from pipeline.engine import dvcgen
+    from pipeline.engine.config import ConfigError, compose, validate
 
     text = tmp_path / "mine.txt"
     text.write_text("def f(x):\n    return x\n" * 50)
@@ -118,8 +118,8 @@ def test_a_user_calibration_text_rekeys_calibrate_and_nothing_upstream(tmp_path)
 def test_parity_prompts_from_a_users_file(tmp_path):
     """parity.prompts_file: a .txt file's non-empty lines, or a .jsonl's field per record (newlines kept);
     checked before any stage runs; verify_parity's DVC entry gains the file as a dependency."""
-    from pipeline import dvcgen
-    from pipeline.config import ConfigError, compose, validate
+    from pipeline.engine import dvcgen
+    from pipeline.engine.config import ConfigError, compose, validate
 
     txt = tmp_path / "prompts.txt"
     txt.write_text("def read(path):\n\n   class Foo:  \n")
@@ -144,7 +144,7 @@ def test_an_evaluation_text_that_overlaps_the_calibration_is_refused_in_one_line
     import numpy as np
     from omegaconf import OmegaConf
 
-    from pipeline.context import StageError
+    from pipeline.engine.context import StageError
     from stages import verify_parity
 
     tok = _Tok()

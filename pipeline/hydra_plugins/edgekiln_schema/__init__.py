@@ -8,7 +8,7 @@ the schema, so DVC's composition rejects the same typos `python -m pipeline` doe
 
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 
-from pipeline.schema import register
+from pipeline.engine.schema import register
 
 register()
 

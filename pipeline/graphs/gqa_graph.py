@@ -1,0 +1,1062 @@
+"""A hand-built ONNX decoder for ONNX Runtime's fused CPU ops: GroupQueryAttention + MatMulNBits.
+
+Why by hand (onnx.helper) and not through the torch exporter: what makes ORT's
+CPU decode fast here is (1) com.microsoft.GroupQueryAttention doing rotary,
+causal / sliding-window masking and the KV append in one kernel, writing into
+KV buffers the caller owns and binds as both past and present
+(past_present_share_buffer: nothing is copied per token), with window-sized
+buffers for sliding layers (`sliding_window_cache`); (2)
+com.microsoft.MatMulNBits fed with the quantize stage's own codes, q|k|v and
+gate|up concatenated into one weight each; (3)
+SkipSimplifiedLayerNormalization folding each residual add into the next
+RMSNorm. None of that is reachable from torch.onnx.export: the exporter emits
+standard ONNX (MatMul, Softmax, explicit masks, a KV tensor returned rather
+than updated in place), ORT's CPU fusions do not rebuild GQA from that
+pattern, and a traced program cannot alias a graph output to a graph input.
+The graph is small (~15-20 nodes a layer), so writing it directly is also the
+readable option.
+
+The graph (`build_gqa_graph`):
+
+- inputs: `input_ids` int64 [1, S] (S dynamic: the same graph serves prefill,
+  S = prompt length, and decode, S = 1), `seqlens_k` int32 [1] (tokens in the
+  cache after this call, minus 1), `total_sequence_length` int32 scalar (the
+  same + 1), then `past_key_i` / `past_value_i` float32 BNSH
+  [1, n_kv, cache_len_i, head_dim]: cache_len = max_len, or W + slack rows for
+  a sliding layer whose window binds (`window_cache_slack`).
+- outputs: `logits` float32 [1, vocab] of the LAST position only, then
+  `present_key_i` / `present_value_i` (bound by the runtime to the past
+  buffers). Past the last GroupQueryAttention (which needs every row's K/V)
+  the last layer runs on the last row only (`last_layer_rows`), so prefill
+  never computes the other rows' o_proj, MLP, final norm or vocab projection.
+- per layer (defaults): [Skip]RMSNorm -> MatMulNBits(q|k|v) -> Split(q|k, v)
+  -> Reshape -> one RMSNormalization over [1, S, n_heads + n_kv, head_dim]
+  with a stacked per-head gamma (q_norm / k_norm: ORT's CPU GQA refuses its
+  own q_norm_weight input) -> Reshape -> Split(q, k) -> GroupQueryAttention
+  (do_rotary=1 with the layer type's cos/sin cache, `local_window_size` = W on
+  sliding layers, `scale` from the HF module) -> MatMulNBits(o) -> (Gemma3:
+  RMSNorm post-attention) -> SkipSimplifiedLayerNormalization (residual add +
+  the pre-MLP norm) -> MatMulNBits(gate|up) -> Split -> FastGelu (gelu tanh,
+  Gemma3) or QuickGelu(alpha=1) (= SiLU, Qwen3 / Llama) -> Mul ->
+  MatMulNBits(down) -> (Gemma3: RMSNorm post-feedforward). The next layer's
+  input norm, or the final norm, is a SkipSimplifiedLayerNormalization that
+  also adds the residual. RMSNormalization is the standard opset-23 op (ORT
+  runs it with its SimplifiedLayerNormalization kernel).
+- Gemma3 specifics: the embedding table pre-multiplied by embed_scale in the
+  weight dtype (bit-identical to HF's runtime multiply), every RMSNorm gamma
+  (1 + w), per-layer-type rope (sliding vs full rope_theta), `scale` =
+  query_pre_attn_scalar ** -0.5, final logit softcap as Div/Tanh/Mul when set.
+- weights: every quantized linear (lm_head included) is a MatMulNBits built
+  from `int4_runtime.read_quant` codes via `int4_layouts.to_matmulnbits` (no
+  second rounding; bits=8 for a layer the quantize stage wrote at 8 bits, the
+  head by default on this path); concatenation along N is exact (codes, scales and zeros
+  are per output row); biases, if any, go in as the op's bias input. The
+  embedding of a tied checkpoint is a GatherBlockQuantized over the head's
+  own MatMulNBits weight, one tensor for both (`_shared_embedding`); an
+  untied one's is a GatherBlockQuantized of its table's 8- or 4-bit codes
+  (`_block_embedding`) or an fp32 Gather of the table, as the quantize stage
+  measured and chose (quant.json "embedding"; the `embedding` option).
+- the weights are external data (model.onnx.data), which ONNX Runtime maps
+  rather than reads: `GqaDecoder` pages out what the session left mapped but
+  does not use after loading (the table's rows are read when gathered).
+
+`DEFAULT_OPTIONS` lists the variants; benchmarks/gqa_speed.py measures them.
+
+`GqaDecoder` is the runtime: reset / step / prefill / generate_greedy /
+kv_bytes like `decode_graph.OnnxDecoder`, through IO binding: the KV buffers
+are preallocated OrtValues bound as both past_* and present_*, the decode
+inputs and the logits output numpy-backed OrtValues bound once, so a step is
+three scalar writes and one `run_with_iobinding`.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from pipeline.quant import int4_layouts as L
+from pipeline.graphs.decode_graph import (
+    SLIDING,
+    ContextFull,
+    DecodeGraphError,
+    _applies_attn_softcap,
+    _first_id,
+    _Greedy,
+    _id_list,
+    _rope_tables,
+    _text_config,
+    layer_types,
+    load_hf_model,
+    session_options,
+)
+from pipeline.runtimes.pages import anon_mappings, collapse_to_huge_pages, page_out_file, release_heap
+
+IO_FORMAT = "edgekiln-gqa/1"
+# Initializer bytes past which they go to model.onnx.data: 0, always. ONNX Runtime maps an external data
+# file instead of reading the weights into the protobuf it parses, so what the session does not use after
+# loading can leave memory (GqaDecoder, pages.page_out_file). Tests raise it to check the inline writer.
+_EXTERNAL_DATA_BYTES = 0
+FAMILIES = ("gemma3_text", "qwen3", "llama")
+MS = "com.microsoft"
+OPSET = 23  # RMSNormalization (standard since 23; ORT runs it with its SimplifiedLayerNorm kernel)
+
+# Build options (the defaults are what measured fastest here; see benchmarks/gqa_speed.py).
+DEFAULT_OPTIONS = {
+    "fuse_qkv": True,          # True: one MatMulNBits for q|k|v; "qk": q|k fused, v on its own; False: three
+    "fuse_gate_up": True,      # one MatMulNBits for gate|up
+    "qk_norm": "joint",        # "joint": Reshape + one RMSNorm over the q|k heads with a stacked gamma;
+                               # "branchwise": com.microsoft.BranchwiseRMSNorm on the flat q|k (no Reshape;
+                               # same decode, ~8-14% slower prefill here); "split": one RMSNorm each
+    "skip_norm": True,         # SkipSimplifiedLayerNormalization for residual add + norm
+    "last_layer_rows": "last",  # "last": the last layer's o_proj/MLP run on the last row only; "all"
+    "window_offset": 0,        # local_window_size = sliding_window + window_offset (see _gqa_window)
+    "window_cache_slack": 16,  # sliding layers: a window-sized KV buffer of W + slack rows
+                               # (GQA sliding_window_cache=1); None: a max_len buffer like full layers
+    "norm_op": "RMSNormalization",  # or "SimplifiedLayerNormalization" (ORT's contrib-in-ONNX-domain name)
+    "embedding": "auto",       # "shared": GatherBlockQuantized over the head's own MatMulNBits weight (a tied
+                               # checkpoint: one copy of the table, see _shared_embedding); "int8" / "int4":
+                               # one over the untied table's own codes (_block_embedding); "fp32": a Gather of
+                               # the untied table; "auto": shared where it can be, else quant.json's measured
+                               # choice (its "embedding" record), else fp32
+    "kv_dtype": "float16",     # the KV cache (and the attention's rope caches) in fp16, as llama.cpp's default
+                               # f16 cache: half the KV bytes; q/k/v are cast in and the attention cast out
+                               # (measured no slower on Gemma 3 270M: docs/small-artifacts.md)
+}
+KV_DTYPES = ("float16", "float32")
+
+
+class GqaGraphError(DecodeGraphError):
+    """A model, checkpoint or request the GQA graph cannot serve (user-facing)."""
+
+
+# --------------------------------------------------------------------------
+# Model facts
+# --------------------------------------------------------------------------
+
+
+def _family(cfg) -> str:
+    mt = getattr(cfg, "model_type", None)
+    if mt not in FAMILIES:
+        raise GqaGraphError(f"model_type {mt!r}: the GQA graph knows {', '.join(FAMILIES)}")
+    return mt
+
+
+def _gqa_window(sliding_window: int, offset: int = 0) -> int:
+    """GQA `local_window_size` for HF's window W.
+
+    HF: a query at p sees keys at positions > p - W (W keys, itself included).
+    ORT 1.32's CPU kernel with local_window_size = W gives exactly that
+    (measured against the HF model past the window: ~135 dB at W, ~50 dB at
+    W - 1; tests/test_gqa_graph.py keeps checking it). `offset` exists only to
+    repeat that measurement.
+    """
+    return int(sliding_window) + int(offset)
+
+
+def layer_plan(cfg, max_len: int, window_offset: int = 0, window_cache_slack: int | None = 16) -> list[dict[str, Any]]:
+    """Per layer: {index, type, window (HF), local_window_size (GQA, -1 = none), cache_len, window_cache}.
+
+    A sliding layer whose window binds inside max_len gets, unless
+    `window_cache_slack` is None, a window-sized KV buffer of W + slack rows
+    (GQA `sliding_window_cache=1`: the op keeps the most recent rows at the
+    front and compacts every slack + 1 steps), so its decode attends over at
+    most W + slack keys instead of every position so far.
+    """
+    types, w = layer_types(cfg, GqaGraphError)
+    plan = []
+    for i, t in enumerate(types):
+        # A window that cannot bind inside max_len is left off (the op then does plain causal attention).
+        binds = t == SLIDING and int(w) < max_len
+        lws = _gqa_window(w, window_offset) if binds else -1
+        windowed = binds and window_cache_slack is not None and lws + int(window_cache_slack) < max_len
+        plan.append({"index": i, "type": t, "window": int(w) if binds else 0, "local_window_size": lws,
+                     "window_cache": bool(windowed),
+                     "cache_len": lws + int(window_cache_slack) if windowed else int(max_len)})
+    return plan
+
+
+def _rope_caches(hf_model, max_len: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{rope key: (cos [max_len, rot/2], sin [max_len, rot/2])} computed as HF does (fp32 torch)."""
+    import torch
+
+    out = {}
+    pos = torch.arange(max_len, dtype=torch.float32)
+    for key, (inv, scale) in _rope_tables(hf_model).items():
+        freqs = pos[:, None] * inv.to(torch.float32)[None, :]  # the same fp32 product HF's matmul makes
+        out[key] = ((freqs.cos() * scale).numpy().astype(np.float32),
+                    (freqs.sin() * scale).numpy().astype(np.float32))
+    return out
+
+
+# --------------------------------------------------------------------------
+# Graph construction helpers
+# --------------------------------------------------------------------------
+
+
+# Initializers are never held as TensorProtos. On Gemma 3 270M (a 920 MB graph, 671 MB of it the fp32
+# embedding) the pack stage peaked at 6.46 GiB resident when they were: per tensor a numpy copy and its
+# raw bytes, make_graph's and make_model's copies of the list, SerializeToString's buffer, and the
+# checker's own serialization and parse of the in-memory model. Now each initializer is encoded once,
+# straight from its array (the embedding in row chunks), into a spill file next to the output as it is
+# built, and model.onnx is assembled from the node skeleton and that file (`_write_model`): the same
+# bytes (sha256), peak 2.12 GiB, of which building takes 1.31 and onnx.checker's read + parse of the
+# finished file the rest (measured: see build_gqa_graph).
+_SPILL = ".gqa_initializers.tmp"
+_SPILL_EXT = ".gqa_initializers_ext.tmp"
+_CHUNK_BYTES = 16 << 20
+# dtypes numpy_helper.from_array writes as plain little-endian raw_data (tobytes), which `_G.init`
+# then encodes itself; any other (strings, 4-bit, ...) goes through from_array.
+_RAW_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float16, np.float64, np.int8, np.uint8, np.int16,
+                                               np.uint16, np.int32, np.uint32, np.int64, np.uint64, np.bool_))
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _read_varint(buf, i: int) -> tuple[int, int]:
+    shift = value = 0
+    while True:
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, i
+        shift += 7
+
+
+def _split_fields(buf: bytes, number: int) -> tuple[bytes, bytes]:
+    """(the fields numbered below `number`, those above) of a serialized message, which holds no
+    field `number`. Protobuf writes a message's fields in field-number order, so that is a cut."""
+    i, cut = 0, None
+    while i < len(buf):
+        start = i
+        tag, i = _read_varint(buf, i)
+        field, wire = tag >> 3, tag & 7
+        if wire == 0:
+            _, i = _read_varint(buf, i)
+        elif wire == 1:
+            i += 8
+        elif wire == 2:
+            n, i = _read_varint(buf, i)
+            i += n
+        elif wire == 5:
+            i += 4
+        else:
+            raise GqaGraphError(f"serialized message: wire type {wire} of field {field}")
+        if field == number or (field < number and cut is not None):
+            raise GqaGraphError(f"serialized message: field {field} where field {number} goes")
+        if field > number and cut is None:
+            cut = start
+    cut = len(buf) if cut is None else cut
+    return buf[:cut], buf[cut:]
+
+
+def _records(path: Path):
+    """The serialized TensorProtos of a spill file of GraphProto.initializer (field 5) records."""
+    with open(path, "rb") as f:
+        while True:
+            tag = f.read(1)
+            if not tag:
+                return
+            n = shift = 0
+            while True:
+                b = f.read(1)[0]
+                n |= (b & 0x7F) << shift
+                shift += 7
+                if not b & 0x80:
+                    break
+            yield f.read(n)
+
+
+class _G:
+    """Nodes in memory; initializers streamed, each as GraphProto field 5 (`initializer`) bytes, to
+    `spill` (removed by `discard`)."""
+
+    def __init__(self, spill):
+        self.nodes, self._names = [], set()
+        self._consts: dict[tuple, str] = {}
+        self.init_bytes = 0  # the initializers' data bytes
+        self.spill = Path(spill)
+        self._f = open(self.spill, "wb")
+
+    def init(self, name: str, arr: np.ndarray) -> str:
+        arr = np.asarray(arr)
+        if arr.dtype in _RAW_DTYPES and sys.byteorder == "little":
+            return self.init_chunks(name, arr.shape, arr.dtype, [arr])
+        from onnx import numpy_helper
+
+        self._claim(name)
+        t = numpy_helper.from_array(np.array(arr, order="C"), name)  # keeps 0-d
+        self._record(t.SerializeToString())
+        self.init_bytes += arr.nbytes
+        return name
+
+    def init_chunks(self, name: str, shape, dtype, chunks) -> str:
+        """The tensor `shape` / `dtype` whose C-order bytes are those of `chunks` (arrays) one after
+        another: the bytes numpy_helper.from_array(full array, name).SerializeToString() gives (dims,
+        data_type, name, raw_data: fields 1, 2, 8, 9 in that order), without the full array."""
+        from onnx import TensorProto, helper
+
+        dtype = np.dtype(dtype)
+        if dtype not in _RAW_DTYPES or sys.byteorder != "little":
+            raise GqaGraphError(f"{name}: {dtype} is not written as raw little-endian data")
+        self._claim(name)
+        head = TensorProto()
+        head.dims.extend(int(d) for d in shape)
+        if name:
+            head.name = name
+        head.data_type = helper.np_dtype_to_tensor_dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        prefix = head.SerializeToString() + b"\x4a" + _varint(nbytes)  # field 9 (raw_data), length-delimited
+        self._f.write(b"\x2a" + _varint(len(prefix) + nbytes) + prefix)
+        written = 0
+        for c in chunks:
+            c = np.ascontiguousarray(c, dtype=dtype).reshape(-1)
+            self._f.write(c.view(np.uint8))
+            written += c.nbytes
+        if written != nbytes:
+            raise GqaGraphError(f"{name}: {written} bytes written for a tensor of {nbytes}")
+        self.init_bytes += nbytes
+        return name
+
+    def _claim(self, name: str) -> None:
+        if name in self._names:
+            raise GqaGraphError(f"duplicate initializer {name}")
+        self._names.add(name)
+
+    def _record(self, tensor_bytes: bytes) -> None:
+        self._f.write(b"\x2a" + _varint(len(tensor_bytes)) + tensor_bytes)
+
+    def finish(self) -> Path:
+        self._f.close()
+        return self.spill
+
+    def discard(self) -> None:
+        self._f.close()
+        for p in (self.spill, self.spill.with_name(_SPILL_EXT)):
+            p.unlink(missing_ok=True)
+
+    def const_i64(self, values) -> str:
+        key = ("i64", tuple(np.atleast_1d(values).tolist()), np.ndim(values))
+        if key not in self._consts:
+            self._consts[key] = self.init(f"const_i64_{len(self._consts)}", np.asarray(values, dtype=np.int64))
+        return self._consts[key]
+
+    def node(self, op, ins, outs, name, domain="", **attrs):
+        from onnx import helper
+
+        self.nodes.append(helper.make_node(op, list(ins), list(outs), name=name, domain=domain, **attrs))
+        return outs[0] if len(outs) == 1 else outs
+
+
+def _write_model(model, g: _G, path: Path, external: bool, data_name: str, size_threshold: int = 1024) -> None:
+    """Write `model` (a ModelProto whose graph has no initializers) with g's initializers to `path`: the
+    bytes onnx.save_model(model with them, path, save_as_external_data=external,
+    all_tensors_to_one_file=True, location=data_name, size_threshold) writes, one tensor in memory at a
+    time. Protobuf writes fields in number order, so the file is the model's fields below 7 (graph),
+    the graph's tag and length, its fields below 5 (node, name), the initializers, its fields above 5
+    (input, output, ...), then the model's fields above 7 (opset_import, ...)."""
+    from onnx import ModelProto, TensorProto
+    from onnx import external_data_helper as edh
+
+    inits = g.finish()
+    if external:  # what convert_model_to_external_data + write_external_data_tensors do, tensor by tensor
+        ext = inits.with_name(_SPILL_EXT)
+        with open(ext, "wb") as out:
+            for rec in _records(inits):
+                t = TensorProto.FromString(rec)
+                del rec
+                if t.HasField("raw_data") and sys.getsizeof(t.raw_data) >= size_threshold:
+                    edh.set_external_data(t, data_name)
+                    edh.save_external_data(t, str(path.parent))
+                    t.ClearField("raw_data")
+                b = t.SerializeToString()
+                out.write(b"\x2a" + _varint(len(b)) + b)
+        inits.unlink()
+        inits = ext
+    graph_head, graph_tail = _split_fields(model.graph.SerializeToString(), 5)
+    shell = ModelProto()
+    shell.CopyFrom(model)
+    shell.ClearField("graph")
+    model_head, model_tail = _split_fields(shell.SerializeToString(), 7)
+    graph_len = len(graph_head) + inits.stat().st_size + len(graph_tail)
+    with open(path, "wb") as f:
+        f.write(model_head + b"\x3a" + _varint(graph_len) + graph_head)  # field 7, length-delimited
+        with open(inits, "rb") as src:
+            shutil.copyfileobj(src, f, _CHUNK_BYTES)
+        f.write(graph_tail + model_tail)
+    inits.unlink()
+
+
+def _nbits(g: _G, x: str, name: str, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]],
+           out: str, accuracy_level: int, biases: list | None = None, bits: int = 4) -> tuple[str, dict]:
+    """MatMulNBits of the concatenation (along N) of `parts` (q, s, z, group) from read_quant.
+
+    `biases`: per part an fp32 [N_part] bias or None; any present goes in as the op's bias input.
+    """
+    groups = {p[3] for p in parts}
+    ks = {p[0].shape[1] for p in parts}
+    if len(groups) != 1 or len(ks) != 1:
+        raise GqaGraphError(f"{name}: cannot fuse layers with group sizes {sorted(groups)} / K {sorted(ks)}")
+    # one part: its own arrays (np.concatenate would copy them: the head's codes are 168 MB on Gemma 3)
+    q, s, z = ((parts[0][0], parts[0][1], parts[0][2]) if len(parts) == 1 else
+               (np.concatenate([p[i] for p in parts], axis=0) for i in range(3)))
+    gs = groups.pop()
+    n, k = q.shape
+    b, sc, zp = L.to_matmulnbits(q, s, z, gs, bits=bits)
+    ins = [x, g.init(f"{name}.B", b), g.init(f"{name}.scales", sc)]
+    if zp is not None:
+        ins.append(g.init(f"{name}.zero_points", zp))
+    if biases and any(bb is not None for bb in biases):
+        full = np.concatenate([bb if bb is not None else np.zeros(p[0].shape[0], np.float32)
+                               for bb, p in zip(biases, parts)]).astype(np.float32)
+        ins += [""] * (5 - len(ins)) + [g.init(f"{name}.bias", full)]  # inputs 3-4: zero_points, g_idx
+    g.node("MatMulNBits", ins, [out], name, domain=MS, K=k, N=n, bits=int(bits), block_size=gs,
+           accuracy_level=int(accuracy_level))
+    return out, {"N": n, "K": k, "bits": int(bits), "block_size": gs, "zero_points": zp is not None,
+                 "bytes": b.nbytes + sc.nbytes + (zp.nbytes if zp is not None else 0)}
+
+
+def _linear(g, x, prefix, names, layers, out, acc, fuse, records, bias_of=lambda name: None, widths=None):
+    """One fused MatMulNBits for `names` (or one each, concatenated by the caller).
+    `widths`: {layer: bits} (quant.json's; 4 where absent). Each layer's codes leave `layers` once
+    packed (their memory goes as the graph is built)."""
+    missing = [n for n in names if n not in layers]
+    if missing:
+        raise GqaGraphError(f"the quantize stage has no codes for {', '.join(missing)}")
+    bits = {n: int((widths or {}).get(n, 4)) for n in names}
+    if fuse or len(names) == 1:
+        if len(set(bits.values())) != 1:
+            raise GqaGraphError(f"{prefix}: cannot fuse layers of {sorted(set(bits.values()))} bits")
+        o, rec = _nbits(g, x, prefix, [layers[n] for n in names], out, acc, [bias_of(n) for n in names],
+                        bits=bits[names[0]])
+        records[prefix] = {**rec, "layers": list(names)}
+        for n in names:
+            del layers[n]
+        return [o]
+    outs = []
+    for n in names:
+        o, rec = _nbits(g, x, n, [layers[n]], f"{out}.{n.rsplit('.', 1)[-1]}", acc, [bias_of(n)], bits=bits[n])
+        records[n] = {**rec, "layers": [n]}
+        del layers[n]
+        outs.append(o)
+    return outs
+
+
+# --------------------------------------------------------------------------
+# The embedding
+# --------------------------------------------------------------------------
+
+EMBEDDINGS = ("auto", "shared", "int8", "int4", "fp32")
+_CHOSEN = {"keep": "fp32", "int8": "int8", "int4": "int4"}  # quant.json's embedding choice -> this option
+
+
+def _embed_scale_fp32(emb, cfg):
+    """The embedding's scale as the fp32 model applies it (HF's Gemma3TextScaledWordEmbedding multiplies
+    by embed_scale cast to the weight's dtype: fp32 in the reference), or None for a plain embedding.
+    A model loaded in bf16 holds the buffer rounded to bf16 (sqrt(2048): 45.25 for 45.2548): the fp32
+    value is then sqrt(hidden_size), which must round to the buffer it stands for."""
+    import torch
+
+    buf = getattr(emb, "embed_scale", None)
+    if buf is None:
+        return None
+    if buf.dtype == torch.float32:
+        return buf.detach().clone()
+    exact = torch.tensor(float(cfg.hidden_size) ** 0.5, dtype=torch.float32)
+    if not torch.equal(exact.to(buf.dtype), buf.detach()):
+        raise GqaGraphError(f"the embedding's scale {float(buf):g} ({buf.dtype}) is not sqrt(hidden_size): "
+                            f"its fp32 value is unknown; load the checkpoint in fp32")
+    return exact
+
+
+def _can_share(emb, head, layers, widths) -> bool:
+    """Whether the head's MatMulNBits weight can also be the embedding table (`_shared_embedding`)."""
+    import torch
+
+    if "lm_head" not in layers or widths.get("lm_head", 4) not in (4, 8):
+        return False
+    _, _, z, _ = layers["lm_head"]
+    if not (z == 2 ** (widths.get("lm_head", 4) - 1)).all():  # asymmetric codes: zero points (not shared)
+        return False
+    return tuple(emb.weight.shape) == tuple(head.weight.shape) and torch.equal(emb.weight.detach(),
+                                                                               head.weight.detach())
+
+
+def _shared_embedding(g: "_G", layers, widths, scale: float) -> tuple[str, int]:
+    """The token embedding as a GatherBlockQuantized over the head's own MatMulNBits weight: one tensor
+    on disk (and, mapped, in memory) serves both, as in a tied checkpoint.
+
+    Why by hand: ORT's GatherBlockQuantized takes data of any rank with `quantize_axis` the packed last
+    one, so the head's B [V, K/bs, bs*bits/8] is its data as it is (quantize_axis=2, block_size=bs);
+    its scales must have data's rank, so the head's [V, K/bs] scales go in through an Unsqueeze (ORT
+    folds it into a 4-byte-per-block copy at load: 21 MB on Gemma 3's 262k x 640 at blocks of 32; the
+    file holds them once). Zero points are ORT's default (8, 128) in both ops: symmetric codes only.
+    The embedding then carries the head's rounding: the error record of lm_head is the embedding's too.
+    Gemma 3's embed_scale is a Mul after the gather (HF multiplies the gathered rows too, in fp32 here).
+    The caller has checked that the head can be shared (`_can_share`).
+    """
+    q, _, _, gs = layers["lm_head"]
+    bits = int(widths.get("lm_head", 4))
+    k = q.shape[1]
+    scales3 = g.node("Unsqueeze", ["lm_head.scales", g.const_i64([2])], ["embed.scales"], "embed_scales")
+    rows = g.node("GatherBlockQuantized", ["lm_head.B", "input_ids", scales3], ["embed.rows"], "embed", domain=MS,
+                  bits=bits, block_size=int(gs), gather_axis=0, quantize_axis=2)  # [1, S, K/bs, bs]
+    return _gathered_rows(g, rows, k, scale), 0  # its bytes are the head's (counted under matmulnbits)
+
+
+def _gathered_rows(g: "_G", rows: str, k: int, scale: float) -> str:
+    """h_0 [1, S, K] from a GatherBlockQuantized's [1, S, K/bs, bs] rows, times Gemma's embed_scale (a Mul
+    after the gather, as HF multiplies the gathered rows) where it is not 1."""
+    h = g.node("Reshape", [rows, g.const_i64([0, 0, k])], ["h_0" if scale == 1.0 else "h_0raw"], "embed_rows")
+    if scale != 1.0:
+        h = g.node("Mul", [h, g.init("embed_scale", np.asarray(scale, np.float32))], ["h_0"], "embed_scale")
+    return h
+
+
+def _block_embedding(g: "_G", table, bits: int, scale: float) -> tuple[str, int]:
+    """An untied table as a GatherBlockQuantized of its own `bits`-bit codes (gptq.embedding_codes: the
+    rounding the quantize stage measured) in MatMulNBits' layout, scales [V, K/bs, 1] float32 (the codes'
+    fp16 values: rows come out float32 with no fp16 product). Scaled after the gather, as the shared one."""
+    from pipeline.quant import gptq
+
+    from pipeline.quant.int4_layouts import to_matmulnbits
+
+    q = gptq.embedding_codes(table, bits)
+    b, scales, _ = to_matmulnbits(q.qweight.numpy(), q.scales.numpy(), q.zeros.numpy(), q.group_size, sym=True,
+                                  bits=bits)
+    v, k = (int(d) for d in table.shape)
+    del q
+    g.init("embed.B", b)
+    g.init("embed.scales", scales.astype(np.float32).reshape(v, k // gptq.EMBED_BLOCK, 1))
+    rows = g.node("GatherBlockQuantized", ["embed.B", "input_ids", "embed.scales"], ["embed.rows"], "embed",
+                  domain=MS, bits=bits, block_size=gptq.EMBED_BLOCK, gather_axis=0, quantize_axis=2)
+    return _gathered_rows(g, rows, k, scale), int(b.nbytes + scales.size * 4)
+
+
+# --------------------------------------------------------------------------
+# The builder
+# --------------------------------------------------------------------------
+
+
+def build_gqa_graph(untied_dir, quant_dir, out_dir, max_len: int, accuracy_level: int = 4,
+                    **options) -> dict[str, Any]:
+    """Write out_dir/model.onnx (+ model.onnx.data past 1.5 GB) and io.json; return facts for a manifest.
+
+    `untied_dir`: the untie_head artifact (config.json + safetensors, head
+    untied); `quant_dir`: the quantize stage's edgekiln-int4/1 folder (every
+    linear, lm_head included); `max_len`: positions the graph serves (rope
+    caches and full-layer KV rows); `accuracy_level`: MatMulNBits' (4 = int8
+    activations, the fast CPU path; 0 = fp32). `options` override
+    DEFAULT_OPTIONS. Returns node/op counts, bytes (file, weights by kind, KV),
+    the per-layer plan and the MatMulNBits records (which layers each fuses).
+
+    Memory: the initializers stream to disk as they are built (`_G`), each
+    layer's codes are dropped once packed, and the HF model (its mapped
+    weights) is released before the file is checked. Gemma 3 270M (920 MB
+    graph, pack stage run alone, ru_maxrss): 6.46 GiB before that, 2.12 GiB
+    after: 1.31 GiB while building (the quantize codes, the embedding's mapped
+    pages, 16 MB row chunks), then onnx.checker reading and parsing the file
+    (~1.8x its size on a 0.48 GiB base).
+    """
+    opts = {**DEFAULT_OPTIONS, **options}
+    unknown = set(opts) - set(DEFAULT_OPTIONS)
+    if unknown:
+        raise GqaGraphError(f"unknown build options {sorted(unknown)}")
+    if max_len < 1:
+        raise GqaGraphError(f"max_len must be >= 1, got {max_len}")
+    if opts["kv_dtype"] not in KV_DTYPES:
+        raise GqaGraphError(f"kv_dtype must be one of {KV_DTYPES}, got {opts['kv_dtype']!r}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    g = _G(out_dir / _SPILL)
+    try:
+        return _build(g, untied_dir, quant_dir, out_dir, max_len, accuracy_level, opts)
+    finally:
+        g.discard()
+
+
+def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_level: int,
+           opts: dict[str, Any]) -> dict[str, Any]:
+    import onnx
+    import torch
+    from onnx import TensorProto, helper
+
+    from pipeline.quant.codes import read_quant
+
+    t0 = time.perf_counter()
+    meta, layers = read_quant(quant_dir, bits=(4, 8))  # MatMulNBits takes 8-bit blocks too (an 8-bit head)
+    quantized = set(layers)  # `_linear` takes each layer's codes out of `layers` once packed
+    widths = {n: int(info.get("bits", 4)) for n, info in meta["layers"].items()}
+    linear = functools.partial(_linear, widths=widths)
+    # The checkpoint's own dtype, mapped: the graph reads the norms, the rotary tables and (unless the
+    # head's codes serve as the embedding) the embedding table, never the linears (their codes come from
+    # quant_dir); each read is cast to fp32 exactly (bf16 -> fp32 is exact). On the 1.75B geometry the
+    # fp32 load alone was 8.2 GB.
+    model = load_hf_model(untied_dir, dtype="auto")
+    cfg = _text_config(model.config)
+    family = _family(cfg)
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise GqaGraphError("use_bidirectional_attention models are not causal decoders")
+    base = model.model
+    n_layers = cfg.num_hidden_layers
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    attn0 = base.layers[0].self_attn
+    hd = int(attn0.head_dim)
+    hidden = cfg.hidden_size
+    eps = float(cfg.rms_norm_eps)
+    gemma = family == "gemma3_text"
+    plan = layer_plan(cfg, max_len, opts["window_offset"], opts["window_cache_slack"])
+    rope = _rope_caches(model, max_len)
+    for key, (cos, _) in rope.items():
+        if cos.shape[1] * 2 != hd:
+            raise GqaGraphError(f"partial rotary ({cos.shape[1] * 2} of {hd} dims, {key}) is not supported")
+    if "lm_head" not in layers:
+        raise GqaGraphError("the quantize stage did not quantize lm_head (a tied head?): untie it first")
+    acc = int(accuracy_level)
+
+    def w(t) -> np.ndarray:
+        return t.detach().to(torch.float32).numpy().copy()
+
+    def bias_of(name: str):
+        b = getattr(model.get_submodule(name), "bias", None)
+        return None if b is None else w(b)
+
+    def gamma(norm) -> np.ndarray:  # Gemma3: (1 + w); Qwen3 / Llama: w
+        v = w(norm.weight)
+        return (1.0 + v).astype(np.float32) if gemma else v
+
+    records: dict[str, Any] = {}
+    S = "S"
+    # Embedding (scaled in the weight dtype, as HF's Gemma3TextScaledWordEmbedding does).
+    emb = base.embed_tokens
+    scale = _embed_scale_fp32(emb, cfg)
+    scale_f = float(scale) if scale is not None else 1.0
+    if opts["embedding"] in ("auto", "shared"):
+        share = _can_share(emb, model.lm_head, layers, widths)
+        if opts["embedding"] == "shared" and not share:
+            raise GqaGraphError("embedding='shared' needs a tied checkpoint (embedding and lm_head the same "
+                                "tensor) whose head the quantize stage wrote symmetric at 4 or 8 bits; use "
+                                "embedding='fp32'")
+        chosen = (meta.get("embedding") or {}).get("chosen")
+        opts["embedding"] = "shared" if share else _CHOSEN.get(chosen, "fp32")
+    if opts["embedding"] in ("int8", "int4"):
+        h, emb_bytes = _block_embedding(g, emb.weight.detach(), int(opts["embedding"][3:]), scale_f)
+    elif opts["embedding"] == "fp32":
+        # cast, scaled and written a row chunk at a time: no whole [V, H] fp32 table (671 MB on Gemma 3)
+        table = emb.weight.detach()
+        step = max(1, _CHUNK_BYTES // max(1, table[0].numel() * 4))
+
+        def rows():
+            for r in range(0, table.shape[0], step):
+                c = table[r:r + step].to(torch.float32)
+                yield (c * scale if scale is not None else c).numpy()
+
+        g.init_chunks("embed_tokens", tuple(table.shape), np.float32, rows())
+        h = g.node("Gather", ["embed_tokens", "input_ids"], ["h_0"], "embed", axis=0)  # [1, S, H]
+        emb_bytes = int(table.numel() * 4)
+    elif opts["embedding"] == "shared":
+        h, emb_bytes = _shared_embedding(g, layers, widths, scale_f)
+    else:
+        raise GqaGraphError(f"embedding must be one of {EMBEDDINGS}, got {opts['embedding']!r}")
+    kv16 = opts["kv_dtype"] == "float16"
+    kv_np, kv_proto = (np.float16, TensorProto.FLOAT16) if kv16 else (np.float32, TensorProto.FLOAT)
+    kv_item = np.dtype(kv_np).itemsize
+    for key, (cos, sin) in rope.items():
+        g.init(f"cos_{key}", cos.astype(kv_np))
+        g.init(f"sin_{key}", sin.astype(kv_np))
+
+    rope_key = [p["type"] if p["type"] in rope else "default" for p in plan]
+    softcaps = [_applies_attn_softcap(layer.self_attn) for layer in base.layers]
+    qkv_sizes = [nh * hd, nkv * hd, nkv * hd]
+    x_pending = None  # the previous sublayer's output, not yet added to the residual h
+    layer_facts = []
+
+    def norm_into(x_new, residual, gam_name, tag):
+        """(normed, new residual) = RMSNorm(x_new + residual); x_new None: RMSNorm(residual)."""
+        if x_new is None:
+            return g.node(opts["norm_op"], [residual, gam_name], [f"{tag}.out"], tag,
+                          axis=-1, epsilon=eps, stash_type=1), residual
+        if opts["skip_norm"]:
+            y, _, _, s = g.node("SkipSimplifiedLayerNormalization", [x_new, residual, gam_name],
+                                [f"{tag}.out", "", "", f"{tag}.sum"], tag, domain=MS, epsilon=eps)
+            return y, s
+        s = g.node("Add", [x_new, residual], [f"{tag}.sum"], f"{tag}.add")
+        return g.node(opts["norm_op"], [s, gam_name], [f"{tag}.out"], tag,
+                      axis=-1, epsilon=eps, stash_type=1), s
+
+    for p in plan:
+        i = p["index"]
+        layer = base.layers[i]
+        attn = layer.self_attn
+        pre = f"model.layers.{i}"
+        last = i == n_layers - 1
+        x, h = norm_into(x_pending, h, g.init(f"{pre}.input_layernorm.gamma", gamma(layer.input_layernorm)),
+                         f"{pre}.input_layernorm")
+        names = [f"{pre}.self_attn.{n}_proj" for n in ("q", "k", "v")]
+        has_qk_norm = hasattr(attn, "q_norm")
+        joint_norm = has_qk_norm and opts["qk_norm"] in ("joint", "branchwise")
+        if opts["fuse_qkv"] == "qk":
+            qk = linear(g, x, f"{pre}.self_attn.qk_proj", names[:2], layers, f"{pre}.qk", acc, True, records,
+                         bias_of)[0]
+            v = linear(g, x, f"{pre}.self_attn.v_proj", names[2:], layers, f"{pre}.v", acc, True, records,
+                        bias_of)[0]
+            qkv = [qk]
+            if not joint_norm:
+                q, k = g.node("Split", [qk, g.const_i64(qkv_sizes[:2])], [f"{pre}.q", f"{pre}.k"],
+                              f"{pre}.split_qk_raw", axis=-1)
+        else:
+            qkv = linear(g, x, f"{pre}.self_attn.qkv_proj", names, layers, f"{pre}.qkv", acc,
+                          bool(opts["fuse_qkv"]), records, bias_of)
+            if len(qkv) == 1 and joint_norm:
+                qk, v = g.node("Split", [qkv[0], g.const_i64([(nh + nkv) * hd, nkv * hd])],
+                               [f"{pre}.qk", f"{pre}.v"], f"{pre}.split_qkv", axis=-1)
+            elif len(qkv) == 1:
+                q, k, v = g.node("Split", [qkv[0], g.const_i64(qkv_sizes)], [f"{pre}.q", f"{pre}.k", f"{pre}.v"],
+                                 f"{pre}.split_qkv", axis=-1)
+            else:
+                q, k, v = qkv
+        if has_qk_norm:
+            gq, gk = gamma(attn.q_norm), gamma(attn.k_norm)
+            stacked = np.concatenate([np.tile(gq, (nh, 1)), np.tile(gk, (nkv, 1))]).astype(np.float32)
+            qk_sizes = g.const_i64([nh * hd, nkv * hd])
+            if opts["qk_norm"] == "branchwise" and len(qkv) == 1:
+                # per-head RMSNorm on the flat [1, S, (nh + nkv) * hd] tensor: no Reshape around it
+                n3 = g.node("BranchwiseRMSNorm", [qk, g.init(f"{pre}.qk_norm.gamma", stacked.reshape(-1))],
+                            [f"{pre}.qkn"], f"{pre}.qk_norm", domain=MS, num_branches=nh + nkv, epsilon=eps)
+                q, k = g.node("Split", [n3, qk_sizes], [f"{pre}.qn", f"{pre}.kn"], f"{pre}.split_qk", axis=-1)
+            elif opts["qk_norm"] == "joint" and len(qkv) == 1:
+                r = g.node("Reshape", [qk, g.const_i64([0, 0, -1, hd])], [f"{pre}.qk4"], f"{pre}.qk_reshape")
+                n4 = g.node(opts["norm_op"], [r, g.init(f"{pre}.qk_norm.gamma", stacked)],
+                            [f"{pre}.qk4n"], f"{pre}.qk_norm", axis=-1, epsilon=eps, stash_type=1)
+                n3 = g.node("Reshape", [n4, g.const_i64([0, 0, -1])], [f"{pre}.qkn"], f"{pre}.qk_flat")
+                q, k = g.node("Split", [n3, qk_sizes], [f"{pre}.qn", f"{pre}.kn"], f"{pre}.split_qk", axis=-1)
+            else:
+                outs = []
+                for tag, t, gm in (("q", q, gq), ("k", k, gk)):
+                    r = g.node("Reshape", [t, g.const_i64([0, 0, -1, hd])], [f"{pre}.{tag}4"], f"{pre}.{tag}_reshape")
+                    n4 = g.node(opts["norm_op"], [r, g.init(f"{pre}.{tag}_norm.gamma", gm)],
+                                [f"{pre}.{tag}4n"], f"{pre}.{tag}_norm", axis=-1, epsilon=eps, stash_type=1)
+                    outs.append(g.node("Reshape", [n4, g.const_i64([0, 0, -1])], [f"{pre}.{tag}n"],
+                                       f"{pre}.{tag}_flat"))
+                q, k = outs
+        key = rope_key[i]
+        gqa_attrs = {"num_heads": nh, "kv_num_heads": nkv, "scale": float(attn.scaling), "do_rotary": 1,
+                     "rotary_interleaved": 0, "local_window_size": int(p["local_window_size"])}
+        if p["window_cache"]:
+            gqa_attrs["sliding_window_cache"] = 1
+        if softcaps[i]:
+            gqa_attrs["softcap"] = float(softcaps[i])
+        if kv16:  # GQA takes one type T for q/k/v, the caches and its output
+            q, k, v = (g.node("Cast", [t], [f"{t}16"], f"{t}16", to=TensorProto.FLOAT16) for t in (q, k, v))
+        a = g.node("GroupQueryAttention",
+                   [q, k, v, f"past_key_{i}", f"past_value_{i}", "seqlens_k", "total_sequence_length",
+                    f"cos_{key}", f"sin_{key}"],
+                   [f"{pre}.attn16" if kv16 else f"{pre}.attn", f"present_key_{i}", f"present_value_{i}"],
+                   f"{pre}.gqa", domain=MS, **gqa_attrs)[0]
+        if kv16:
+            a = g.node("Cast", [a], [f"{pre}.attn"], f"{pre}.attn32", to=TensorProto.FLOAT)
+        if last and opts["last_layer_rows"] == "last":
+            # Only the last position's logits leave the graph: past the last GQA (whose K/V every row
+            # feeds), the last layer runs one row.
+            idx = g.const_i64(-1)  # a scalar index: [1, S, X] -> [1, X]
+            a = g.node("Gather", [a, idx], [f"{pre}.attn_last"], f"{pre}.attn_last", axis=1)
+            h = g.node("Gather", [h, idx], [f"{pre}.res_last"], f"{pre}.res_last", axis=1)
+        o = linear(g, a, f"{pre}.self_attn.o_proj", [f"{pre}.self_attn.o_proj"], layers, f"{pre}.o", acc,
+                    True, records, bias_of)[0]
+        if gemma:
+            o = g.node(opts["norm_op"],
+                       [o, g.init(f"{pre}.post_attention_layernorm.gamma", gamma(layer.post_attention_layernorm))],
+                       [f"{pre}.o_n"], f"{pre}.post_attention_layernorm", axis=-1, epsilon=eps, stash_type=1)
+            mlp_norm = layer.pre_feedforward_layernorm
+            mlp_tag = "pre_feedforward_layernorm"
+        else:
+            mlp_norm = layer.post_attention_layernorm
+            mlp_tag = "post_attention_layernorm"
+        x, h = norm_into(o, h, g.init(f"{pre}.{mlp_tag}.gamma", gamma(mlp_norm)), f"{pre}.{mlp_tag}")
+        names = [f"{pre}.mlp.gate_proj", f"{pre}.mlp.up_proj"]
+        gu = linear(g, x, f"{pre}.mlp.gate_up_proj", names, layers, f"{pre}.gu", acc, opts["fuse_gate_up"],
+                     records, bias_of)
+        if len(gu) == 1:
+            inter = cfg.intermediate_size
+            gate, up = g.node("Split", [gu[0], g.const_i64([inter, inter])], [f"{pre}.gate", f"{pre}.up"],
+                              f"{pre}.split_gate_up", axis=-1)
+        else:
+            gate, up = gu
+        act_name = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
+        if act_name in ("gelu_pytorch_tanh", "gelu_tanh"):
+            act = g.node("FastGelu", [gate], [f"{pre}.act"], f"{pre}.act", domain=MS)
+        elif act_name in ("silu", "swish"):
+            act = g.node("QuickGelu", [gate], [f"{pre}.act"], f"{pre}.act", domain=MS, alpha=1.0)
+        else:
+            raise GqaGraphError(f"activation {act_name!r} is not supported by the GQA graph")
+        m = g.node("Mul", [act, up], [f"{pre}.gated"], f"{pre}.gated")
+        m = linear(g, m, f"{pre}.mlp.down_proj", [f"{pre}.mlp.down_proj"], layers, f"{pre}.down", acc, True,
+                    records, bias_of)[0]
+        if gemma:
+            m = g.node(opts["norm_op"],
+                       [m, g.init(f"{pre}.post_feedforward_layernorm.gamma",
+                                  gamma(layer.post_feedforward_layernorm))],
+                       [f"{pre}.m_n"], f"{pre}.post_feedforward_layernorm", axis=-1, epsilon=eps, stash_type=1)
+        x_pending = m
+        layer_facts.append({**p, "rope": key, "rope_theta": _theta(cfg, key), "scale": float(attn.scaling),
+                            "attn_softcap": softcaps[i]})
+
+    xf, _ = norm_into(x_pending, h, g.init("model.norm.gamma", gamma(base.norm)), "model.norm")
+    if opts["last_layer_rows"] != "last":
+        xf = g.node("Gather", [xf, g.const_i64(-1)], ["final_last"], "final_last", axis=1)  # [1, H]
+    logits_name = "logits" if not getattr(cfg, "final_logit_softcapping", None) else "logits_raw"
+    logits = linear(g, xf, "lm_head", ["lm_head"], layers, logits_name, acc, True, records, bias_of)[0]  # [1, V]
+    final_cap = getattr(cfg, "final_logit_softcapping", None)
+    if final_cap:
+        c = g.init("final_softcap", np.asarray(final_cap, np.float32))
+        t = g.node("Div", [logits, c], ["logits_div"], "softcap_div")
+        t = g.node("Tanh", [t], ["logits_tanh"], "softcap_tanh")
+        g.node("Mul", [t, c], ["logits"], "softcap_mul")
+
+    vi = helper.make_tensor_value_info
+    inputs = [vi("input_ids", TensorProto.INT64, [1, S]), vi("seqlens_k", TensorProto.INT32, [1]),
+              vi("total_sequence_length", TensorProto.INT32, [])]
+    outputs = [vi("logits", TensorProto.FLOAT, [1, cfg.vocab_size])]
+    for i in range(n_layers):
+        kv_shape = [1, nkv, plan[i]["cache_len"], hd]
+        inputs += [vi(f"past_key_{i}", kv_proto, kv_shape), vi(f"past_value_{i}", kv_proto, kv_shape)]
+        outputs += [vi(f"present_key_{i}", kv_proto, kv_shape), vi(f"present_value_{i}", kv_proto, kv_shape)]
+    # the initializers are in g's spill file (model.onnx gets them in this order: `_write_model`)
+    graph = helper.make_graph(g.nodes, f"{family}_gqa", inputs, outputs, [])
+    onnx_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
+                                   producer_name="edgekiln.gqa_graph")
+    onnx_model.ir_version = 11
+
+    unused = sorted(quantized - {n for r in records.values() for n in r["layers"]})
+    if unused:
+        raise GqaGraphError(f"quantized layers the graph does not use: {', '.join(unused[:8])}")
+
+    # The HF model (its mapped weights: the embedding's pages were read) is not needed past here.
+    gen_cfg = getattr(model, "generation_config", None)
+    model = base = attn0 = emb = table = scale = layer = attn = mlp_norm = None  # noqa: F841 (every module ref)
+    gc.collect()
+
+    onnx_path = out_dir / "model.onnx"
+    data_name = "model.onnx.data"
+    external = g.init_bytes > _EXTERNAL_DATA_BYTES
+    for stale in (onnx_path, out_dir / data_name):
+        stale.unlink(missing_ok=True)
+    _write_model(onnx_model, g, onnx_path, external, data_name, size_threshold=1024)
+    if opts["norm_op"] == "RMSNormalization":  # the checker does not know ORT's SimplifiedLayerNormalization
+        onnx.checker.check_model(str(onnx_path), full_check=False)  # from the file: no in-memory copy
+
+    def _io(v):
+        dims = [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+        return {"name": v.name, "shape": dims,
+                "dtype": helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name}
+
+    io = {
+        "format": IO_FORMAT,
+        "family": family,
+        "inputs": [_io(v) for v in inputs],
+        "outputs": [_io(v) for v in outputs],
+        "max_len": int(max_len),
+        "kv_layout": "BNSH [1, n_kv, cache_len, head_dim] per layer (max_len, or window + slack for a "
+                     "window_cache layer), past_* and present_* bound to one buffer",
+        "kv_dtype": opts["kv_dtype"],
+        "layers": layer_facts,
+        "vocab_size": int(cfg.vocab_size),
+        "n_layers": int(n_layers),
+        "n_heads": int(nh),
+        "n_kv_heads": int(nkv),
+        "head_dim": hd,
+        "hidden_size": int(hidden),
+        "sliding_window": getattr(cfg, "sliding_window", None),
+        "final_logit_softcapping": final_cap,
+        "accuracy_level": acc,
+        "quant": {k: meta.get(k) for k in ("format", "method", "group_size", "sym")},
+        "options": opts,
+        "bos_token_id": _first_id(getattr(cfg, "bos_token_id", None), getattr(gen_cfg, "bos_token_id", None)),
+        "eos_token_id": _id_list(getattr(cfg, "eos_token_id", None), getattr(gen_cfg, "eos_token_id", None)),
+        "external_data": external,
+        "opset": OPSET,
+    }
+    (out_dir / "io.json").write_text(json.dumps(io, indent=2) + "\n")
+    ops: dict[str, int] = {}
+    for node in g.nodes:
+        ops[node.op_type] = ops.get(node.op_type, 0) + 1
+    files = [onnx_path] + ([out_dir / data_name] if external else [])
+    return {
+        "onnx": str(onnx_path),
+        "family": family,
+        "nodes": len(g.nodes),
+        "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1])),
+        "bytes": sum(f.stat().st_size for f in files),
+        "weight_bytes": {"matmulnbits": sum(r["bytes"] for r in records.values()),
+                         "embedding": emb_bytes},
+        "matmulnbits": records,
+        "layer_plan": layer_facts,
+        "max_len": int(max_len),
+        "accuracy_level": acc,
+        "kv_bytes": int(sum(2 * nkv * p["cache_len"] * hd * kv_item for p in plan)),
+        "kv_dtype": opts["kv_dtype"],
+        "options": opts,
+        "external_data": external,
+        "build_s": round(time.perf_counter() - t0, 2),
+    }
+
+
+def _theta(cfg, key: str):
+    rp = getattr(cfg, "rope_parameters", None) or {}
+    if key in rp and isinstance(rp[key], dict):
+        return rp[key].get("rope_theta")
+    return rp.get("rope_theta", getattr(cfg, "rope_theta", None))
+
+
+# --------------------------------------------------------------------------
+# Runtime
+# --------------------------------------------------------------------------
+
+
+# A prefill of at least this many rows hands its freed workspace back to the kernel (pages.release_heap):
+# decode steps' temporaries are small and reused, a long prefill's are not.
+_TRIM_AFTER_ROWS = 64
+
+
+class GqaDecoder(_Greedy):
+    """The runtime of a `build_gqa_graph` artifact; the API of decode_graph.OnnxDecoder plus batched prefill.
+
+    KV: one preallocated OrtValue (io.json's kv_dtype) per past/present pair, bound as both
+    (GQA writes the new rows in place; a window_cache layer's buffer is W +
+    slack rows and the op compacts it itself). Decode: input_ids / seqlens_k /
+    total_sequence_length / logits are numpy-backed OrtValues bound once; a
+    step writes three numbers and runs. `step` and `prefill` return a copy of
+    the logits (the bound buffer is overwritten by the next call).
+
+    Session: intra_op `threads`, inter_op 1, sequential, spinning on (ORT's
+    default: decode measured 1.26x (~100M) to 1.43x (5M) faster than with
+    spinning off at 2 threads),
+    ORT_ENABLE_ALL. `huge_pages=True` collapses the session's memory into
+    2 MiB pages after loading (pipeline/runtimes/pages.py; the deploy profile says
+    whether it measured faster on the target). `page_out=True` (the default)
+    pages out the mapped weights file once the session is built
+    (pages.page_out_file): the prepacked weights are the session's own copies,
+    and a tied model's table is resident only in the rows a gather has read.
+    `memory_arena=False` (the default) turns ONNX Runtime's CPU arena off: with
+    it the arena kept the 512-token prefill's workspace for good (Gemma 3 270M:
+    576 MiB resident after a 512-token prompt, 503-531 without; decode and
+    prefill the same within this host's noise).
+    """
+
+    def __init__(self, artifact_dir, threads: int = 1, *, spinning: bool | None = None, opt_level: str = "all",
+                 profile: str | None = None, session_config: dict | None = None, huge_pages: bool = False,
+                 page_out: bool = True, memory_arena: bool = False):
+        import onnxruntime as ort
+
+        maps_before = anon_mappings() if huge_pages else {}
+        self._ort = ort
+        self.dir = Path(artifact_dir)
+        self.io = json.loads((self.dir / "io.json").read_text())
+        if self.io.get("format") != IO_FORMAT:
+            raise GqaGraphError(f"{self.dir}: io.json format {self.io.get('format')!r}, expected {IO_FORMAT!r}")
+        so = session_options(threads, spinning=spinning, opt_level=opt_level, profile=profile, config=session_config)
+        so.enable_cpu_mem_arena = bool(memory_arena)
+        self.session = ort.InferenceSession(str(self.dir / "model.onnx"), sess_options=so,
+                                            providers=["CPUExecutionProvider"])
+        self.max_len = self.context_length = int(self.io["max_len"])
+        self.vocab_size = int(self.io["vocab_size"])
+        self.n_layers = int(self.io["n_layers"])
+        self._kv = []
+        self.kv_dtype = np.dtype(self.io.get("kv_dtype", "float32"))  # io.json before kv_dtype: fp32
+        for layer in self.io["layers"]:
+            shape = (1, int(self.io["n_kv_heads"]), int(layer["cache_len"]), int(self.io["head_dim"]))
+            self._kv.append((ort.OrtValue.ortvalue_from_shape_and_type(shape, self.kv_dtype),
+                             ort.OrtValue.ortvalue_from_shape_and_type(shape, self.kv_dtype)))
+        # Decode-step buffers (numpy memory shared with the bound OrtValues).
+        self._ids = np.zeros((1, 1), np.int64)
+        self._seqlens = np.zeros((1,), np.int32)
+        self._total = np.zeros((), np.int32)
+        self._logits = np.zeros((1, self.vocab_size), np.float32)
+        self._step_binding, self._step_values = self._binding(self._ids, self._seqlens, self._total, self._logits)
+        self.position = 0
+        data = self.dir / "model.onnx.data"
+        self.paged_out_bytes = page_out_file(data) if page_out and data.is_file() else 0
+        # Back the session's weights (and the KV) with 2 MiB pages (pipeline/runtimes/pages.py).
+        self.huge_page_bytes = collapse_to_huge_pages(maps_before) if huge_pages else 0
+
+    def _binding(self, ids, seqlens, total, logits):
+        """(IOBinding, the OrtValues wrapping the numpy arrays: keep them alive while it is used)."""
+        ort = self._ort
+        b = self.session.io_binding()
+        keep = []
+        for name, arr in (("input_ids", ids), ("seqlens_k", seqlens), ("total_sequence_length", total)):
+            v = ort.OrtValue.ortvalue_from_numpy(arr)
+            keep.append(v)
+            b.bind_ortvalue_input(name, v)
+        lv = ort.OrtValue.ortvalue_from_numpy(logits)
+        keep.append(lv)
+        b.bind_ortvalue_output("logits", lv)
+        for i, (k, v) in enumerate(self._kv):
+            b.bind_ortvalue_input(f"past_key_{i}", k)
+            b.bind_ortvalue_input(f"past_value_{i}", v)
+            b.bind_ortvalue_output(f"present_key_{i}", k)
+            b.bind_ortvalue_output(f"present_value_{i}", v)
+        return b, keep
+
+    def reset(self) -> None:
+        # GQA never reads rows at or past seqlens_k + 1, so stale K/V need not be cleared.
+        self.position = 0
+
+    def _check(self, n: int) -> None:
+        if self.position + n > self.max_len:
+            raise ContextFull(f"position {self.position} + {n} token(s) is past the graph's max_len "
+                              f"{self.max_len}; reset() or build with a larger max_len")
+
+    def step(self, token_id: int) -> np.ndarray:
+        self._check(1)
+        p = self.position
+        self._ids[0, 0] = token_id
+        self._seqlens[0] = p
+        self._total[()] = p + 1
+        self.session.run_with_iobinding(self._step_binding)
+        self.position = p + 1
+        return self._logits[0].copy()
+
+    def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
+        """All of `token_ids` in one run (S = len); logits of the last one."""
+        ids = np.asarray([list(token_ids)], dtype=np.int64)
+        n = ids.shape[1]
+        if n == 0:
+            raise ValueError("prefill needs at least one token")
+        if n == 1:
+            return self.step(int(ids[0, 0]))
+        self._check(n)
+        p = self.position
+        seqlens = np.asarray([p + n - 1], np.int32)
+        total = np.asarray(p + n, np.int32)
+        logits = np.zeros((1, self.vocab_size), np.float32)
+        b, _keep = self._binding(ids, seqlens, total, logits)
+        self.session.run_with_iobinding(b)
+        self.position = p + n
+        if n >= _TRIM_AFTER_ROWS:
+            release_heap()  # the prefill's freed workspace leaves the resident set (pages.release_heap)
+        return logits[0]
+
+    def kv_bytes(self) -> int:
+        return int(sum(self.kv_dtype.itemsize * (np.prod(k.shape()) + np.prod(v.shape())) for k, v in self._kv))
+
+    def end_profiling(self) -> str:
+        return self.session.end_profiling()

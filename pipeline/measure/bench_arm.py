@@ -1,0 +1,325 @@
+"""One benchmark pass of one arm, in a process of its own.
+
+    python -m pipeline.measure.bench_arm --arm onnx_fp32 --artifact DIR --prompt-length 32 \
+        --decode-tokens 64 --warmup-tokens 4 --threads 2 --context-points 32,128
+
+A fresh process per pass, because peak RSS and resident pages are per process
+(arms measured in one process would share, and hide, each other's memory),
+and because a cold start is only cold once. Prints one JSON line.
+
+Figures: load seconds (imports excluded, cold start includes them), warm start
+(a second load in the same process, after the first was dropped: imports done,
+files in the page cache), time to first token, prefill and decode tokens/s at
+the explicit prompt length (the headline), decode tokens/s after prefilling to
+each context point, peak RSS (VmHWM, taken before the warm reload) and
+resident memory (Rss from /proc/self/smaps_rollup: resident, not allocated) by
+component: before load, after load, after the run, and the resident pages of
+the artifact's own weight files where they are mapped. `kv_bytes` is the KV
+the arm actually holds after the headline run (ONNX: the preallocated cache
+arrays; eager: the DynamicCache tensors; llama.cpp: its f16 cache of n_ctx).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+T_PROCESS = time.perf_counter()
+MIB = 1024 * 1024
+WEIGHT_SUFFIXES = (".onnx", ".onnx.data", ".safetensors", ".gguf", ".bin")
+
+
+def resident_mib() -> float:
+    """Resident set from smaps_rollup: pages actually in memory now."""
+    return _rollup().get("Rss", float("nan"))
+
+
+def _rollup() -> dict[str, float]:
+    """smaps_rollup fields in MiB (Rss, Anonymous, ...): resident, not allocated."""
+    out: dict[str, float] = {}
+    try:
+        for line in open("/proc/self/smaps_rollup"):
+            parts = line.split()
+            if len(parts) >= 3 and parts[0].endswith(":") and parts[2] == "kB":
+                out[parts[0][:-1]] = int(parts[1]) / 1024
+    except OSError:
+        pass
+    return out
+
+
+def memory_snapshot() -> dict[str, float]:
+    r = _rollup()
+    rss = r.get("Rss", float("nan"))
+    anon = r.get("Anonymous", float("nan"))
+    return {"rss_mib": rss, "anon_mib": anon, "file_mib": rss - anon,
+            "anon_huge_mib": r.get("AnonHugePages", float("nan"))}
+
+
+def mapped_resident_mib(paths: list[Path]) -> float:
+    """Resident pages of mappings of these files (from /proc/self/smaps).
+
+    A runtime that mmaps its weights shows them here; one that reads them into
+    its own buffers shows 0 (the weights are then in anonymous memory).
+    """
+    names = {str(p.resolve()) for p in paths}
+    total_kb, current = 0, False
+    try:
+        for line in open("/proc/self/smaps"):
+            head = line.split()
+            if not head:
+                continue
+            if "-" in head[0] and not head[0].endswith(":"):
+                current = len(head) >= 6 and head[5] in names
+            elif current and head[0] == "Rss:":
+                total_kb += int(head[1])
+    except OSError:
+        return float("nan")
+    return total_kb / 1024
+
+
+def _components(before: dict, after: dict, mapped: float, kv: float) -> dict[str, float]:
+    runtime = before["rss_mib"]
+    allocated = after["anon_mib"] - before["anon_mib"] - kv
+    return {"runtime_mib": runtime, "allocated_mib": allocated, "kv_held_mib": kv,
+            "other_mib": after["rss_mib"] - runtime - mapped - allocated - kv}
+
+
+def weight_files(artifact: str) -> list[Path]:
+    p = Path(artifact)
+    if p.is_file():
+        return [p]
+    return sorted(f for f in p.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES))
+
+
+def peak_rss_mib() -> float:
+    """This process's own peak resident set (VmHWM). Not ru_maxrss: that survives fork and exec, so
+    every arm started from the benchmark stage reported the stage's own peak (1261 MiB for every arm
+    on Gemma 3 270M) wherever it was the larger."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+ARMS = {
+    "onnx_fp32": "ONNX Runtime, the exported fp32 decode step",
+    "torch_eager_fp32": "PyTorch eager fp32, the Hugging Face model (baseline)",
+    "ort_int4": "ONNX Runtime, GroupQueryAttention + MatMulNBits 4-bit graph, IO-bound KV (packed artifact)",
+    "tinygemm_w4a16": "PyTorch eager with tinygemm int4 linears, bf16 activations (packed artifact)",
+    "llamacpp_q4_k_m": "llama.cpp Q4_K_M through llama-cpp-python, GGUF from its bundled converter (baseline)",
+    "llamacpp_q4_0": "llama.cpp's own Q4_0 (round to nearest) through llama-cpp-python (baseline)",
+    "gguf_q4_0": "llama.cpp through llama-cpp-python, our GPTQ weights as GGUF Q4_0 (packed artifact)",
+    "ortgenai_int4": "onnxruntime-genai int4 from its own model builder (round-to-nearest, block 32, "
+                     "GroupQueryAttention), decoded by its own generator loop (baseline)",
+}
+
+
+LLAMA_ARMS = ("llamacpp_q4_k_m", "llamacpp_q4_0", "gguf_q4_0")
+
+
+def make_decoder(arm: str, artifact: str, threads: int, n_ctx: int = 0, session: dict | None = None):
+    """The arm's decoder; `session`: GqaDecoder settings (spinning, huge pages) from a deploy profile."""
+    from pipeline.graphs.decode_graph import OnnxDecoder, TorchReference
+
+    if arm == "ort_int4":
+        from pipeline.graphs.gqa_graph import GqaDecoder
+
+        return GqaDecoder(artifact, threads=threads, **(session or {}))
+    if arm == "onnx_fp32":
+        return OnnxDecoder(artifact, threads=threads)
+    if arm == "torch_eager_fp32":
+        return TorchReference(artifact, threads=threads)
+    if arm == "tinygemm_w4a16":
+        from pipeline.runtimes.tinygemm import load_tinygemm_model
+
+        return TorchReference(load_tinygemm_model(artifact, artifact), threads=threads)
+    if arm in LLAMA_ARMS:
+        from pipeline.quant.gguf_q4 import GGUF_FILE
+        from pipeline.runtimes.llamacpp import LlamaCppDecoder
+
+        p = Path(artifact)
+        return LlamaCppDecoder(str(p / GGUF_FILE if p.is_dir() else p), threads=threads, n_ctx=n_ctx)
+    if arm == "ortgenai_int4":
+        from pipeline.runtimes.ortgenai import GenaiDecoder
+
+        return GenaiDecoder(artifact, threads=threads, n_ctx=n_ctx)
+    raise SystemExit(f"unknown arm {arm!r}: one of {', '.join(ARMS)}")
+
+
+def import_runtime(arm: str) -> None:
+    """Import the arm's runtime libraries before the clock and the first memory
+    snapshot: load_s then excludes imports (cold_start_s includes them), and the
+    resident memory before load is interpreter + libraries, the load delta weights
+    + session."""
+    import numpy  # noqa: F401
+
+    if arm in ("onnx_fp32", "ort_int4"):
+        import onnxruntime  # noqa: F401
+    elif arm in LLAMA_ARMS:
+        import llama_cpp  # noqa: F401
+    elif arm == "ortgenai_int4":
+        import onnxruntime_genai  # noqa: F401
+    else:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+        from transformers import AutoModelForCausalLM  # noqa: F401  (lazy module: resolve it now)
+
+
+def kv_bytes(dec) -> int:
+    """Bytes of KV the decoder holds now (what it really allocated, not a formula)."""
+    if hasattr(dec, "kv_bytes"):
+        return int(dec.kv_bytes())
+    caches = getattr(dec, "_caches", None)
+    if caches is not None:  # OnnxDecoder: preallocated numpy K/V per layer
+        return int(sum(k.nbytes + v.nbytes for k, v, _ in caches))
+    cache = getattr(dec, "cache", None)
+    total = 0
+    for layer in getattr(cache, "layers", None) or ():  # transformers DynamicCache
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if t is not None and hasattr(t, "numel"):
+                total += t.numel() * t.element_size()
+    return int(total)
+
+
+def prefill(dec, ids):
+    """The prompt through `dec`: its batched prefill where it has one, else token by token;
+    the last token's logits (shared by the benchmark, the settings sweep and `generate`)."""
+    if hasattr(dec, "prefill"):
+        return dec.prefill(ids)
+    logits = None
+    for t in ids:
+        logits = dec.step(t)
+    return logits
+
+
+def _run(dec, ids, decode_tokens: int) -> tuple[float, float]:
+    """Prefill `ids` then decode greedily; (prefill seconds, decode seconds)."""
+    import numpy as np
+
+    dec.reset()
+    t0 = time.perf_counter()
+    logits = prefill(dec, ids)
+    t1 = time.perf_counter()
+    if hasattr(dec, "decode_greedy"):  # a runtime's own loop (onnxruntime-genai): what its users run
+        dec.decode_greedy(decode_tokens)
+        return t1 - t0, time.perf_counter() - t1
+    token = int(np.argmax(logits))
+    for _ in range(decode_tokens):
+        token = int(np.argmax(dec.step(token)))
+    return t1 - t0, time.perf_counter() - t1
+
+
+def measure(arm: str, artifact: str, prompt_length: int, decode_tokens: int, warmup: int, threads: int, seed: int,
+            context_points: list[int] | None = None, context_decode_tokens: int = 32, n_ctx: int = 0) -> dict:
+    import numpy as np
+
+    from pipeline.runtimes import pages
+
+    context_points = list(context_points or [])
+    import_runtime(arm)
+    mem_before = memory_snapshot()
+    t_imports = time.perf_counter()
+    dec = make_decoder(arm, artifact, threads, n_ctx)
+    t_loaded = time.perf_counter()
+    mem_loaded = memory_snapshot()
+    vocab = dec.vocab_size
+    # Speed does not depend on which tokens: a seeded, valid, explicit-length prompt.
+    longest = max([prompt_length, *context_points])
+    prompt = np.random.default_rng(seed).integers(4, vocab, size=longest).tolist()
+
+    if warmup:
+        dec.reset()
+        for t in prompt[:warmup]:
+            dec.step(t)
+    t_prefill, t_decode = _run(dec, prompt[:prompt_length], decode_tokens)
+    kv = kv_bytes(dec)
+    mem_run = memory_snapshot()
+    files = weight_files(artifact)
+    mapped = mapped_resident_mib(files)
+    context = []
+    for point in context_points:
+        tp, td = _run(dec, prompt[:point], context_decode_tokens)
+        context.append({"context": point, "prefill_tok_s": point / tp, "decode_tok_s": context_decode_tokens / td,
+                        "kv_bytes": kv_bytes(dec)})
+    peak = peak_rss_mib()
+    resident_end = resident_mib()
+    prefill_mode = "batched forward" if hasattr(dec, "prefill") else "token by token through the decode step"
+
+    # Warm start: the same load again in this process, the first decoder dropped.
+    del dec
+    gc.collect()
+    t_w0 = time.perf_counter()
+    dec = make_decoder(arm, artifact, threads, n_ctx)
+    warm = time.perf_counter() - t_w0
+    del dec
+    return {
+        "arm": arm,
+        "prefill_tok_s": prompt_length / t_prefill,
+        "decode_tok_s": decode_tokens / t_decode,
+        "ttft_ms": t_prefill * 1000,
+        "load_s": t_loaded - t_imports,
+        "cold_start_s": t_loaded - T_PROCESS,
+        "warm_start_s": warm,
+        "peak_rss_mib": peak,
+        "resident_mib": resident_end,
+        "kv_bytes": kv,
+        "kv_mib": kv / MIB,
+        "memory": {
+            "before_load_mib": mem_before["rss_mib"],
+            "after_load_mib": mem_loaded["rss_mib"],
+            "after_run_mib": mem_run["rss_mib"],
+            "load_delta_mib": mem_loaded["rss_mib"] - mem_before["rss_mib"],
+            "run_delta_mib": mem_run["rss_mib"] - mem_loaded["rss_mib"],
+            "anon_after_run_mib": mem_run["anon_mib"],
+            "anon_huge_after_run_mib": mem_run["anon_huge_mib"],
+            "file_after_run_mib": mem_run["file_mib"],
+            "weights_file_mib": sum(f.stat().st_size for f in files) / MIB,
+            "weights_mapped_resident_mib": mapped,
+            # where the resident MiB go after the headline run (components sum to after_run_mib):
+            # the interpreter and libraries before load; the weight files' mapped pages; the memory the
+            # runtime allocated for itself (prepacked weight copies, arena, workspaces) less the KV; the KV
+            # it holds; anything else (other files' pages read since)
+            **_components(mem_before, mem_run, mapped, kv / MIB),
+        },
+        "context": context,
+        "prefill_mode": prefill_mode,
+        "huge_pages_asked": pages.in_use(),
+        "pid": os.getpid(),
+    }
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipeline.measure.bench_arm", description=__doc__.splitlines()[0])
+    p.add_argument("--arm", required=True, choices=sorted(ARMS))
+    p.add_argument("--artifact", required=True)
+    p.add_argument("--prompt-length", type=int, required=True)
+    p.add_argument("--decode-tokens", type=int, required=True)
+    p.add_argument("--warmup-tokens", type=int, default=4)
+    p.add_argument("--threads", type=int, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--context-points", type=_ints, default=[])
+    p.add_argument("--context-decode-tokens", type=int, default=32)
+    p.add_argument("--n-ctx", type=int, default=0, help="context the runtime allocates (llama.cpp)")
+    a = p.parse_args(argv)
+    result = measure(a.arm, a.artifact, a.prompt_length, a.decode_tokens, a.warmup_tokens, a.threads, a.seed,
+                     a.context_points, a.context_decode_tokens, a.n_ctx)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

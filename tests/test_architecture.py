@@ -1,0 +1,114 @@
+"""The layout of pipeline/ is the architecture: each part imports only the parts
+below it, and no module is part of an import circle (imports inside functions
+counted, as codedeps counts them for the cache key)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.engine.codedeps import imported_modules
+from pipeline.engine.layout import ROOT
+
+# What each part may import besides itself (pipeline/<part>/__init__.py says why).
+ALLOWED = {
+    "engine": {"sources", "toolchains"},
+    "sources": set(),
+    "toolchains": {"engine"},
+    "quant": {"engine", "sources", "toolchains"},
+    "graphs": {"engine", "sources", "quant", "toolchains", "runtimes"},
+    "runtimes": {"engine", "sources", "quant", "graphs", "toolchains", "measure"},
+    "measure": {"engine", "sources", "quant", "graphs", "runtimes", "toolchains"},
+    "fleet": {"engine", "sources", "toolchains", "measure"},
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted((ROOT / "pipeline").rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        if "hydra_plugins" in rel.parts:
+            continue
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    graph = {}
+    for name, path in mods.items():
+        deps = set()
+        for dotted in imported_modules(path):
+            # `from pipeline.x import y`: y is a module or a name in pipeline.x
+            while dotted and dotted not in mods:
+                dotted = dotted.rpartition(".")[0]
+            if dotted and dotted != name and dotted.count(".") >= 1:
+                deps.add(dotted)
+        graph[name] = deps
+    return graph
+
+
+def _part(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "pipeline" and len(parts) > 2 else None
+
+
+def test_every_module_lives_in_a_part():
+    loose = [m for m, path in _modules().items()
+             if m.count(".") == 1 and path.name != "__init__.py" and m != "pipeline.__main__"]
+    assert loose == [], f"modules directly in pipeline/ (put each in its part): {loose}"
+    assert {_part(m) for m in _modules()} - {None} == set(ALLOWED)
+
+
+def test_each_part_imports_only_the_parts_it_may():
+    wrong = []
+    for mod, deps in _graph().items():
+        part = _part(mod)
+        if part is None:
+            continue
+        for dep in deps:
+            other = _part(dep)
+            if other and other != part and other not in ALLOWED[part]:
+                wrong.append(f"{mod} imports {dep}")
+    assert wrong == []
+
+
+def test_stages_import_no_other_stage():
+    for path in sorted((ROOT / "stages").glob("*.py")):
+        others = {m for m in imported_modules(path) if m.startswith("stages.") and m != f"stages.{path.stem}"}
+        assert not others, f"{path.name} imports {others}"
+
+
+def test_no_import_circles():
+    graph = _graph()
+    index, low, stack, on, circles = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert circles == []
