@@ -121,7 +121,7 @@ def fidelity(model: Path, quant: Path, files: dict[str, dict], decode_tokens: in
 
     from pipeline.quant import gguf_q4
     from pipeline.engine.config import CONF_DIR
-    from pipeline.graphs.decode_graph import TorchReference
+    from pipeline.runtimes.reference import TorchReference
     from stages.verify_parity import REF_THREADS, _compare, _prompt_ids, _teacher
 
     prompts = [str(p) for p in OmegaConf.load(CONF_DIR / "parity" / "default.yaml").prompts][:n_prompts]

@@ -14,7 +14,7 @@ of its reps. Figures across passes: median [min-max].
 Arms (default gqa and llamacpp; `--arms` picks, `--arm label=kind:path` adds any):
 - gqa:       GqaDecoder on the graph built here from the build's untie_head +
              quantize artifacts (accuracy_level 4, max_len --max-len), batched prefill.
-- ort_int4:  decode_graph.OnnxDecoder on artifacts/<build>/pack (token-by-token
+- ort_int4:  runtimes.onnx.OnnxDecoder on artifacts/<build>/pack (token-by-token
              prefill, its own context length); when prompt + decode does not fit that
              context, the same pack recipe (export_decode_step + quantize_onnx_matmuls,
              accuracy_level 4) is rebuilt under --work with the smallest context that fits.
@@ -56,7 +56,7 @@ WARM_DECODE = 8
 
 def make_decoder(kind: str, path: str, threads: int, n_ctx: int):
     if kind.startswith("gqa"):
-        from pipeline.graphs.gqa_graph import GqaDecoder
+        from pipeline.runtimes.gqa import GqaDecoder
 
         kw = {}
         if kind == "gqa_collapse":
@@ -73,7 +73,7 @@ def make_decoder(kind: str, path: str, threads: int, n_ctx: int):
             raise SystemExit(f"unknown kind {kind}")
         return GqaDecoder(path, threads=threads, **kw)
     if kind == "ort_int4":
-        from pipeline.graphs.decode_graph import OnnxDecoder
+        from pipeline.runtimes.onnx import OnnxDecoder
 
         return OnnxDecoder(path, threads=threads)
     if kind in ("llamacpp", "llamacpp_thp"):
@@ -103,7 +103,7 @@ def worker(a) -> dict:
     return {"kind": a.kind, "path": a.path, "prompt_length": a.prompt_length, "threads": int(a.threads),
             "prefill_tok_s": statistics.median(pre), "decode_tok_s": statistics.median(dcd),
             "reps_prefill": pre, "reps_decode": dcd, "load_s": load_s,
-            "kv_bytes": bench_arm.kv_bytes(dec), "resident_mib": bench_arm.resident_mib(),
+            "kv_bytes": dec.kv_bytes(), "resident_mib": bench_arm.resident_mib(),
             "peak_rss_mib": bench_arm.peak_rss_mib(), "pid": os.getpid()}
 
 

@@ -64,7 +64,8 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from pipeline.graphs import npu_rewrite, qnn
-    from pipeline.graphs.decode_graph import OnnxDecoder, TorchReference
+    from pipeline.runtimes.onnx import OnnxDecoder
+    from pipeline.runtimes.reference import TorchReference
     from pipeline.sources.tensorfile import load_onnx
     from stages import pack as pack_stage
     from stages import verify_parity as vp

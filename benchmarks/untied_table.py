@@ -29,8 +29,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import numpy as np
 
-    from pipeline.graphs.decode_graph import TorchReference, load_hf_model, snr_db
-    from pipeline.graphs.gqa_graph import GqaDecoder, build_gqa_graph
+    from pipeline.runtimes.reference import TorchReference
+
+    from pipeline.graphs.decode_graph import load_hf_model, snr_db
+    from pipeline.runtimes.gqa import GqaDecoder
+    from pipeline.graphs.gqa_graph import build_gqa_graph
 
     b = a.build
     chosen = (json.loads((b / "quantize" / "quant.json").read_text()).get("embedding") or {}).get("chosen")

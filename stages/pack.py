@@ -23,7 +23,7 @@ The weight path is chosen by `pipeline.quant.weight_path.select(device, priority
   GatherBlockQuantized over the head's own weight (one copy); an untied one's
   a GatherBlockQuantized of its table's 8- or 4-bit codes, or its fp32 table,
   as the quantize stage measured and chose (quant.json "embedding"). Config and tokenizer copied from the export
-  artifact; runs in `gqa_graph.GqaDecoder`.
+  artifact; runs in `pipeline.runtimes.gqa.GqaDecoder`.
 - qnn_graph (phone NPU): `float/model.onnx` (+ its external data), the export made QNN-ready
   (pipeline/graphs/npu_rewrite.py: sanitized, rotary tables, fused RMSNorm; checked
   against the export on a decode past the window), and per QDQ precision in
@@ -220,7 +220,8 @@ def _check_and_probe_stream(float_dir: Path, want: list, check: list[int], embed
     import onnx
 
     from pipeline.graphs import npu_rewrite
-    from pipeline.graphs.decode_graph import OnnxDecoder, snr_db
+    from pipeline.runtimes.onnx import OnnxDecoder
+    from pipeline.graphs.decode_graph import snr_db
 
     structure = onnx.load(str(float_dir / "model.onnx"), load_external_data=False)
     stream = npu_rewrite.residual_tensors(structure)
@@ -263,7 +264,8 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
 
     from pipeline.quant import gptq
     from pipeline.graphs import npu_rewrite, qnn
-    from pipeline.graphs.decode_graph import OnnxDecoder, snr_db
+    from pipeline.runtimes.onnx import OnnxDecoder
+    from pipeline.graphs.decode_graph import snr_db
     from pipeline.sources.tensorfile import load_onnx
 
     cfg = ctx.cfg.pack

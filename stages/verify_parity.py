@@ -6,7 +6,7 @@ model uses one):
 1. The reference (TorchReference: eager HF fp32 with its own cache) takes the
    prompt in one forward and decodes `parity.decode_tokens` greedy tokens one
    cached step at a time (teacher sequence). It keeps each fed token's final
-   hidden state, not its logits (decode_graph.ReferenceRun).
+   hidden state, not its logits (runtimes.reference.ReferenceRun).
 2. Every decoder (the fp32 ONNX graph, the packed artifact, the peers, the
    context binaries) is fed the SAME sequence (prompt + the reference's
    continuation), i.e. teacher-forced; logits are compared at every step, after
@@ -124,7 +124,7 @@ def _timed(seconds: dict | None, key: str):
 
 
 def _teacher(ref, encoded, decode_tokens, ctx):
-    """The reference's greedy run of each prompt (decode_graph.ReferenceRun: the continuation
+    """The reference's greedy run of each prompt (runtimes.reference.ReferenceRun: the continuation
     and each step's final hidden state; _compare recomputes the logits as it compares)."""
     total = sum(len(ids) + decode_tokens for ids in encoded)
     with ctx.progress(total, "parity: eager fp32 reference") as bar:
@@ -213,7 +213,6 @@ class _Evaluation:
         import numpy as np
 
         from pipeline.measure import kld
-        from pipeline.measure.bench_arm import prefill
 
         if not self.windows:
             return None
@@ -223,7 +222,7 @@ class _Evaluation:
             for w, run in zip(self.windows, self.runs):
                 pos = kld.scored_positions(len(w))
                 dec.reset()
-                rows = [prefill(dec, w[:pos.start + 1])]  # the logits at the first scored position
+                rows = [dec.prefill(w[:pos.start + 1])]  # the logits at the first scored position
                 first = pos.start
 
                 def flush(rows, first):
@@ -370,7 +369,11 @@ def _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, what: str, free
 def run(ctx: StageContext) -> dict:
     from transformers import AutoTokenizer
 
-    from pipeline.graphs.decode_graph import DecodeGraphError, OnnxDecoder, TorchReference
+    from pipeline.graphs.decode_graph import DecodeGraphError
+
+    from pipeline.runtimes.onnx import OnnxDecoder
+
+    from pipeline.runtimes.reference import TorchReference
 
     pc = ctx.cfg.parity
     hf_dir = Path(ctx.inputs["untie_head"])
@@ -539,7 +542,7 @@ GGUF_FALLBACK = ("PyTorch fp32 with the GGUF file's Q4_0 linears as gguf dequant
 
 def _artifact_decoder(path: str, pack_dir: Path, hf_dir: Path, context_length: int = 0):
     """(decoder, note, runtime): the artifact as its runtime runs it, or what stands in, said in the note."""
-    from pipeline.graphs.decode_graph import TorchReference
+    from pipeline.runtimes.reference import TorchReference
     from pipeline.runtimes.tinygemm import GptqReference, load_tinygemm_model
 
     if path == "gguf_q4_0":
@@ -559,7 +562,7 @@ def _artifact_decoder(path: str, pack_dir: Path, hf_dir: Path, context_length: i
         model = gguf_q4.file_model(hf_dir, gguf_file, report)
         return TorchReference(model, threads=REF_THREADS), note, GGUF_FALLBACK
     if path == "w4_ort_matmulnbits":
-        from pipeline.graphs.gqa_graph import GqaDecoder
+        from pipeline.runtimes.gqa import GqaDecoder
 
         return GqaDecoder(pack_dir, threads=THREADS), "", ARTIFACT_RUNTIMES[path]
     if path == "w4a16_tinygemm":
@@ -827,7 +830,7 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
     binary's load seconds go to report.json's "seconds"."""
 
     from pipeline.graphs import qnn
-    from pipeline.graphs.decode_graph import OnnxDecoder
+    from pipeline.runtimes.onnx import OnnxDecoder
 
     # Sized so a top-1 floor can tolerate one miss in a part: at 0.95 over 16 steps (a part of 32) a
     # single near tie failed Gemma 3 270M's w8a16 binary; over 32, one miss is 0.969; fp16's 0.98 over

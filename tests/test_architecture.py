@@ -16,7 +16,7 @@ ALLOWED = {
     "toolchains": {"engine"},
     "quant": {"engine", "sources", "toolchains"},
     "graphs": {"engine", "sources", "quant", "toolchains", "runtimes"},
-    "runtimes": {"engine", "sources", "quant", "graphs", "toolchains", "measure"},
+    "runtimes": {"engine", "sources", "quant", "graphs", "toolchains"},
     "measure": {"engine", "sources", "quant", "graphs", "runtimes", "toolchains"},
     "fleet": {"engine", "sources", "toolchains", "measure"},
 }

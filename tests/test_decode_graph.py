@@ -15,15 +15,10 @@ torch = pytest.importorskip("torch")
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from pipeline.graphs.decode_graph import (  # noqa: E402
-    ContextFull,
-    DecodeGraphError,
-    OnnxDecoder,
-    TorchReference,
-    build_decode_step,
-    export_decode_step,
-    snr_db,
-)
+from pipeline.graphs.decode_graph import DecodeGraphError, build_decode_step, export_decode_step, snr_db  # noqa: E402
+from pipeline.runtimes.contract import ContextFull  # noqa: E402
+from pipeline.runtimes.onnx import OnnxDecoder  # noqa: E402
+from pipeline.runtimes.reference import TorchReference  # noqa: E402
 
 WINDOW = 8
 VOCAB = 128

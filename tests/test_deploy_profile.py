@@ -7,6 +7,7 @@ import json
 import yaml
 from omegaconf import OmegaConf
 
+from pipeline.runtimes.contract import Runtime
 from pipeline.engine.context import StageContext
 from stages import deploy_profile
 from tests.conftest import StepClock
@@ -133,7 +134,7 @@ def _level_of(graph_dir) -> int:
     return next(a.i for a in node.attribute if a.name == "accuracy_level")
 
 
-class FakeDecoder:
+class FakeDecoder(Runtime):
     """Known speeds: 2 threads twice as fast as 1, spinning no faster; a graph at
     accuracy level `SLOW_LEVEL` three times slower."""
 
@@ -161,11 +162,11 @@ class FakeDecoder:
 def _on_target(tmp_path, monkeypatch) -> dict:
     """A level-4 GQA pack built on this (fake) host, profiled with FakeDecoder's known speeds:
     the onnxruntime.json written."""
-    import pipeline.graphs.gqa_graph
+    import pipeline.runtimes.gqa
     import pipeline.runtimes.pages
     import pipeline.measure.tune
 
-    monkeypatch.setattr(pipeline.graphs.gqa_graph, "GqaDecoder", FakeDecoder)
+    monkeypatch.setattr(pipeline.runtimes.gqa, "GqaDecoder", FakeDecoder)
     monkeypatch.setattr(pipeline.measure.tune, "time", StepClock)
     monkeypatch.setattr(pipeline.runtimes.pages, "support", lambda: (FakeDecoder.HUGE_PAGES_HERE, "test host"))
     monkeypatch.setattr(deploy_profile, "SWEEP_DECODE", 8)

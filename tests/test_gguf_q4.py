@@ -509,7 +509,8 @@ def test_real_conversion_round_trip(converted_pair, kind):
 def test_llama_cpp_runs_it_close_to_our_dequantized_weights(converted_pair, kind):
     from pipeline.toolchains import llamacpp
     from pipeline.runtimes.llamacpp import LlamaCppDecoder
-    from pipeline.graphs.decode_graph import TorchReference, snr_db
+    from pipeline.runtimes.reference import TorchReference
+    from pipeline.graphs.decode_graph import snr_db
 
     ok, reason = llamacpp.available()
     if not ok:
@@ -546,7 +547,8 @@ def test_llama_cpp_runs_a_tied_checkpoint_from_the_head_alone(tmp_path, kind):
     embedding (its own departures: 8-bit activations)."""
     from pipeline.toolchains import llamacpp
     from pipeline.runtimes.llamacpp import LlamaCppDecoder
-    from pipeline.graphs.decode_graph import TorchReference, snr_db
+    from pipeline.runtimes.reference import TorchReference
+    from pipeline.graphs.decode_graph import snr_db
 
     src = _need_converter()
     ok, reason = llamacpp.available()

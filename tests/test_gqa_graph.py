@@ -20,8 +20,11 @@ onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
 from pipeline.quant import int4_layouts as L  # noqa: E402
-from pipeline.graphs.decode_graph import ContextFull, TorchReference, snr_db  # noqa: E402
-from pipeline.graphs.gqa_graph import GqaDecoder, GqaGraphError, build_gqa_graph  # noqa: E402
+from pipeline.runtimes.contract import ContextFull  # noqa: E402
+from pipeline.runtimes.reference import TorchReference
+from pipeline.graphs.decode_graph import snr_db
+from pipeline.runtimes.gqa import GqaDecoder  # noqa: E402
+from pipeline.graphs.gqa_graph import GqaGraphError, build_gqa_graph
 from pipeline.runtimes.tinygemm import GptqReference
 from pipeline.quant.codes import read_quant  # noqa: E402
 

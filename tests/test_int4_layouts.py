@@ -26,7 +26,9 @@ from pipeline.quant import int4_layouts as L  # noqa: E402
 from pipeline.engine import devices  # noqa: E402
 from pipeline.quant import weight_path
 from pipeline.engine.context import StageContext, StageError  # noqa: E402
-from pipeline.graphs.decode_graph import OnnxDecoder, TorchReference, export_decode_step, snr_db  # noqa: E402
+from pipeline.runtimes.onnx import OnnxDecoder  # noqa: E402
+from pipeline.runtimes.reference import TorchReference
+from pipeline.graphs.decode_graph import export_decode_step, snr_db
 from pipeline.quant.codes import PackError, read_quant  # noqa: E402
 from pipeline.runtimes.tinygemm import GptqReference, load_tinygemm_model, quantize_onnx_matmuls  # noqa: E402
 
@@ -431,7 +433,7 @@ def test_stage_ort_path(gemma_build, tmp_path):
     out = tmp_path / "pack_x86_avx512_speed"
     assert json.loads((out / "weight_path.json").read_text())["path"] == "w4_ort_matmulnbits"
     assert json.loads((out / "io.json").read_text())["format"] == "edgekiln-gqa/1"
-    from pipeline.graphs.gqa_graph import GqaDecoder
+    from pipeline.runtimes.gqa import GqaDecoder
 
     # The packed graph computes the GPTQ weights' model (int8 activations: close, not equal).
     want = with_weights(tiny_gemma3(), deq[True])

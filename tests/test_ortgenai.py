@@ -29,7 +29,8 @@ def test_absent_package_is_a_skip_reason_not_an_error(monkeypatch):
 
 @needs_genai
 def test_its_int4_build_decodes_close_to_fp32(tmp_path):
-    from pipeline.graphs.decode_graph import TorchReference, snr_db
+    from pipeline.runtimes.reference import TorchReference
+    from pipeline.graphs.decode_graph import snr_db
 
     hf = save_tiny_qwen3(tmp_path / "hf")
     out = ortgenai.build_int4(hf, tmp_path / "genai")

@@ -17,7 +17,7 @@ DECODE = 6
 
 
 def _peers(tmp_path):
-    from pipeline.graphs.decode_graph import TorchReference
+    from pipeline.runtimes.reference import TorchReference
 
     hf = save_tiny_qwen3(tmp_path / "hf")
     ctx = StageContext(stage="verify_parity", build="t", cfg=OmegaConf.create({"export": {"context_length": 64}}),

@@ -12,7 +12,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pipeline.graphs.decode_graph import DecodeGraphError, ReferenceRun, TorchReference, _Greedy, snr_db  # noqa: E402
+from pipeline.graphs.decode_graph import DecodeGraphError, snr_db  # noqa: E402
+
+from pipeline.runtimes.reference import ReferenceRun, TorchReference
+
+from pipeline.runtimes.contract import Runtime
 from stages import verify_parity  # noqa: E402
 
 
@@ -68,7 +72,7 @@ def _fake_teacher(prompts, decode, hidden_dim, vocab, seed=0):
     return runs
 
 
-class _FakeDecoder(_Greedy):
+class _FakeDecoder(Runtime):
     """Steps of the prompt starting with token k: the reference's row plus noise[k] x a fixed
     N(0, 1) vector rolled by the position (a scale of 0, or an exact step, gives the row
     itself), and at flips[k] = j the argmax of decode step j moved to another token."""

@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pipeline.runtimes.contract import Runtime
 from pipeline.measure import tune
 from tests.conftest import StepClock
 
 
-class Stepper:
+class Stepper(Runtime):
     """A decoder whose step takes a fixed time on StepClock: a stand-in with known speed."""
 
     def __init__(self, seconds: float):

@@ -130,7 +130,7 @@ def test_vllm_serves_the_xeon_amx_build_as_its_deploy_profile_says(tmp_path, req
     import torch
     from transformers import AutoTokenizer
 
-    from pipeline.graphs.decode_graph import TorchReference
+    from pipeline.runtimes.reference import TorchReference
     from pipeline.runtimes.tinygemm import GptqReference
 
     repo = repo_copy(tmp_path / "repo")

@@ -134,7 +134,57 @@ def _run_dvc(args: list[str]) -> int:
     from dvc.cli import main as dvc_main
 
     atomic_dvc_files()
+    if not verbose():
+        quiet_dvc()
     return dvc_main(args)
+
+
+VERBOSE_ENV = "EDGEKILN_VERBOSE"  # set by `python -m pipeline -v`
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+
+
+# What DVC says around a repro that a user of this tool never acts on: the advice
+# after it ("To track the changes with git, run: git add dvc.lock", "dvc config
+# core.autostage true", "Use `dvc push` ..."), the lock-file updates, and each stage's
+# command line (the stage prints its own line: ran, its time and peak). Which stage
+# runs, is cached or did not change, and every WARNING and ERROR, still print.
+_DVC_ADVICE = ("dvc.repo.scm_context", "dvc.dvcfile")
+
+
+class _NoCommandLine:
+    """Drops dvc.stage.run's "> python -m pipeline.engine.run_stage ..." record."""
+
+    def filter(self, record) -> bool:
+        return not (record.msg == "%s %s" and record.args and record.args[0] == ">")
+
+
+def quiet_dvc() -> None:
+    """DVC's advice hidden (shown with `-v`). Written by hand because DVC's own `-q`
+    also hides its ERROR lines: the advising loggers raised to WARNING, the command
+    line filtered, the CLI's closing `ui.write("Use `dvc push` ...")` dropped."""
+    import logging
+
+    from dvc.ui import ui
+
+    for name in _DVC_ADVICE:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    run_logger = logging.getLogger("dvc.stage.run")
+    if not any(isinstance(f, _NoCommandLine) for f in run_logger.filters):
+        run_logger.addFilter(_NoCommandLine())
+    if getattr(ui.write, "edgekiln_quiet", False):
+        return
+    write = ui.write
+
+    def write_but_advice(*objects, **kw):
+        if objects and isinstance(objects[0], str) and objects[0].startswith("Use `dvc push`"):
+            return None
+        return write(*objects, **kw)
+
+    write_but_advice.edgekiln_quiet = True
+    ui.write = write_but_advice
 
 
 def _repro(refs: list[str], say) -> int:

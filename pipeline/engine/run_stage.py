@@ -345,8 +345,17 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:  # a bug: keep the traceback, but out of the way
         return _internal_error(label, args.stage, e)
-    print(f"{label}: wrote {out.relative_to(ROOT)}", file=sys.stderr)
+    print(f"{label}: {_ran_line(out)} -> {out.relative_to(ROOT)}", file=sys.stderr)
     return 0
+
+
+def _ran_line(out: Path) -> str:
+    """'ran in N s, peak M MiB', from the manifest just written."""
+    try:
+        t = json.loads((out / "manifest.json").read_text()).get("timings") or {}
+        return f"ran in {t['seconds']:,.1f} s, peak {t['peak_rss_bytes'] / 2**20:,.0f} MiB"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "ran"
 
 
 # --------------------------------------------------------------------------

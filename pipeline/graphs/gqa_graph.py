@@ -63,7 +63,7 @@ The graph (`build_gqa_graph`):
 `DEFAULT_OPTIONS` lists the variants; benchmarks/gqa_speed.py measures them.
 
 `GqaDecoder` is the runtime: reset / step / prefill / generate_greedy /
-kv_bytes like `decode_graph.OnnxDecoder`, through IO binding: the KV buffers
+kv_bytes like `runtimes.onnx.OnnxDecoder`, through IO binding: the KV buffers
 are preallocated OrtValues bound as both past_* and present_*, the decode
 inputs and the logits output numpy-backed OrtValues bound once, so a step is
 three scalar writes and one `run_with_iobinding`.
@@ -83,21 +83,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from pipeline.quant import int4_layouts as L
-from pipeline.graphs.decode_graph import (
-    SLIDING,
-    ContextFull,
-    DecodeGraphError,
-    _applies_attn_softcap,
-    _first_id,
-    _Greedy,
-    _id_list,
-    _rope_tables,
-    _text_config,
-    layer_types,
-    load_hf_model,
-    session_options,
-)
-from pipeline.runtimes.pages import anon_mappings, collapse_to_huge_pages, page_out_file, release_heap
+from pipeline.graphs.decode_graph import SLIDING, DecodeGraphError, _applies_attn_softcap, _first_id, _id_list, _rope_tables, _text_config, layer_types, load_hf_model
 
 IO_FORMAT = "edgekiln-gqa/1"
 # Initializer bytes past which they go to model.onnx.data: 0, always. ONNX Runtime maps an external data
@@ -924,139 +910,3 @@ def _theta(cfg, key: str):
     if key in rp and isinstance(rp[key], dict):
         return rp[key].get("rope_theta")
     return rp.get("rope_theta", getattr(cfg, "rope_theta", None))
-
-
-# --------------------------------------------------------------------------
-# Runtime
-# --------------------------------------------------------------------------
-
-
-# A prefill of at least this many rows hands its freed workspace back to the kernel (pages.release_heap):
-# decode steps' temporaries are small and reused, a long prefill's are not.
-_TRIM_AFTER_ROWS = 64
-
-
-class GqaDecoder(_Greedy):
-    """The runtime of a `build_gqa_graph` artifact; the API of decode_graph.OnnxDecoder plus batched prefill.
-
-    KV: one preallocated OrtValue (io.json's kv_dtype) per past/present pair, bound as both
-    (GQA writes the new rows in place; a window_cache layer's buffer is W +
-    slack rows and the op compacts it itself). Decode: input_ids / seqlens_k /
-    total_sequence_length / logits are numpy-backed OrtValues bound once; a
-    step writes three numbers and runs. `step` and `prefill` return a copy of
-    the logits (the bound buffer is overwritten by the next call).
-
-    Session: intra_op `threads`, inter_op 1, sequential, spinning on (ORT's
-    default: decode measured 1.26x (~100M) to 1.43x (5M) faster than with
-    spinning off at 2 threads),
-    ORT_ENABLE_ALL. `huge_pages=True` collapses the session's memory into
-    2 MiB pages after loading (pipeline/runtimes/pages.py; the deploy profile says
-    whether it measured faster on the target). `page_out=True` (the default)
-    pages out the mapped weights file once the session is built
-    (pages.page_out_file): the prepacked weights are the session's own copies,
-    and a tied model's table is resident only in the rows a gather has read.
-    `memory_arena=False` (the default) turns ONNX Runtime's CPU arena off: with
-    it the arena kept the 512-token prefill's workspace for good (Gemma 3 270M:
-    576 MiB resident after a 512-token prompt, 503-531 without; decode and
-    prefill the same within this host's noise).
-    """
-
-    def __init__(self, artifact_dir, threads: int = 1, *, spinning: bool | None = None, opt_level: str = "all",
-                 profile: str | None = None, session_config: dict | None = None, huge_pages: bool = False,
-                 page_out: bool = True, memory_arena: bool = False):
-        import onnxruntime as ort
-
-        maps_before = anon_mappings() if huge_pages else {}
-        self._ort = ort
-        self.dir = Path(artifact_dir)
-        self.io = json.loads((self.dir / "io.json").read_text())
-        if self.io.get("format") != IO_FORMAT:
-            raise GqaGraphError(f"{self.dir}: io.json format {self.io.get('format')!r}, expected {IO_FORMAT!r}")
-        so = session_options(threads, spinning=spinning, opt_level=opt_level, profile=profile, config=session_config)
-        so.enable_cpu_mem_arena = bool(memory_arena)
-        self.session = ort.InferenceSession(str(self.dir / "model.onnx"), sess_options=so,
-                                            providers=["CPUExecutionProvider"])
-        self.max_len = self.context_length = int(self.io["max_len"])
-        self.vocab_size = int(self.io["vocab_size"])
-        self.n_layers = int(self.io["n_layers"])
-        self._kv = []
-        self.kv_dtype = np.dtype(self.io.get("kv_dtype", "float32"))  # io.json before kv_dtype: fp32
-        for layer in self.io["layers"]:
-            shape = (1, int(self.io["n_kv_heads"]), int(layer["cache_len"]), int(self.io["head_dim"]))
-            self._kv.append((ort.OrtValue.ortvalue_from_shape_and_type(shape, self.kv_dtype),
-                             ort.OrtValue.ortvalue_from_shape_and_type(shape, self.kv_dtype)))
-        # Decode-step buffers (numpy memory shared with the bound OrtValues).
-        self._ids = np.zeros((1, 1), np.int64)
-        self._seqlens = np.zeros((1,), np.int32)
-        self._total = np.zeros((), np.int32)
-        self._logits = np.zeros((1, self.vocab_size), np.float32)
-        self._step_binding, self._step_values = self._binding(self._ids, self._seqlens, self._total, self._logits)
-        self.position = 0
-        data = self.dir / "model.onnx.data"
-        self.paged_out_bytes = page_out_file(data) if page_out and data.is_file() else 0
-        # Back the session's weights (and the KV) with 2 MiB pages (pipeline/runtimes/pages.py).
-        self.huge_page_bytes = collapse_to_huge_pages(maps_before) if huge_pages else 0
-
-    def _binding(self, ids, seqlens, total, logits):
-        """(IOBinding, the OrtValues wrapping the numpy arrays: keep them alive while it is used)."""
-        ort = self._ort
-        b = self.session.io_binding()
-        keep = []
-        for name, arr in (("input_ids", ids), ("seqlens_k", seqlens), ("total_sequence_length", total)):
-            v = ort.OrtValue.ortvalue_from_numpy(arr)
-            keep.append(v)
-            b.bind_ortvalue_input(name, v)
-        lv = ort.OrtValue.ortvalue_from_numpy(logits)
-        keep.append(lv)
-        b.bind_ortvalue_output("logits", lv)
-        for i, (k, v) in enumerate(self._kv):
-            b.bind_ortvalue_input(f"past_key_{i}", k)
-            b.bind_ortvalue_input(f"past_value_{i}", v)
-            b.bind_ortvalue_output(f"present_key_{i}", k)
-            b.bind_ortvalue_output(f"present_value_{i}", v)
-        return b, keep
-
-    def reset(self) -> None:
-        # GQA never reads rows at or past seqlens_k + 1, so stale K/V need not be cleared.
-        self.position = 0
-
-    def _check(self, n: int) -> None:
-        if self.position + n > self.max_len:
-            raise ContextFull(f"position {self.position} + {n} token(s) is past the graph's max_len "
-                              f"{self.max_len}; reset() or build with a larger max_len")
-
-    def step(self, token_id: int) -> np.ndarray:
-        self._check(1)
-        p = self.position
-        self._ids[0, 0] = token_id
-        self._seqlens[0] = p
-        self._total[()] = p + 1
-        self.session.run_with_iobinding(self._step_binding)
-        self.position = p + 1
-        return self._logits[0].copy()
-
-    def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
-        """All of `token_ids` in one run (S = len); logits of the last one."""
-        ids = np.asarray([list(token_ids)], dtype=np.int64)
-        n = ids.shape[1]
-        if n == 0:
-            raise ValueError("prefill needs at least one token")
-        if n == 1:
-            return self.step(int(ids[0, 0]))
-        self._check(n)
-        p = self.position
-        seqlens = np.asarray([p + n - 1], np.int32)
-        total = np.asarray(p + n, np.int32)
-        logits = np.zeros((1, self.vocab_size), np.float32)
-        b, _keep = self._binding(ids, seqlens, total, logits)
-        self.session.run_with_iobinding(b)
-        self.position = p + n
-        if n >= _TRIM_AFTER_ROWS:
-            release_heap()  # the prefill's freed workspace leaves the resident set (pages.release_heap)
-        return logits[0]
-
-    def kv_bytes(self) -> int:
-        return int(sum(self.kv_dtype.itemsize * (np.prod(k.shape()) + np.prod(v.shape())) for k, v in self._kv))
-
-    def end_profiling(self) -> str:
-        return self.session.end_profiling()

@@ -49,7 +49,7 @@ CPU_QDQ_CONFIG = {"session.disable_quant_qdq": "1"}
 
 def cpu_qdq_decoder(artifact_dir: Path, model_file: str, threads: int = 2):
     """A QDQ graph (`model_file` beside io.json) on the CPU EP: the HTP's quantization arithmetic, on this host."""
-    from pipeline.graphs.decode_graph import OnnxDecoder
+    from pipeline.runtimes.onnx import OnnxDecoder
 
     return OnnxDecoder(artifact_dir, model_file=model_file, threads=threads, config=CPU_QDQ_CONFIG)
 

@@ -123,36 +123,7 @@ ARMS = {
 }
 
 
-LLAMA_ARMS = ("llamacpp_q4_k_m", "llamacpp_q4_0", "gguf_q4_0")
-
-
-def make_decoder(arm: str, artifact: str, threads: int, n_ctx: int = 0, session: dict | None = None):
-    """The arm's decoder; `session`: GqaDecoder settings (spinning, huge pages) from a deploy profile."""
-    from pipeline.graphs.decode_graph import OnnxDecoder, TorchReference
-
-    if arm == "ort_int4":
-        from pipeline.graphs.gqa_graph import GqaDecoder
-
-        return GqaDecoder(artifact, threads=threads, **(session or {}))
-    if arm == "onnx_fp32":
-        return OnnxDecoder(artifact, threads=threads)
-    if arm == "torch_eager_fp32":
-        return TorchReference(artifact, threads=threads)
-    if arm == "tinygemm_w4a16":
-        from pipeline.runtimes.tinygemm import load_tinygemm_model
-
-        return TorchReference(load_tinygemm_model(artifact, artifact), threads=threads)
-    if arm in LLAMA_ARMS:
-        from pipeline.quant.gguf_q4 import GGUF_FILE
-        from pipeline.runtimes.llamacpp import LlamaCppDecoder
-
-        p = Path(artifact)
-        return LlamaCppDecoder(str(p / GGUF_FILE if p.is_dir() else p), threads=threads, n_ctx=n_ctx)
-    if arm == "ortgenai_int4":
-        from pipeline.runtimes.ortgenai import GenaiDecoder
-
-        return GenaiDecoder(artifact, threads=threads, n_ctx=n_ctx)
-    raise SystemExit(f"unknown arm {arm!r}: one of {', '.join(ARMS)}")
+from pipeline.runtimes.open import LLAMA_ARMS, open_runtime as make_decoder  # noqa: E402,F401
 
 
 def import_runtime(arm: str) -> None:
@@ -174,48 +145,15 @@ def import_runtime(arm: str) -> None:
         from transformers import AutoModelForCausalLM  # noqa: F401  (lazy module: resolve it now)
 
 
-def kv_bytes(dec) -> int:
-    """Bytes of KV the decoder holds now (what it really allocated, not a formula)."""
-    if hasattr(dec, "kv_bytes"):
-        return int(dec.kv_bytes())
-    caches = getattr(dec, "_caches", None)
-    if caches is not None:  # OnnxDecoder: preallocated numpy K/V per layer
-        return int(sum(k.nbytes + v.nbytes for k, v, _ in caches))
-    cache = getattr(dec, "cache", None)
-    total = 0
-    for layer in getattr(cache, "layers", None) or ():  # transformers DynamicCache
-        for name in ("keys", "values"):
-            t = getattr(layer, name, None)
-            if t is not None and hasattr(t, "numel"):
-                total += t.numel() * t.element_size()
-    return int(total)
-
-
-def prefill(dec, ids):
-    """The prompt through `dec`: its batched prefill where it has one, else token by token;
-    the last token's logits (shared by the benchmark, the settings sweep and `generate`)."""
-    if hasattr(dec, "prefill"):
-        return dec.prefill(ids)
-    logits = None
-    for t in ids:
-        logits = dec.step(t)
-    return logits
-
-
 def _run(dec, ids, decode_tokens: int) -> tuple[float, float]:
     """Prefill `ids` then decode greedily; (prefill seconds, decode seconds)."""
     import numpy as np
 
     dec.reset()
     t0 = time.perf_counter()
-    logits = prefill(dec, ids)
+    logits = dec.prefill(ids)
     t1 = time.perf_counter()
-    if hasattr(dec, "decode_greedy"):  # a runtime's own loop (onnxruntime-genai): what its users run
-        dec.decode_greedy(decode_tokens)
-        return t1 - t0, time.perf_counter() - t1
-    token = int(np.argmax(logits))
-    for _ in range(decode_tokens):
-        token = int(np.argmax(dec.step(token)))
+    dec.decode_greedy(decode_tokens, logits)  # the runtime's own loop where it has one (onnxruntime-genai)
     return t1 - t0, time.perf_counter() - t1
 
 
@@ -242,7 +180,7 @@ def measure(arm: str, artifact: str, prompt_length: int, decode_tokens: int, war
         for t in prompt[:warmup]:
             dec.step(t)
     t_prefill, t_decode = _run(dec, prompt[:prompt_length], decode_tokens)
-    kv = kv_bytes(dec)
+    kv = dec.kv_bytes()
     mem_run = memory_snapshot()
     files = weight_files(artifact)
     mapped = mapped_resident_mib(files)
@@ -250,7 +188,7 @@ def measure(arm: str, artifact: str, prompt_length: int, decode_tokens: int, war
     for point in context_points:
         tp, td = _run(dec, prompt[:point], context_decode_tokens)
         context.append({"context": point, "prefill_tok_s": point / tp, "decode_tok_s": context_decode_tokens / td,
-                        "kv_bytes": kv_bytes(dec)})
+                        "kv_bytes": dec.kv_bytes()})
     peak = peak_rss_mib()
     resident_end = resident_mib()
     prefill_mode = "batched forward" if hasattr(dec, "prefill") else "token by token through the decode step"

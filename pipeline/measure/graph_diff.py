@@ -113,7 +113,7 @@ def first_divergence(rows: list[dict], below_db: float) -> dict | None:
 
 def decode_feeds(ref_dir: Path, tokens: list[int], model_file: str = "model.onnx") -> dict[str, np.ndarray]:
     """The inputs of the step after `tokens`, as the reference graph's own decode leaves them."""
-    from pipeline.graphs.decode_graph import OnnxDecoder
+    from pipeline.runtimes.onnx import OnnxDecoder
 
     dec = OnnxDecoder(ref_dir, model_file=model_file)
     for t in tokens[:-1]:

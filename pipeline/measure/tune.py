@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
-from pipeline.measure.bench_arm import prefill
 from pipeline.measure.stats import spread
 
 
@@ -73,7 +72,7 @@ def sweep(make: Callable[[dict], object], settings: list[dict], prompt: Sequence
     for r in range(rounds):
         for i, dec in enumerate(decoders):
             dec.reset()
-            tok = int(np.argmax(prefill(dec, list(prompt))))
+            tok = int(np.argmax(dec.prefill(list(prompt))))
             t0 = time.perf_counter()
             for _ in range(decode_tokens):
                 tok = int(np.argmax(dec.step(tok)))

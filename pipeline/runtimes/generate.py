@@ -35,7 +35,7 @@ _ARMS = {"onnxruntime": "ort_int4", "torch": "tinygemm_w4a16", "llama.cpp": "ggu
 def open_build(build: str, threads: int | None = None):
     """(decoder, tokenizer, facts) for a built artifact, manifests verified."""
     from pipeline.engine import manifest
-    from pipeline.measure.bench_arm import make_decoder
+    from pipeline.runtimes.open import open_runtime as make_decoder
     from pipeline.engine.context import StageError
 
     if not BUILD_NAME.fullmatch(build) or ".." in build:
@@ -92,7 +92,7 @@ def _open_qnn(profile: dict, folders: dict):
     from transformers import AutoTokenizer
 
     from pipeline.graphs import qnn
-    from pipeline.graphs.decode_graph import OnnxDecoder
+    from pipeline.runtimes.onnx import OnnxDecoder
 
     reason = qnn.missing()
     if reason:
@@ -135,8 +135,7 @@ def generate(dec, tok, prompt: str, max_new_tokens: int, temperature: float = 0.
     with each new piece of text. Returns the ids and timings."""
     import numpy as np
 
-    from pipeline.measure.bench_arm import prefill
-    from pipeline.graphs.decode_graph import ContextFull
+    from pipeline.runtimes.contract import ContextFull
 
     ids = prompt_ids(tok, prompt, chat_template)
     if not ids:
@@ -146,7 +145,7 @@ def generate(dec, tok, prompt: str, max_new_tokens: int, temperature: float = 0.
     dec.reset()
     t0 = time.perf_counter()
     try:
-        logits = prefill(dec, ids)
+        logits = dec.prefill(ids)
     except ContextFull as e:
         raise GenerateError(f"the prompt ({len(ids)} tokens) does not fit the artifact's context: {e}") from None
     t1 = time.perf_counter()

@@ -4,10 +4,10 @@ pipeline/toolchains/llamacpp.py."""
 
 from __future__ import annotations
 
-from pipeline.graphs.decode_graph import _Greedy
+from pipeline.runtimes.contract import Runtime
 
 
-class LlamaCppDecoder(_Greedy):
+class LlamaCppDecoder(Runtime):
     """reset/step/prefill over llama_cpp.Llama, the same API as OnnxDecoder.
 
     n_ctx and threads explicit; use_mmap off, so the weights are read into the

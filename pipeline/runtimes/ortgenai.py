@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.runtimes.contract import Runtime
+
 
 class GenaiUnavailable(RuntimeError):
     """One line: why the onnxruntime-genai arm cannot run."""
@@ -90,7 +92,7 @@ def repair_head(out_dir: Path) -> str | None:
             f"rewired to {want!r} (otherwise the last MLP and the final norm are skipped)")
 
 
-class GenaiDecoder:
+class GenaiDecoder(Runtime):
     """Same API as the other decoders (reset/prefill/step/kv_bytes), plus
     `decode_greedy(n)`, the generator's own loop."""
 
@@ -129,7 +131,7 @@ class GenaiDecoder:
     def step(self, token_id: int) -> np.ndarray:
         return self.prefill([token_id])
 
-    def decode_greedy(self, n: int) -> None:
+    def decode_greedy(self, n: int, logits=None) -> None:
         """n tokens by its own loop, after a prefill (the token picked from the
         prefill's logits is the first)."""
         for _ in range(n):

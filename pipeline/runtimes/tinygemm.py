@@ -331,7 +331,7 @@ class GptqReference:
     `GptqReference(dir).model` is a plain fp32 HF model whose quantized linears
     hold (q - z) * s from the GPTQ tensors (scales as stored, fp16): what vLLM's
     CPU kernel computes up to its bf16 activations. Pass it to
-    `decode_graph.TorchReference(ref.model)`.
+    `runtimes.reference.TorchReference(ref.model)`.
     """
 
     def __init__(self, gptq_dir):
