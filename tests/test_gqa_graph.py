@@ -718,12 +718,11 @@ def test_benchmark_pass_splits_resident_memory_into_components(ckpts):
 def test_a_long_prefill_hands_its_workspace_back(ckpts, monkeypatch):
     """GqaDecoder.prefill of _TRIM_AFTER_ROWS rows or more calls pages.release_heap (glibc's malloc_trim), so
     the prefill's freed workspace leaves the resident set; shorter prefills and steps do not pay for it."""
-    from pipeline.graphs import gqa_graph
-    from pipeline.runtimes import pages
+    from pipeline.runtimes import gqa, pages
 
     calls = []
-    monkeypatch.setattr(gqa_graph, "release_heap", lambda: calls.append(1) or True)
-    monkeypatch.setattr(gqa_graph, "_TRIM_AFTER_ROWS", 8)
+    monkeypatch.setattr(gqa, "release_heap", lambda: calls.append(1) or True)
+    monkeypatch.setattr(gqa, "_TRIM_AFTER_ROWS", 8)
     dec = GqaDecoder(_graph(ckpts("qwen3"), 0), threads=1)
     ids = _seq(20, seed=9)
     dec.prefill(ids[:7])

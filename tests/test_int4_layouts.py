@@ -227,7 +227,7 @@ def test_packed_layout_matches_notes_on_avx512():
 def test_packed_layout_other_capabilities(cap):
     code = (
         "import numpy as np, torch\n"
-        "from pipeline import int4_layouts as L\n"
+        "from pipeline.quant import int4_layouts as L\n"
         "for n, k in [(256, 256), (768, 128), (80, 64), (48, 32)]:\n"
         "    q = np.random.default_rng(n).integers(0, 16, (n, k)).astype(np.uint8)\n"
         "    p = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.astype(np.int32)), 2)\n"

@@ -12,6 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
+from pipeline.graphs.gqa_graph import IO_FORMAT, GqaGraphError
 from pipeline.runtimes.contract import ContextFull, Runtime
 from pipeline.runtimes.onnx import session_options
 from pipeline.runtimes.pages import anon_mappings, collapse_to_huge_pages, page_out_file, release_heap
