@@ -236,7 +236,9 @@ class SshRunner(Runner):
 
 def bundle(stage: str, build: str) -> dict[str, Path]:
     """What the stage reads, by repo-relative path: keyed code, spec sheets, config, inputs."""
-    files = {rel: ROOT / rel for rel in sorted(set(stage_code(stage)) | set(stage_code("probe")))}
+    # the runner resolves the build's model scope through stages/model.py's declaration too
+    code = set(stage_code(stage)) | set(stage_code("probe")) | set(stage_code("model"))
+    files = {rel: ROOT / rel for rel in sorted(code)}
     files["stages/__init__.py"] = ROOT / "stages" / "__init__.py"
     for sheet in sorted((ROOT / "conf" / "device").glob("*.yaml")):
         files[sheet.relative_to(ROOT).as_posix()] = sheet
