@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 
 from pipeline.engine.build import build, register
 from pipeline.engine.config import GROUPS, CONF_DIR, ConfigError, compose, validate
@@ -37,10 +36,7 @@ from pipeline.engine.layout import (
     ROOT,
     STAGES,
     declaration,
-    model_id,
-    model_stage_ref,
     output_dir,
-    stage_ref,
 )
 
 

@@ -36,12 +36,11 @@ pipeline/runtimes/reference.py (`TorchReference`, the eager HF model).
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -78,7 +78,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

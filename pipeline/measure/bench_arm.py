@@ -147,8 +147,6 @@ def import_runtime(arm: str) -> None:
 
 def _run(dec, ids, decode_tokens: int) -> tuple[float, float]:
     """Prefill `ids` then decode greedily; (prefill seconds, decode seconds)."""
-    import numpy as np
-
     dec.reset()
     t0 = time.perf_counter()
     logits = dec.prefill(ids)

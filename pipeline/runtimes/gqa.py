@@ -3,10 +3,7 @@ buffers bound as past and present, a batched prefill."""
 
 from __future__ import annotations
 
-import gc
 import json
-import sys
-import time
 from pathlib import Path
 from typing import Sequence
 
