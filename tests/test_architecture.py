@@ -112,3 +112,30 @@ def test_no_import_circles():
         if v not in index:
             visit(v)
     assert circles == []
+
+
+def test_a_runtime_says_whether_its_prefill_is_batched():
+    """The benchmark reports a prefill as batched only where the runtime has its own (the
+    contract's default feeds the prompt token by token)."""
+    import numpy as np
+
+    from pipeline.runtimes.contract import Runtime
+    from pipeline.runtimes.gqa import GqaDecoder
+    from pipeline.runtimes.onnx import OnnxDecoder
+    from pipeline.runtimes.reference import TorchReference
+
+    class Steps(Runtime):
+        def reset(self):
+            self.fed = []
+
+        def step(self, token_id):
+            self.fed.append(token_id)
+            return np.full(3, float(token_id))
+
+    dec = Steps()
+    dec.reset()
+    assert not dec.batched_prefill
+    assert dec.prefill([4, 5, 6]).tolist() == [6.0, 6.0, 6.0] and dec.fed == [4, 5, 6]
+    # (made without loading an artifact: the answer is the class's)
+    assert not object.__new__(OnnxDecoder).batched_prefill
+    assert object.__new__(GqaDecoder).batched_prefill and object.__new__(TorchReference).batched_prefill

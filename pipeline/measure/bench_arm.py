@@ -189,7 +189,7 @@ def measure(arm: str, artifact: str, prompt_length: int, decode_tokens: int, war
                         "kv_bytes": dec.kv_bytes()})
     peak = peak_rss_mib()
     resident_end = resident_mib()
-    prefill_mode = "batched forward" if hasattr(dec, "prefill") else "token by token through the decode step"
+    prefill_mode = "batched forward" if dec.batched_prefill else "token by token through the decode step"
 
     # Warm start: the same load again in this process, the first decoder dropped.
     del dec

@@ -4,7 +4,7 @@ A runtime is made from an artifact (its constructor: the artifact's folder or fi
 the threads, the context where the runtime needs one) and then decodes one stream:
 
     reset()                 forget the stream (position 0)
-    prefill(token_ids)      feed a prompt; the logits after its last token
+    prefill(token_ids)      feed a prompt; the logits after its last token (batched_prefill: in one call)
     step(token_id)          feed one token; the logits after it (float32 [vocab])
     kv_bytes()              bytes its KV cache holds (0 where it cannot say)
     resident_bytes()        this process's resident memory now (counted pages, not allocations)
@@ -41,12 +41,18 @@ class Runtime:
         raise NotImplementedError
 
     def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Token by token through `step`; a runtime with a batched prefill overrides it."""
         logits = None
         for t in token_ids:
             logits = self.step(int(t))
         if logits is None:
             raise ValueError("prefill needs at least one token")
         return logits
+
+    @property
+    def batched_prefill(self) -> bool:
+        """Does `prefill` run the prompt in one call (the runtime's own) or step by step (this base's)?"""
+        return type(self).prefill is not Runtime.prefill
 
     def decode_greedy(self, n: int, logits: np.ndarray) -> None:
         """`n` greedy tokens after a prefill whose logits are `logits` (the benchmark's decode
