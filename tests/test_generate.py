@@ -31,11 +31,11 @@ def test_generate_streams_the_greedy_continuation_of_the_artifact(built_repo):
     again = gen(repo, BUILD, "def read", "--max-new-tokens", "12")
     assert again.stdout == proc.stdout
     sys.path.insert(0, str(repo))
-    from pipeline.measure.bench_arm import make_decoder
+    from pipeline.runtimes.open import open_runtime
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(repo / "artifacts" / BUILD / "untie_head"))
-    dec = make_decoder("ort_int4", str(repo / "artifacts" / BUILD / "pack"), 1)
+    dec = open_runtime("ort_int4", str(repo / "artifacts" / BUILD / "pack"), 1)
     ids = tok("def read")["input_ids"]
     expected = tok.decode(dec.generate_greedy(ids, 12), skip_special_tokens=True)
     assert proc.stdout == "def read" + expected + "\n"  # the streamed pieces, then a newline

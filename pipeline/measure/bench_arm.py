@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.runtimes.open import KINDS as ARMS, LLAMA_ARMS, open_runtime
+
 T_PROCESS = time.perf_counter()
 MIB = 1024 * 1024
 WEIGHT_SUFFIXES = (".onnx", ".onnx.data", ".safetensors", ".gguf", ".bin")
@@ -110,20 +112,8 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-ARMS = {
-    "onnx_fp32": "ONNX Runtime, the exported fp32 decode step",
-    "torch_eager_fp32": "PyTorch eager fp32, the Hugging Face model (baseline)",
-    "ort_int4": "ONNX Runtime, GroupQueryAttention + MatMulNBits 4-bit graph, IO-bound KV (packed artifact)",
-    "tinygemm_w4a16": "PyTorch eager with tinygemm int4 linears, bf16 activations (packed artifact)",
-    "llamacpp_q4_k_m": "llama.cpp Q4_K_M through llama-cpp-python, GGUF from its bundled converter (baseline)",
-    "llamacpp_q4_0": "llama.cpp's own Q4_0 (round to nearest) through llama-cpp-python (baseline)",
-    "gguf_q4_0": "llama.cpp through llama-cpp-python, our GPTQ weights as GGUF Q4_0 (packed artifact)",
-    "ortgenai_int4": "onnxruntime-genai int4 from its own model builder (round-to-nearest, block 32, "
-                     "GroupQueryAttention), decoded by its own generator loop (baseline)",
-}
 
 
-from pipeline.runtimes.open import LLAMA_ARMS, open_runtime as make_decoder  # noqa: E402,F401
 
 
 def import_runtime(arm: str) -> None:
@@ -165,7 +155,7 @@ def measure(arm: str, artifact: str, prompt_length: int, decode_tokens: int, war
     import_runtime(arm)
     mem_before = memory_snapshot()
     t_imports = time.perf_counter()
-    dec = make_decoder(arm, artifact, threads, n_ctx)
+    dec = open_runtime(arm, artifact, threads, n_ctx)
     t_loaded = time.perf_counter()
     mem_loaded = memory_snapshot()
     vocab = dec.vocab_size
@@ -195,7 +185,7 @@ def measure(arm: str, artifact: str, prompt_length: int, decode_tokens: int, war
     del dec
     gc.collect()
     t_w0 = time.perf_counter()
-    dec = make_decoder(arm, artifact, threads, n_ctx)
+    dec = open_runtime(arm, artifact, threads, n_ctx)
     warm = time.perf_counter() - t_w0
     del dec
     return {

@@ -35,7 +35,7 @@ _ARMS = {"onnxruntime": "ort_int4", "torch": "tinygemm_w4a16", "llama.cpp": "ggu
 def open_build(build: str, threads: int | None = None):
     """(decoder, tokenizer, facts) for a built artifact, manifests verified."""
     from pipeline.engine import manifest
-    from pipeline.runtimes.open import open_runtime as make_decoder
+    from pipeline.runtimes.open import open_runtime
     from pipeline.engine.context import StageError
 
     if not BUILD_NAME.fullmatch(build) or ".." in build:
@@ -81,7 +81,7 @@ def open_build(build: str, threads: int | None = None):
     session = ({"session_config": profile["session"].get("session_config") or None,
                 "huge_pages": bool(profile["session"].get("huge_pages"))}
                if runtime == "onnxruntime" else None)
-    dec = make_decoder(arm, str(folders["pack"]), threads, n_ctx=int(llama.get("n_ctx", 0)), session=session)
+    dec = open_runtime(arm, str(folders["pack"]), threads, n_ctx=int(llama.get("n_ctx", 0)), session=session)
     return dec, tok, {"runtime": runtime, "arm": arm, "threads": threads, "profile_threads": wanted,
                       "weight_path": profile["weight_path"]["path"]}
 

@@ -7,16 +7,25 @@ from pathlib import Path
 from pipeline.runtimes.contract import Runtime
 
 
-# The kinds of runtime, named as the benchmark's arms are.
-KINDS = ("onnx_fp32", "torch_eager_fp32", "ort_int4", "tinygemm_w4a16", "llamacpp_q4_k_m", "llamacpp_q4_0",
-         "gguf_q4_0", "ortgenai_int4")
+# The kinds of runtime, by the name the benchmark's arms and `generate` use, and what each runs.
+KINDS = {
+    "onnx_fp32": "ONNX Runtime, the exported fp32 decode step",
+    "torch_eager_fp32": "PyTorch eager fp32, the Hugging Face model (baseline)",
+    "ort_int4": "ONNX Runtime, GroupQueryAttention + MatMulNBits 4-bit graph, IO-bound KV (packed artifact)",
+    "tinygemm_w4a16": "PyTorch eager with tinygemm int4 linears, bf16 activations (packed artifact)",
+    "llamacpp_q4_k_m": "llama.cpp Q4_K_M through llama-cpp-python, GGUF from its bundled converter (baseline)",
+    "llamacpp_q4_0": "llama.cpp's own Q4_0 (round to nearest) through llama-cpp-python (baseline)",
+    "gguf_q4_0": "llama.cpp through llama-cpp-python, our GPTQ weights as GGUF Q4_0 (packed artifact)",
+    "ortgenai_int4": "onnxruntime-genai int4 from its own model builder (round-to-nearest, block 32, "
+                     "GroupQueryAttention), decoded by its own generator loop (baseline)",
+}
 
 
 LLAMA_ARMS = ("llamacpp_q4_k_m", "llamacpp_q4_0", "gguf_q4_0")
 
 
 def open_runtime(arm: str, artifact: str, threads: int, n_ctx: int = 0, session: dict | None = None) -> Runtime:
-    """The runtime of one kind of artifact (a benchmark arm's name, pipeline/measure/bench_arm.py ARMS);
+    """The runtime of one kind of artifact (one of KINDS);
     `session`: GqaDecoder settings (spinning, huge pages) from a deploy profile."""
     from pipeline.runtimes.onnx import OnnxDecoder
     from pipeline.runtimes.reference import TorchReference
