@@ -103,7 +103,7 @@ def worker(a) -> dict:
     return {"kind": a.kind, "path": a.path, "prompt_length": a.prompt_length, "threads": int(a.threads),
             "prefill_tok_s": statistics.median(pre), "decode_tok_s": statistics.median(dcd),
             "reps_prefill": pre, "reps_decode": dcd, "load_s": load_s,
-            "kv_bytes": dec.kv_bytes(), "resident_mib": bench_arm.resident_mib(),
+            "kv_bytes": dec.kv_bytes(), "resident_mib": dec.resident_bytes() / 2**20,
             "peak_rss_mib": bench_arm.peak_rss_mib(), "pid": os.getpid()}
 
 

@@ -31,32 +31,15 @@ import time
 from pathlib import Path
 
 from pipeline.runtimes.open import KINDS as ARMS, LLAMA_ARMS, open_runtime
+from pipeline.runtimes.pages import smaps_rollup_mib
 
 T_PROCESS = time.perf_counter()
 MIB = 1024 * 1024
 WEIGHT_SUFFIXES = (".onnx", ".onnx.data", ".safetensors", ".gguf", ".bin")
 
 
-def resident_mib() -> float:
-    """Resident set from smaps_rollup: pages actually in memory now."""
-    return _rollup().get("Rss", float("nan"))
-
-
-def _rollup() -> dict[str, float]:
-    """smaps_rollup fields in MiB (Rss, Anonymous, ...): resident, not allocated."""
-    out: dict[str, float] = {}
-    try:
-        for line in open("/proc/self/smaps_rollup"):
-            parts = line.split()
-            if len(parts) >= 3 and parts[0].endswith(":") and parts[2] == "kB":
-                out[parts[0][:-1]] = int(parts[1]) / 1024
-    except OSError:
-        pass
-    return out
-
-
 def memory_snapshot() -> dict[str, float]:
-    r = _rollup()
+    r = smaps_rollup_mib()
     rss = r.get("Rss", float("nan"))
     anon = r.get("Anonymous", float("nan"))
     return {"rss_mib": rss, "anon_mib": anon, "file_mib": rss - anon,
@@ -178,7 +161,7 @@ def measure(arm: str, artifact: str, prompt_length: int, decode_tokens: int, war
         context.append({"context": point, "prefill_tok_s": point / tp, "decode_tok_s": context_decode_tokens / td,
                         "kv_bytes": dec.kv_bytes()})
     peak = peak_rss_mib()
-    resident_end = resident_mib()
+    resident_end = dec.resident_bytes() / 2**20
     prefill_mode = "batched forward" if dec.batched_prefill else "token by token through the decode step"
 
     # Warm start: the same load again in this process, the first decoder dropped.

@@ -85,11 +85,7 @@ class Runtime:
 
 
 def resident_bytes() -> int:
-    """This process's resident set (VmRSS: counted pages), in bytes; 0 where /proc has none."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    """This process's resident set (smaps_rollup's Rss: pages in memory, not allocations), in bytes."""
+    from pipeline.runtimes.pages import smaps_rollup_mib
+
+    return int(smaps_rollup_mib().get("Rss", 0.0) * 2**20)

@@ -204,3 +204,16 @@ def release_heap() -> bool:
 
 
 _LIBC = None
+
+
+def smaps_rollup_mib() -> dict[str, float]:
+    """smaps_rollup fields in MiB (Rss, Anonymous, ...): resident, not allocated."""
+    out: dict[str, float] = {}
+    try:
+        for line in open("/proc/self/smaps_rollup"):
+            parts = line.split()
+            if len(parts) >= 3 and parts[0].endswith(":") and parts[2] == "kB":
+                out[parts[0][:-1]] = int(parts[1]) / 1024
+    except OSError:
+        pass
+    return out
