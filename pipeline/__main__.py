@@ -28,7 +28,7 @@ import json
 import os
 import sys
 
-from pipeline.engine.build import build, register
+from pipeline.engine.build import VERBOSE_ENV, build, register
 from pipeline.engine.config import GROUPS, CONF_DIR, ConfigError, compose, validate
 from pipeline.engine.layout import (
     ARTIFACTS,
@@ -143,8 +143,6 @@ def main(argv: list[str] | None = None) -> int:
         return fleet_main([a for a in argv if a not in ("-m", "--multirun")])
     show_cfg = "--cfg" in argv
     if any(a in ("-v", "--verbose") for a in argv):
-        from pipeline.engine.build import VERBOSE_ENV
-
         os.environ[VERBOSE_ENV] = "1"  # DVC's own narration and advice shown (the stage workers inherit it)
     overrides = [a for a in argv if a not in ("--cfg", "-v", "--verbose")]
     bad = [a for a in overrides if a.startswith("-")]

@@ -169,13 +169,11 @@ def quiet_dvc() -> None:
 
     from dvc.ui import ui
 
-    for name in _DVC_ADVICE:
-        logging.getLogger(name).setLevel(logging.WARNING)
-    run_logger = logging.getLogger("dvc.stage.run")
-    if not any(isinstance(f, _NoCommandLine) for f in run_logger.filters):
-        run_logger.addFilter(_NoCommandLine())
     if getattr(ui.write, "edgekiln_quiet", False):
         return
+    for name in _DVC_ADVICE:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("dvc.stage.run").addFilter(_NoCommandLine())
     write = ui.write
 
     def write_but_advice(*objects, **kw):
