@@ -107,6 +107,23 @@ def cache_key(stage: str, params: dict, inputs: dict[str, dict], build: str | No
     }
 
 
+def install(tmp: Path, final: Path) -> None:
+    """Rename a finished folder into place: a reader (or a kill) meets the whole old
+    output or the whole new one, never half of it (the runners install a device's
+    output the same way)."""
+    old = final.parent / f".{final.name}.old-{os.getpid()}"
+    if final.exists():
+        # Aside in one atomic step, not rmtree in place.
+        os.rename(final, old)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if old.exists() and not final.exists():
+            os.rename(old, final)  # put the previous output back
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def _remove_stale(final: Path) -> None:
     """Hidden siblings left by a killed run of this stage (`.<stage>.tmp-<pid>`,
     `.<stage>.old-<pid>`); one whose process still runs is not ours to remove."""
@@ -165,18 +182,7 @@ def run(stage: str, build: str | None = None, model: str | None = None) -> Path:
             result=result,
             timings={"started": started, "seconds": round(time.perf_counter() - t0, 3), **_cost()},
         )
-        old = final.parent / f".{final.name}.old-{os.getpid()}"
-        if final.exists():
-            # Aside in one atomic step, not rmtree in place: a reader (or a kill)
-            # meets the whole old output or none, never half of it.
-            os.rename(final, old)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if old.exists() and not final.exists():
-                os.rename(old, final)  # put the previous output back
-            raise
-        shutil.rmtree(old, ignore_errors=True)
+        install(tmp, final)
     except OSError as e:
         if not e.filename:  # a failed write() names no file: name the artifact it was for
             e.filename = str(final)

@@ -282,26 +282,9 @@ def _remote_sha256(runner: Runner, path: str) -> str:
     return out.strip().splitlines()[-1]
 
 
-def _install(tmp: Path, final: Path) -> None:
-    """Rename a finished folder into place, as pipeline/engine/run_stage.py does for a
-    stage's output (whole old output or whole new one, never half). Not a call
-    into run_stage: it is inline there, and run_stage.py is part of every
-    stage's cache key, so refactoring it would rebuild every build."""
-    old = final.parent / f".{final.name}.old-{os.getpid()}"
-    if final.exists():
-        os.rename(final, old)
-    try:
-        os.rename(tmp, final)
-    except OSError:
-        if old.exists() and not final.exists():
-            os.rename(old, final)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def run_on(runner: Runner, stage: str, build: str, say=None) -> Path:
     """Run `stage` of `build` through `runner`; the verified output lands in artifacts/."""
-    from pipeline.engine.run_stage import _remove_stale
+    from pipeline.engine.run_stage import _remove_stale, install
 
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
     decl = declaration(stage)
@@ -353,7 +336,7 @@ def run_on(runner: Runner, stage: str, build: str, say=None) -> Path:
         manifest.write(tmp, stage=m["stage"], build=m["build"], key=m["key"], result=m["result"],
                        timings=m["timings"])
         manifest.verify(tmp, expect_stage=stage)
-        _install(tmp, final)
+        install(tmp, final)
         say(f"{stage} [{build}]: measured on {remote_host} ({host.get('device_class')}, {host.get('cpu_model')}); "
             f"wrote {final.relative_to(ROOT)}")
     finally:
