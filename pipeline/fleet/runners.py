@@ -50,9 +50,9 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from pipeline.engine import manifest
-from pipeline.engine.codedeps import stage_code
+from pipeline.engine.codedeps import RUNNER, closure
 from pipeline.engine.context import StageError
-from pipeline.engine.layout import BUILDS, ROOT, RUNNERS_DIR, declaration, output_dir, probe_dir, runner_file, runner_of
+from pipeline.engine.layout import BUILDS, ROOT, RUNNERS_DIR, STAGES, declaration, output_dir, probe_dir, runner_file, runner_of
 
 DEFAULT_STAGES = ("verify_parity", "benchmark")
 PROVENANCE = "runner.json"
@@ -236,9 +236,11 @@ class SshRunner(Runner):
 
 def bundle(stage: str, build: str) -> dict[str, Path]:
     """What the stage reads, by repo-relative path: keyed code, spec sheets, config, inputs."""
-    # the runner resolves the build's model scope through stages/model.py's declaration too
-    code = set(stage_code(stage)) | set(stage_code("probe")) | set(stage_code("model"))
-    files = {rel: ROOT / rel for rel in sorted(code)}
+    # The probe runs first on the device and reads every stage's declaration (its TOOLCHAIN),
+    # importing every stage module by name, which no import closure shows: so all of them,
+    # with their imports. (Only the stage's own closure is its cache key.) On this host the
+    # editable install let a missing module fall back to the checkout, which hid it.
+    files = {rel: ROOT / rel for rel in closure(RUNNER, *(f"stages/{s}.py" for s in STAGES))}
     files["stages/__init__.py"] = ROOT / "stages" / "__init__.py"
     for sheet in sorted((ROOT / "conf" / "device").glob("*.yaml")):
         files[sheet.relative_to(ROOT).as_posix()] = sheet
