@@ -82,36 +82,12 @@ def test_stages_import_no_other_stage():
 
 
 def test_no_import_circles():
-    graph = _graph()
-    index, low, stack, on, circles = {}, {}, [], set(), []
-    counter = [0]
+    import graphlib
 
-    def visit(v):  # Tarjan's strongly connected components
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on.add(v)
-        for w in graph.get(v, ()):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                circles.append(sorted(comp))
-
-    for v in graph:
-        if v not in index:
-            visit(v)
-    assert circles == []
+    try:
+        graphlib.TopologicalSorter(_graph()).prepare()
+    except graphlib.CycleError as e:
+        raise AssertionError(f"an import circle: {' -> '.join(e.args[1])}") from None
 
 
 def test_a_runtime_says_whether_its_prefill_is_batched():
