@@ -28,7 +28,8 @@ import json
 import os
 import sys
 
-from pipeline.engine.build import VERBOSE_ENV, build, register
+from pipeline.engine.build import build, register
+from pipeline.engine.narrate import VERBOSE_ENV
 from pipeline.engine.config import GROUPS, CONF_DIR, ConfigError, compose, validate
 from pipeline.engine.layout import (
     ARTIFACTS,
@@ -37,6 +38,7 @@ from pipeline.engine.layout import (
     STAGES,
     declaration,
     output_dir,
+    stage_applies,
 )
 
 
@@ -47,7 +49,7 @@ def _help() -> str:
         lines.append(f"  {g:<10} {', '.join(opts)}")
     lines += [
         "",
-        "Stages: " + " -> ".join(STAGES),
+        "Stages: " + " -> ".join(STAGES) + " (compile_qnn only in a build for a QNN HTP phone)",
         "",
         "llama.cpp devices (x86_llamacpp, arm64_llamacpp) build a GGUF with llama.cpp's own converter,",
         "which no wheel ships: fetch it once with `python -m pipeline.toolchains.converter fetch`.",
@@ -96,9 +98,10 @@ def summary(name: str) -> None:
     from pipeline.engine.layout import params_file
 
     try:  # the shared model's folder is named by the build's model section
-        model = (yaml.safe_load((ROOT / params_file(name)).read_text()) or {}).get("model")
+        registered = yaml.safe_load((ROOT / params_file(name)).read_text()) or {}
     except (OSError, yaml.YAMLError):
-        model = None
+        registered = {}
+    model, device = registered.get("model"), registered.get("device")
     # When each stage last ran, not this build: one DVC restored or found up to
     # date shows the run that made its output (which it was is not known here).
     cost = Table(title=f"build {name}: each stage's cost, as recorded when it ran", show_lines=False)
@@ -109,7 +112,7 @@ def summary(name: str) -> None:
     cost.add_column("largest subprocess", justify="right")  # "-": none, or not recorded
     mib = lambda b: f"{b / 2**20:,.0f} MiB" if isinstance(b, (int, float)) else "-"  # noqa: E731
     for stage in STAGES:
-        if declaration(stage).scope == "model" and not model:
+        if (declaration(stage).scope == "model" and not model) or not stage_applies(stage, device):
             continue
         try:
             mf = ROOT / output_dir(stage, name, model) / "manifest.json"
@@ -171,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             with locks.hold(locks.REGISTRY, say=say):
                 path = register(cfg)
             print(f"build {name}: {path.relative_to(ROOT)} -> {ARTIFACTS}/{name}/", file=sys.stderr)
-            rc = build(name, cfg["model"], say)
+            rc = build(name, cfg, say)
             if rc != 0:
                 if is_new:
                     # A build that never succeeded is not left in the registry, where

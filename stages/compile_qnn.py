@@ -14,8 +14,11 @@ embedding's lookup (`embed/model.onnx`, which the phone runs on its CPU and
 whose rows are the binaries' `inputs_embeds`, pack.qnn_embedding) and the
 tokenizer travel along, so the folder is what a phone runtime needs.
 
-Other devices: {"applies": false}. Without onnxruntime-qnn the stage fails
-with what to install.
+Other devices have no compile_qnn stage: `applies(device)` is false for them,
+so dvc.yaml leaves it out of their builds and no consumer reads it. The `exp`
+build (`dvc exp run -S device=...`), whose device dvc.yaml cannot know, runs it
+and records {"applies": false}. Without onnxruntime-qnn the stage fails with
+what to install.
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ INPUTS = ("pack",)
 TOOLCHAIN = ("onnx", "onnxruntime", "onnxruntime-qnn", "qnn-sdk")
 
 
+def applies(device: dict) -> bool:
+    """Only a build for a QNN HTP (a phone) has this stage (pipeline/engine/layout.py stage_applies)."""
+    return device.get("accelerator") == "qnn_htp"
+
+
 def run(ctx: StageContext) -> dict:
     from omegaconf import OmegaConf
 
@@ -40,7 +48,7 @@ def run(ctx: StageContext) -> dict:
     device = OmegaConf.to_container(ctx.cfg.device, resolve=True)
     pack = Path(ctx.inputs["pack"])
     npu_file = pack / "npu.json"
-    if device.get("accelerator") != "qnn_htp":
+    if not applies(device):
         return {"applies": False, "reason": f"device {device.get('name')!r} has no QNN HTP",
                 "metrics": {"binaries": 0, "bytes": 0}}
     if not npu_file.is_file():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -78,9 +79,43 @@ def run_cli(repo: Path, *args: str, module: str = "pipeline", timeout: int = 900
     )
 
 
+# A stage's one line under `python -m pipeline` (pipeline/engine/narrate.py): "pack [b]: ran in ...",
+# "export [b]: up to date (...)", "quantize [b]: restored from the run-cache (...)", found anywhere
+# in a line (a sweep's worker, Ray and a runner put their own prefix before it).
+def _stage_line():
+    from pipeline.engine.layout import STAGES
+
+    return re.compile(r"(?:^|[\s\])])(?P<stage>" + "|".join(STAGES) + r") \[(?P<owner>[^\]\s]+)\]: "
+                      r"(?P<how>ran\b|up to date|restored from the run-cache)")
+
+
+_MODEL_ID = re.compile(r".+-[0-9a-f]{16}")
+
+
+def stage_lines(output: str) -> list[tuple[str, str]]:
+    """(dvc.yaml stage name, how) for each stage's one line: ran, up to date, restored from the run-cache."""
+    found, pattern = [], _stage_line()
+    for line in output.splitlines():
+        m = pattern.search(line)
+        if not m:
+            continue
+        stage, owner = m["stage"], m["owner"]
+        shared = stage == "model" or (stage == "probe" and _MODEL_ID.fullmatch(owner))
+        found.append((f"{stage}--{owner}" if shared else f"{owner}--{stage}", m["how"]))
+    return found
+
+
 def ran_stages(output: str) -> list[str]:
-    """DVC's 'Running stage' lines: which stages actually executed."""
-    return [line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage '")]
+    """Which stages actually executed: DVC's 'Running stage' lines where DVC narrates
+    (a plain `dvc repro`, or `-v`), else the stages' own 'ran' lines (`python -m pipeline`)."""
+    dvc = [line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage '")]
+    return dvc or [name for name, how in stage_lines(output) if how == "ran"]
+
+
+def restored_stages(output: str) -> list[str]:
+    """The stages restored from DVC's run-cache (DVC's line, or the stage's own under `python -m pipeline`)."""
+    dvc = [line.split("'")[1] for line in output.splitlines() if "is cached - skipping run" in line]
+    return dvc or [name for name, how in stage_lines(output) if how == "restored from the run-cache"]
 
 
 @pytest.fixture(scope="module")

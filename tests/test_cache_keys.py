@@ -23,6 +23,7 @@ from pipeline.engine.layout import (
     declaration,
     model_id,
     params_file,
+    stage_applies,
     stage_ref,
 )
 from pipeline.engine.run_stage import visible_params
@@ -116,6 +117,8 @@ def test_dvc_params_are_exactly_the_declared_sections():
     doc = generate(builds, with_exp=True)["stages"]
     for build in ("b1", "b2", "exp"):
         for stage in BUILD_STAGES:
+            if not stage_applies(stage, builds[build]["device"] if build in builds else None):
+                continue  # test_the_stage_list_fits_the_device
             entry = doc[stage_ref(build, stage)]
             declared = [s for s in declaration(stage).reads if s not in PROBED_SECTIONS or s == "device"]
             recorded = entry.get("params", [{}])[0].get(params_file(build), []) if declared else []
@@ -151,11 +154,28 @@ def test_no_output_is_written_by_two_builds_or_read_across_builds():
 
     mid = model_id(BASES["x86_avx512"]["model"])
     for build in builds:
-        for stage in BUILD_STAGES:
+        for stage in (s for s in BUILD_STAGES if stage_applies(s, builds[build]["device"])):
             foreign = {w for w in writers(stages[stage_ref(build, stage)]) if not w.startswith(f"{build}--")}
             assert foreign <= {f"model--{mid}"}, (build, stage, foreign)
         assert writers(stages[stage_ref(build, "untie_head")]) == {f"model--{mid}", f"{build}--probe"}
     assert writers(stages[f"model--{mid}"]) == {f"probe--{mid}"}
+
+
+def test_the_stage_list_fits_the_device():
+    """A CPU build has no compile_qnn stage and nothing of it depends on one; a phone
+    build has it, read by deploy_profile, verify_parity and benchmark; the exp build,
+    whose device dvc.yaml cannot know, has every stage."""
+    builds = {"cpu": BASES["x86_avx512"], "phone": BASES["galaxy_s25"]}
+    stages = generate(builds, with_exp=True)["stages"]
+    readers = ("deploy_profile", "verify_parity", "benchmark")
+    assert stage_ref("cpu", "compile_qnn") not in stages
+    assert not any("compile_qnn" in d for k, e in stages.items() if k.startswith("cpu--") for d in e["deps"])
+    for build in ("phone", "exp"):
+        assert stage_ref(build, "compile_qnn") in stages
+        for stage in readers:
+            assert f"artifacts/{build}/compile_qnn" in stages[stage_ref(build, stage)]["deps"], (build, stage)
+    cpu = [k.split("--", 1)[1] for k in stages if k.startswith("cpu--")]
+    assert cpu == [s for s in STAGES if declaration(s).scope != "model" and s != "compile_qnn"]
 
 
 def test_builds_never_share_an_output():

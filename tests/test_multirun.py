@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from pipeline.engine import cache_remote, manifest
-from tests.conftest import FAST_RUN, TINY_MODEL, git, ran_stages, repo_copy, venv_env
+from tests.conftest import FAST_RUN, TINY_MODEL, git, ran_stages, repo_copy, restored_stages, venv_env
 
 pytestmark = pytest.mark.slow
 
@@ -141,7 +141,7 @@ def test_a_worker_killed_mid_stage_leaves_nothing_half_written(fleet):
 def test_rerunning_the_sweep_finishes_only_what_is_missing(fleet):
     proc = fleet["proc2"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ran = own(ran_stages(proc.stdout))
+    ran = own(ran_stages(proc.stdout + proc.stderr))
     recorded = fleet["after_kill"]["locked"]
     assert f"{VICTIM}--{VICTIM_STAGE}" in ran, ran
     redone = sorted(set(ran) & recorded)
@@ -164,7 +164,7 @@ def test_three_device_classes_built_in_parallel_by_the_joblib_launcher(fleet):
         for stage in ("pack", "verify_parity", "benchmark"):
             manifest.verify(repo / "artifacts" / b / stage, expect_stage=stage)
     # The model was trained once for the three builds, over both sweeps.
-    both = ran_stages(fleet["out1"]) + ran_stages(proc.stdout)
+    both = ran_stages(fleet["out1"] + fleet["err1"]) + ran_stages(proc.stdout + proc.stderr)
     assert sum(r.startswith("model--") for r in both) == 1, both
     # The builds ran side by side: stages of different builds overlapped in time,
     # in different worker processes of the launcher.
@@ -189,9 +189,9 @@ def test_the_shared_cache_restores_every_stage_in_a_second_clone(fleet, tmp_path
     proc = subprocess.run([sys.executable, "-m", "pipeline", "device=x86_avx512", *BUILD_ARGS], cwd=repo_b,
                           capture_output=True, text=True, timeout=900, env=fleet_env(**{cache_remote.ENV: "shared"}))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert own(ran_stages(proc.stdout)) == [], proc.stdout
-    cached = [l for l in proc.stdout.splitlines() if "is cached - skipping run" in l]
-    assert any("'model--" in l for l in cached) and any("--benchmark'" in l for l in cached), proc.stdout
+    assert own(ran_stages(proc.stdout + proc.stderr)) == [], proc.stdout
+    cached = restored_stages(proc.stdout + proc.stderr)
+    assert any(s.startswith("model--") for s in cached) and any(s.endswith("--benchmark") for s in cached), proc.stderr
     a = fleet["repo"] / "artifacts" / "x86_avx512-embedded-speed" / "benchmark" / "manifest.json"
     b = repo_b / "artifacts" / "x86_avx512-embedded-speed" / "benchmark" / "manifest.json"
     assert b.read_bytes() == a.read_bytes()
@@ -225,5 +225,5 @@ def test_the_same_sweep_through_a_local_ray_instance(fleet, tmp_path):
     # Each job ran in a Ray worker process (Ray prefixes their lines with the pid).
     assert all(f"pid={r['pid']})" in out for r in rows)
     # Everything was built by the sweeps before: no stage but the probes ran.
-    ran = [l.split("Running stage '", 1)[1].split("'")[0] for l in out.splitlines() if "Running stage '" in l]
+    ran = ran_stages(out)
     assert own(ran) == [], ran

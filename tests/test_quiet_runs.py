@@ -1,29 +1,65 @@
-"""A build's output: DVC's advice and command lines hidden unless `-v`; which stage ran,
-was cached or did not change, and DVC's errors, still shown."""
+"""A build's output: one line per stage (ran, up to date, or restored from the run-cache,
+with the time and peak memory of the run that made its output); DVC's advice, command
+lines and narration hidden unless `-v`; DVC's warnings and errors still shown."""
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
-from pipeline.engine import build
+import pytest
+
+from pipeline.engine import narrate
 
 
-def test_dvc_advice_is_hidden_and_its_errors_are_not(caplog):
+@pytest.fixture(autouse=True)
+def quiet(monkeypatch):
+    """quiet_dvc() changes this process's DVC (its loggers, Stage.reproduce, ui.write):
+    undone after each test, so the other tests in this process see DVC as it is."""
+    from dvc.stage import Stage
     from dvc.ui import ui
 
-    build.quiet_dvc()
-    build.quiet_dvc()  # once per process: a second call changes nothing
+    monkeypatch.setattr(Stage, "reproduce", Stage.reproduce)
+    monkeypatch.setattr(ui, "write", ui.write)
+    loggers = [logging.getLogger(n) for n in ("dvc.repo.scm_context", "dvc.dvcfile", "dvc.stage.run", "dvc.stage",
+                                              "dvc.stage.cache", "dvc.repo.reproduce")]
+    for logger in loggers:
+        monkeypatch.setattr(logger, "filters", list(logger.filters))
+    levels = [logger.level for logger in loggers]
+    narrate._HEARD.clear()
+    yield
+    for logger, level in zip(loggers, levels):
+        logger.setLevel(level)  # setLevel, not the attribute: it clears logging's enabled-for cache
+
+
+def _output(tmp_path: Path, seconds: float, peak_mib: int) -> Path:
+    out = tmp_path / "artifacts" / "b" / "export"
+    out.mkdir(parents=True)
+    timings = {"started": "2026-12-04T03:10:00+00:00", "seconds": seconds, "peak_rss_bytes": peak_mib * 2**20}
+    (out / "manifest.json").write_text(json.dumps({"timings": timings}))
+    return out
+
+
+def test_dvc_narration_and_advice_are_hidden_and_its_errors_are_not(caplog):
+    from dvc.ui import ui
+
+    narrate.quiet_dvc(say=lambda line: None)
+    narrate.quiet_dvc()  # once per process: a second call changes nothing
     with caplog.at_level(logging.INFO, logger="dvc"):
         logging.getLogger("dvc.repo.scm_context").info("\nTo track the changes with git, run:\n\n%s", "git add dvc.lock")
         logging.getLogger("dvc.dvcfile").info("Updating lock file '%s'", "dvc.lock")
         run = logging.getLogger("dvc.stage.run")
         run.info("Running stage '%s':", "b--pack")
         run.info("%s %s", ">", "python -m pipeline.engine.run_stage pack --build b")
+        logging.getLogger("dvc.repo.reproduce").info("")
         logging.getLogger("dvc.stage").info("Stage '%s' didn't change, skipping", "b--export")
+        logging.getLogger("dvc.stage.cache").info("Stage '%s' is cached - skipping run, checking out outputs", "b--x")
+        logging.getLogger("dvc.stage").info("Pulling data for %s", "b--y")
         logging.getLogger("dvc.repo.scm_context").error("failed to track %s", "dvc.lock")
+        logging.getLogger("dvc.stage.run").warning("Running stage '%s': %s", "b--z", "odd")
     said = [r.getMessage() for r in caplog.records]
-    assert said == ["Running stage 'b--pack':", "Stage 'b--export' didn't change, skipping",
-                    "failed to track dvc.lock"], said
+    assert said == ["Pulling data for b--y", "failed to track dvc.lock", "Running stage 'b--z': odd"], said
     import io
 
     buf = io.StringIO()
@@ -32,8 +68,46 @@ def test_dvc_advice_is_hidden_and_its_errors_are_not(caplog):
     assert buf.getvalue() == "Data and pipelines are up to date.\n", buf.getvalue()
 
 
-def test_verbose_is_read_from_the_environment(monkeypatch):
-    monkeypatch.delenv(build.VERBOSE_ENV, raising=False)
-    assert not build.verbose()
-    monkeypatch.setenv(build.VERBOSE_ENV, "1")
-    assert build.verbose()
+def test_each_kind_of_stage_line_carries_the_runs_time_and_peak(tmp_path):
+    out = _output(tmp_path, 27.84, 2162)
+    assert narrate.ran_line("export [b]", out, root=tmp_path) == \
+        "export [b]: ran in 27.8 s, peak 2,162 MiB -> artifacts/b/export"
+    assert narrate.ran_line("export [b]", out, on="pi (arm64_cpu, Cortex-A76)", root=tmp_path) == \
+        "export [b]: ran on pi (arm64_cpu, Cortex-A76) in 27.8 s, peak 2,162 MiB -> artifacts/b/export"
+    assert narrate.kept_line("export [b]", "up to date", out).startswith(
+        "export [b]: up to date (ran in 27.8 s, peak 2,162 MiB at 2026-12-04T03:10:00+00:00) -> ")
+    assert narrate.ran_line("pack [b]", tmp_path / "absent", root=tmp_path) == "pack [b]: ran -> absent"
+
+
+def test_dvc_stage_names_read_as_labels():
+    assert narrate.label_of("x86_avx512-embedded--pack") == "pack [x86_avx512-embedded]"
+    assert narrate.label_of("model--embedded-0123456789abcdef") == "model [embedded-0123456789abcdef]"
+    assert narrate.label_of("probe--embedded-0123456789abcdef") == "probe [embedded-0123456789abcdef]"
+    assert narrate.label_of("b--probe") == "probe [b]"
+
+
+def test_a_stage_dvc_did_not_run_says_so_once_its_output_is_in_place(tmp_path, caplog):
+    """What DVC said of a stage it did not run becomes one line with the figures of the
+    run that made its output, said after DVC's reproduce of it returns (Stage.reproduce wrapped)."""
+    from dvc.stage import Stage
+
+    narrate.quiet_dvc()
+    assert Stage.reproduce.edgekiln_quiet
+    out = _output(tmp_path, 5.4, 1947)
+
+    class FakeStage:
+        addressing = "b--export"
+        outs = [type("Out", (), {"fs_path": str(out)})()]
+
+    with caplog.at_level(logging.INFO, logger="dvc"):
+        logging.getLogger("dvc.stage").info("Stage '%s' didn't change, skipping", "b--export")
+    line = narrate.line_after(FakeStage())
+    assert line.startswith("export [b]: up to date (ran in 5.4 s, peak 1,947 MiB at 2026-12-04T03:10:00"), line
+    assert narrate.line_after(FakeStage()) is None  # said once
+    with caplog.at_level(logging.INFO, logger="dvc"):
+        logging.getLogger("dvc.stage.cache").info("Stage '%s' is cached - skipping run, checking out outputs",
+                                                  "b--export")
+    assert narrate.line_after(FakeStage()).startswith("export [b]: restored from the run-cache (ran in 5.4 s")
+    with caplog.at_level(logging.INFO, logger="dvc"):
+        logging.getLogger("dvc.stage.run").info("Running stage '%s':", "b--export")
+    assert narrate.line_after(FakeStage()) is None  # it ran: the stage said its own line

@@ -350,8 +350,10 @@ def test_publish_promote_refuse_rollback_and_pull_on_a_fresh_clone(fleet):
     assert release["version"] == "v1" and release["bundle_sha256"] == rec["bundle_sha256"]
     from pipeline.engine.manifest import verify
 
-    for stage in reg.BUNDLE_STAGES:
+    assert reg.record_stages(rec) == ("pack", "deploy_profile", "verify_parity", "benchmark")  # a CPU: no compile_qnn
+    for stage in reg.record_stages(rec):
         verify(base / "device" / stage, expect_stage=stage)
+    assert not (base / "device" / "compile_qnn").exists()
     pinned = _registry(clone, "pull", DEVICE, "--version", "v2", "--dest", str(base / "device-v2"))
     assert pinned.returncode == 0 and json.loads((base / "device-v2/RELEASE.json").read_text())["version"] == "v2"
 

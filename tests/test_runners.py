@@ -142,7 +142,7 @@ def test_parity_and_benchmark_run_on_the_device_over_ssh(built_repo, ssh, tmp_pa
     proc = subprocess.run([sys.executable, "-m", "pipeline", "device=x86_avx512", *TINY_MODEL, *FAST_RUN],
                           cwd=repo, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    own = [r for r in ran_stages(proc.stdout) if not r.endswith("--probe") and not r.startswith("probe--")]
+    own = [r for r in ran_stages(proc.stdout + proc.stderr) if not r.endswith("--probe") and not r.startswith("probe--")]
     assert own == [f"{build}--verify_parity", f"{build}--benchmark"], own
     # The device really ran each stage (after its own probe), through the SSH server.
     ran_remote = [c for c, rc in ssh.commands[before:] if "pipeline.engine.run_stage" in c and rc == 0]
@@ -169,5 +169,5 @@ def test_parity_and_benchmark_run_on_the_device_over_ssh(built_repo, ssh, tmp_pa
     assert unset.returncode == 0, unset.stderr
     back = run_cli(repo, "device=x86_avx512", *TINY_MODEL, *FAST_RUN)
     assert back.returncode == 0, back.stderr[-3000:]
-    assert [r for r in ran_stages(back.stdout) if not r.endswith("--probe") and not r.startswith("probe--")] == []
+    assert [r for r in ran_stages(back.stdout + back.stderr) if not r.endswith("--probe") and not r.startswith("probe--")] == []
     assert not (repo / "artifacts" / build / "benchmark" / PROVENANCE).exists()

@@ -12,7 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from pipeline.engine.layout import BUILDS, ROOT, STAGES, declaration, model_id, model_stage_ref, stage_ref
+from pipeline.engine import narrate
+from pipeline.engine.layout import BUILDS, ROOT, build_stages, model_id, model_stage_ref, stage_ref
 
 
 def register(cfg: dict) -> Path:
@@ -134,55 +135,9 @@ def _run_dvc(args: list[str]) -> int:
     from dvc.cli import main as dvc_main
 
     atomic_dvc_files()
-    if not verbose():
-        quiet_dvc()
+    if not narrate.verbose():
+        narrate.quiet_dvc()  # one line per stage (pipeline/engine/narrate.py)
     return dvc_main(args)
-
-
-VERBOSE_ENV = "EDGEKILN_VERBOSE"  # set by `python -m pipeline -v`
-
-
-def verbose() -> bool:
-    return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
-
-
-# What DVC says around a repro that a user of this tool never acts on: the advice
-# after it ("To track the changes with git, run: git add dvc.lock", "dvc config
-# core.autostage true", "Use `dvc push` ..."), the lock-file updates, and each stage's
-# command line (the stage prints its own line: ran, its time and peak). Which stage
-# runs, is cached or did not change, and every WARNING and ERROR, still print.
-_DVC_ADVICE = ("dvc.repo.scm_context", "dvc.dvcfile")
-
-
-class _NoCommandLine:
-    """Drops dvc.stage.run's "> python -m pipeline.engine.run_stage ..." record."""
-
-    def filter(self, record) -> bool:
-        return not (record.msg == "%s %s" and record.args and record.args[0] == ">")
-
-
-def quiet_dvc() -> None:
-    """DVC's advice hidden (shown with `-v`). Written by hand because DVC's own `-q`
-    also hides its ERROR lines: the advising loggers raised to WARNING, the command
-    line filtered, the CLI's closing `ui.write("Use `dvc push` ...")` dropped."""
-    import logging
-
-    from dvc.ui import ui
-
-    if getattr(ui.write, "edgekiln_quiet", False):
-        return
-    for name in _DVC_ADVICE:
-        logging.getLogger(name).setLevel(logging.WARNING)
-    logging.getLogger("dvc.stage.run").addFilter(_NoCommandLine())
-    write = ui.write
-
-    def write_but_advice(*objects, **kw):
-        if objects and isinstance(objects[0], str) and objects[0].startswith("Use `dvc push`"):
-            return None
-        return write(*objects, **kw)
-
-    write_but_advice.edgekiln_quiet = True
-    ui.write = write_but_advice
 
 
 def _repro(refs: list[str], say) -> int:
@@ -203,8 +158,9 @@ def _stale(stage_name: str) -> bool:
         return bool(repo.status(targets=[stage_name]))
 
 
-def build(name: str, model: dict, say) -> int:
-    """Run the build's DVC stages: the shared model first, then its own.
+def build(name: str, cfg: dict, say) -> int:
+    """Run the build's DVC stages (`cfg`: its registered config): the shared model
+    first, then its own, those that fit its device (layout.build_stages).
 
     Builds of different devices run side by side (pipeline/engine/locks.py): the
     model they share is brought up to date by one of them at a time and read
@@ -214,6 +170,7 @@ def build(name: str, model: dict, say) -> int:
     """
     from pipeline.engine import locks
 
+    model = cfg["model"]
     mid = model_id(model)
     refresh, use = locks.model_locks(mid)
     about = f"model {mid}"
@@ -227,5 +184,5 @@ def build(name: str, model: dict, say) -> int:
         return rc
     with locks.hold(use, shared=True, say=say, what=about, waits_for="it to be rewritten"):
         locks.note_dvc_lock(ROOT, say)
-        own = [stage_ref(name, s) for s in STAGES if declaration(s).scope in ("host", "build")]
+        own = [stage_ref(name, s) for s in build_stages(cfg["device"])]
         return _repro(own, say)

@@ -7,6 +7,8 @@ where it reads probed facts, its probe's host.json. The probe runs once per
 consumer (`probe--<model id>` for a shared model, `<build>--probe` for a
 build), so no two builds write one output (pipeline/engine/layout.py). tests/test_dvc_yaml.py
 regenerates it and fails on any difference, so a hand edit cannot drift.
+A registered build has only the stages that fit its device (layout.stage_applies:
+no compile_qnn for a CPU), and its stages depend only on those.
 
 Top-level `metrics` and `plots` (DVC 3) point at files inside each build's
 benchmark output (names declared by stages/benchmark.py), so `dvc metrics show`,
@@ -39,6 +41,8 @@ from pipeline.engine.layout import (
     params_file,
     runner_file,
     runner_of,
+    stage_applies,
+    stage_inputs,
     stage_ref,
     toolchain_file,
 )
@@ -90,7 +94,7 @@ def _stage_entry(stage, build: str, cfg: dict | None, model_ref: str | None = No
     device_name = cfg["device"]["name"] if cfg else None
     if depends_on_host(decl.name, build, device_name):
         deps.append(host_file(build))
-    for name in decl.inputs:
+    for name in stage_inputs(decl.name, cfg["device"] if cfg else None):
         deps.append(output_dir(name, build, model_section))
     if decl.name == "model" and cfg and cfg["model"]["source"] in ("hf", "gguf") and cfg["model"].get("path"):
         # An external checkpoint (folder or GGUF file): hashed by DVC. A model
@@ -140,6 +144,8 @@ def generate(builds: dict[str, dict] | None = None, with_exp: bool = True) -> di
         for decl in decls:
             if decl.scope == "model" and build != EXP_BUILD:
                 continue
+            if not stage_applies(decl.name, cfg["device"] if cfg else None):
+                continue  # e.g. compile_qnn in a CPU build: the stage list fits the device
             stages[stage_ref(build, decl.name)] = _stage_entry(decl, build, cfg)
     doc: dict = {"stages": stages}
     doc.update(reports(list(targets)))

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = "artifacts"
@@ -68,6 +69,7 @@ class StageDecl:
     toolchain: tuple[str, ...]
     scope: str  # host | model | build
     module: ModuleType
+    applies: Callable[[dict], bool] | None = None  # the stage's `applies(device)`; None: every device
 
     @property
     def source(self) -> str:
@@ -86,11 +88,44 @@ def declaration(stage: str) -> StageDecl:
         toolchain=tuple(getattr(module, "TOOLCHAIN", ())),
         scope=getattr(module, "SCOPE", "build"),
         module=module,
+        applies=getattr(module, "applies", None),
     )
 
 
 def declarations() -> list[StageDecl]:
     return [declaration(s) for s in STAGES]
+
+
+def stage_applies(stage: str, device: dict | None) -> bool:
+    """Is `stage` part of a build for this device (the build file's `device` section)?
+
+    A stage that fits only some devices says so with `applies(device)` (compile_qnn:
+    a QNN HTP); a build for another device has no such stage in dvc.yaml and its
+    consumers do not read it. `device` None: not known when dvc.yaml is written
+    (the `exp` build, whose params.yaml `dvc exp run -S` composes), so every stage
+    is there, and one that does not fit says so in its manifest."""
+    decl = declaration(stage)
+    return device is None or decl.applies is None or bool(decl.applies(device))
+
+
+def stage_inputs(stage: str, device: dict | None) -> tuple[str, ...]:
+    """The input stages `stage` reads in a build for this device (see stage_applies)."""
+    return tuple(name for name in declaration(stage).inputs if stage_applies(name, device))
+
+
+def build_stages(device: dict | None) -> list[str]:
+    """A build's own stages for this device, in pipeline order (its probe first; the
+    shared model's stages are the model's)."""
+    return [s for s in STAGES if declaration(s).scope in ("host", "build") and stage_applies(s, device)]
+
+
+def build_device(build: str) -> dict | None:
+    """The `device` section of a registered build's file; None for the exp build."""
+    if build == EXP_BUILD:
+        return None
+    import yaml
+
+    return (yaml.safe_load((ROOT / params_file(build)).read_text()) or {}).get("device")
 
 
 def canonical_json(obj) -> str:

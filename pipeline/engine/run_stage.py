@@ -33,7 +33,7 @@ import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
-from pipeline.engine import manifest
+from pipeline.engine import manifest, narrate
 from pipeline.engine.codedeps import stage_code
 from pipeline.engine.config import ConfigError, load_build_file
 from pipeline.engine.context import StageContext, StageError
@@ -41,11 +41,13 @@ from pipeline.engine.devices import resolve
 from pipeline.engine.layout import (
     EXP_BUILD,
     ROOT,
+    build_device,
     declaration,
     host_file,
     model_params_file,
     output_dir,
     params_file,
+    stage_applies,
     toolchain_file,
 )
 
@@ -152,7 +154,11 @@ def run(stage: str, build: str | None = None, model: str | None = None) -> Path:
     decl = declaration(stage)
     params, model_section = stage_params(stage, build, model)
     inputs, input_manifests = {}, {}
-    for name in decl.inputs:
+    # The build's device, read only where an input fits only some devices (compile_qnn):
+    # the inputs are those dvc.yaml gives the stage (layout.stage_inputs).
+    fitted = build and any(declaration(i).applies for i in decl.inputs)
+    device = build_device(build) if fitted else None
+    for name in (i for i in decl.inputs if stage_applies(i, device)):
         folder = ROOT / output_dir(name, build, model_section)
         input_manifests[name] = manifest.verify(folder, expect_stage=name)
         inputs[name] = folder
@@ -316,7 +322,7 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, str]:
     group.add_argument("--build", help="a registered build (builds/NAME.yaml) or 'exp' (params.yaml)")
     group.add_argument("--model", help="a model id (builds/_models/ID.yaml)")
     args = parser.parse_args(argv)
-    return args, f"{args.stage} [{args.build or args.model or 'host'}]"
+    return args, narrate.label(args.stage, args.build or args.model or "host")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -351,17 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:  # a bug: keep the traceback, but out of the way
         return _internal_error(label, args.stage, e)
-    print(f"{label}: {_ran_line(out)} -> {out.relative_to(ROOT)}", file=sys.stderr)
+    print(narrate.ran_line(label, out, root=ROOT), file=sys.stderr)  # the stage's one line
     return 0
-
-
-def _ran_line(out: Path) -> str:
-    """'ran in N s, peak M MiB', from the manifest just written."""
-    try:
-        t = json.loads((out / "manifest.json").read_text()).get("timings") or {}
-        return f"ran in {t['seconds']:,.1f} s, peak {t['peak_rss_bytes'] / 2**20:,.0f} MiB"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "ran"
 
 
 # --------------------------------------------------------------------------

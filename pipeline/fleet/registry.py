@@ -93,7 +93,7 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.engine.layout import ARTIFACTS, BUILDS, ROOT, canonical_json, model_id, sha256_text, stage_ref
+from pipeline.engine.layout import ARTIFACTS, BUILDS, ROOT, canonical_json, model_id, sha256_text, stage_applies, stage_ref
 from pipeline.engine.manifest import content_hash, verify
 from pipeline.measure.stats import compare, spread
 
@@ -136,6 +136,16 @@ def _hashes(path: Path) -> tuple[str, str, int]:
             m.update(chunk)
             n += len(chunk)
     return s.hexdigest(), m.hexdigest(), n
+
+
+def bundle_stages(device: dict) -> tuple[str, ...]:
+    """The bundle's stages a build for this device has (no compile_qnn for a CPU)."""
+    return tuple(s for s in BUNDLE_STAGES if stage_applies(s, device))
+
+
+def record_stages(record: dict) -> tuple[str, ...]:
+    """The stages a published version holds, as its lineage names them."""
+    return tuple(record["lineage"]["stage_content_sha256"])
 
 
 def bundle_files(folder: Path, stages=BUNDLE_STAGES) -> dict[str, dict]:
@@ -416,8 +426,9 @@ def collect(root: Path, build: str) -> dict:
     if not (base / "verify_parity" / "manifest.json").is_file():
         raise GateRefused(f"{build}: no verify_parity output: the build failed parity (or never ran it); "
                           "a build that failed parity cannot be published")
+    stages = bundle_stages(cfg["device"])
     manifests = {}
-    for stage in BUNDLE_STAGES:
+    for stage in stages:
         try:
             manifests[stage] = verify(base / stage, expect_stage=stage)
         except StageError as e:
@@ -435,10 +446,10 @@ def collect(root: Path, build: str) -> dict:
     device = ((manifests["benchmark"]["key"].get("params") or {}).get("device") or {}).get("name") \
         or cfg["device"]["name"]
     toolchain: dict = {}
-    for stage in BUNDLE_STAGES:
+    for stage in stages:
         toolchain.update(manifests[stage]["key"].get("toolchain") or {})
     uh = _read_json(base / "untie_head" / "manifest.json") or {}
-    files = bundle_files(base)
+    files = bundle_files(base, stages)
     commit = _git(root, "rev-parse", "HEAD")
     dirty = bool(_git(root, "status", "--porcelain", "--untracked-files=no", "--", "pipeline", "stages", "conf"))
     lineage = {
@@ -447,8 +458,8 @@ def collect(root: Path, build: str) -> dict:
         "model_sha256": (uh.get("key") or {}).get("inputs", {}).get("model"),
         "device_class": device,
         "config_sha256": sha256_text(canonical_json(cfg)),
-        "stage_config_sha256": {s: manifests[s]["config_hash"] for s in BUNDLE_STAGES},
-        "stage_content_sha256": {s: manifests[s]["content_sha256"] for s in BUNDLE_STAGES},
+        "stage_config_sha256": {s: manifests[s]["config_hash"] for s in stages},
+        "stage_content_sha256": {s: manifests[s]["content_sha256"] for s in stages},
         "toolchain": dict(sorted(toolchain.items())),
         "source_commit": commit or None,
         "source_dirty": dirty,
@@ -473,7 +484,7 @@ def publish(root: Path, build: str, *, channel: str = "dev", remote: str | None 
     repo = _repo(root)
     try:
         # The bytes recorded are the bytes DVC tracks (and pushes).
-        for stage in BUNDLE_STAGES:
+        for stage in record_stages(record):
             tracked = _lock_dir_md5s(root, repo, build, stage)
             mine = {k.split("/", 1)[1]: v["md5"] for k, v in record["files"].items() if k.startswith(stage + "/")}
             if tracked != mine:
@@ -634,12 +645,12 @@ def pull(root: Path, device: str, dest: Path, *, model: str | None = None, chann
             if sha != meta["sha256"]:
                 raise IntegrityError(f"{rel}: refused: sha256 {sha[:16]}... does not match the recorded "
                                      f"{meta['sha256'][:16]}... (tampered blob {src})")
-        for stage in BUNDLE_STAGES:
+        for stage in record_stages(record):
             try:
                 verify(staging / stage, expect_stage=stage)
             except StageError as e:
                 raise IntegrityError(f"refused: {e}")
-        if bundle_sha256(bundle_files(staging)) != record["bundle_sha256"]:
+        if bundle_sha256(bundle_files(staging, record_stages(record))) != record["bundle_sha256"]:
             raise IntegrityError("refused: the fetched bundle does not hash to the version's bundle sha256")
         release = {k: record[k] for k in ("version", "bundle_sha256", "build", "device", "model", "lineage", "published_at")}
         release["pulled_as"] = ref

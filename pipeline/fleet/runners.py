@@ -34,7 +34,6 @@ toolchain installed (`--python`, default `python3`); nothing else.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import posixpath
@@ -49,10 +48,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pipeline.engine import manifest
+from pipeline.engine import manifest, narrate
 from pipeline.engine.codedeps import RUNNER, closure
 from pipeline.engine.context import StageError
-from pipeline.engine.layout import BUILDS, ROOT, RUNNERS_DIR, STAGES, declaration, output_dir, probe_dir, runner_file, runner_of
+from pipeline.engine.layout import (BUILDS, ROOT, RUNNERS_DIR, STAGES, build_device, declaration, output_dir, probe_dir,
+                                    runner_file, runner_of, stage_inputs)
 
 DEFAULT_STAGES = ("verify_parity", "benchmark")
 PROVENANCE = "runner.json"
@@ -245,7 +245,7 @@ def bundle(stage: str, build: str) -> dict[str, Path]:
     for sheet in sorted((ROOT / "conf" / "device").glob("*.yaml")):
         files[sheet.relative_to(ROOT).as_posix()] = sheet
     files[f"{BUILDS}/{build}.yaml"] = ROOT / BUILDS / f"{build}.yaml"
-    for name in declaration(stage).inputs:
+    for name in stage_inputs(stage, build_device(build)):
         folder = ROOT / output_dir(name, build)
         manifest.verify(folder, expect_stage=name)  # never ship a modified input
         for p in sorted(folder.rglob("*")):
@@ -309,8 +309,9 @@ def run_on(runner: Runner, stage: str, build: str, say=None) -> Path:
                    f"{py} -m pipeline.engine.run_stage probe --build {shlex.quote(build)} && "
                    f"{py} -m pipeline.engine.run_stage {shlex.quote(stage)} --build {shlex.quote(build)}")
         rc, out, err = runner.execute(command)
+        own = narrate.label(stage, build) + ": ran"  # the device's line for the stage: said below, with its host
         for line in (out + err).splitlines():
-            if not line.startswith(_HOST_TAG):
+            if not line.startswith((_HOST_TAG, own)):
                 say(f"  [{runner.kind}] {line}")
         if rc != 0:
             raise StageError(f"{stage} failed on {runner.describe()} (exit {rc}; its output is above)")
@@ -339,8 +340,8 @@ def run_on(runner: Runner, stage: str, build: str, say=None) -> Path:
                        timings=m["timings"])
         manifest.verify(tmp, expect_stage=stage)
         install(tmp, final)
-        say(f"{stage} [{build}]: measured on {remote_host} ({host.get('device_class')}, {host.get('cpu_model')}); "
-            f"wrote {final.relative_to(ROOT)}")
+        say(narrate.ran_line(narrate.label(stage, build), final,
+                             on=f"{remote_host} ({host.get('device_class')}, {host.get('cpu_model')})"))
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

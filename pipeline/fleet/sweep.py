@@ -114,7 +114,7 @@ def job(cfg, *, root: str, cache_remote: str | None) -> dict:
             # its own checkout (Ray, Slurm) registers it there.
             with locks.hold(locks.REGISTRY, say=say):
                 register(resolved)
-            rc = build(name, resolved["model"], say)
+            rc = build(name, resolved, say)
         ray = sys.modules.get("ray")
         if ray is not None and ray.is_initialized():  # which Ray node ran it
             result["ray_node"] = ray.get_runtime_context().get_node_id()
