@@ -46,8 +46,9 @@ def run(ctx: StageContext) -> dict:
 
     ctx.log(f"exporting {src.name}: context_length={context_length} opset={opset} mask={mask_value}")
     try:
-        summary = export_decode_step(src, ctx.out, context_length=context_length, opset=opset,
-                                     mask_value=mask_value)
+        with ctx.progress(None, "torch.onnx.export (dynamo) of the decode step, then its checks"):
+            summary = export_decode_step(src, ctx.out, context_length=context_length, opset=opset,
+                                         mask_value=mask_value)
     except DecodeGraphError as err:
         raise StageError(f"export: {err}") from None
 

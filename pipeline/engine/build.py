@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from pipeline.engine import narrate
-from pipeline.engine.layout import BUILDS, ROOT, build_stages, model_id, model_stage_ref, stage_ref
+from pipeline.engine.layout import BUILDS, ROOT, build_stages, model_id, model_stage_ref, output_dir, stage_ref
 
 
 def register(cfg: dict) -> Path:
@@ -180,6 +180,8 @@ def build(name: str, cfg: dict, say) -> int:
             with locks.hold(use, say=say, what=about,
                             waits_for="the builds reading its previous version to finish"):
                 rc = _repro([model_stage_ref("model", model)], say)
+        elif rc == 0:  # not handed to DVC at all: its one line said here
+            say(narrate.kept_line(narrate.label("model", mid), "up to date", ROOT / output_dir("model", None, model)))
     if rc != 0:
         return rc
     with locks.hold(use, shared=True, say=say, what=about, waits_for="it to be rewritten"):

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -308,8 +309,14 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    # torch.onnx warns once per missing torchvision op: not ours to fix.
+    # torch.onnx warns once per missing torchvision op: not ours to fix. TORCH_LOGS too,
+    # since torch's own logging setup resets its loggers' levels when torch is imported.
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    os.environ.setdefault("TORCH_LOGS", "-onnx")
+    if not narrate.verbose():
+        # Libraries' notices to their own callers' authors (torch's pytree deprecations
+        # inside its exporter...): shown with `python -m pipeline -v`.
+        warnings.simplefilter("ignore", FutureWarning)
 
 
 def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, str]:

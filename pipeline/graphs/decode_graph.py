@@ -340,7 +340,7 @@ def export_decode_step(hf_model_dir, out_dir, context_length: int, opset: int = 
     for stale in (onnx_path, out_dir / "model.onnx.data"):
         stale.unlink(missing_ok=True)
     with torch.no_grad():
-        program = torch.onnx.export(step, args, dynamo=True, opset_version=opset,
+        program = torch.onnx.export(step, args, dynamo=True, opset_version=opset, verbose=False,
                                     input_names=ins, output_names=outs, external_data=external)
         program.save(str(onnx_path), external_data=external)
     t_export = time.perf_counter() - t0
