@@ -17,9 +17,11 @@ follow the model (context length, parity and calibration lengths: past its
 sliding window); an explicit one that cannot exercise it is refused before any
 stage runs. The build is registered as builds/<build.name>.yaml, dvc.yaml is
 regenerated, and DVC runs what is out of date: nothing, when nothing changed.
-A stage that runs prints its time and peak memory; DVC's advice (git add dvc.lock,
-autostage, dvc push) and its command lines are shown with `-v` only. The summary
-lists each stage's time and peak memory.
+A build has the stages its device needs (compile_qnn only for a phone). Each says
+one line: ran, up to date, or restored from the run-cache, with the time and peak
+memory of the run that made its output. DVC's own lines and advice (git add
+dvc.lock, autostage, dvc push), its command lines and libraries' FutureWarnings and
+tqdm bars are shown with `-v` only. The summary lists each stage's time and peak.
 """
 
 from __future__ import annotations
@@ -198,4 +200,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # `python -m pipeline --help | head`: the reader left, not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)

@@ -317,6 +317,9 @@ def _quiet_libraries() -> None:
         # Libraries' notices to their own callers' authors (torch's pytree deprecations
         # inside its exporter...): shown with `python -m pipeline -v`.
         warnings.simplefilter("ignore", FutureWarning)
+        # Libraries' own tqdm bars (transformers' "Converting and de-quantizing GGUF
+        # tensors" beside the stage's bar for the same work; tqdm reads TQDM_* settings).
+        os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, str]:
