@@ -122,18 +122,19 @@ def run(ctx) -> dict:
     if config.get("quantization_config"):
         raise StageError(f"{src} is already quantized: calibration needs the full-precision checkpoint")
 
-    tokenizer = AutoTokenizer.from_pretrained(src)
-    if s["dataset"] in DATASETS:
-        held, facts = heldout_ids(src, tokenizer, ctx.log)
-        where = "the held-out split"
-    else:
-        from pipeline.sources import textdata
+    with ctx.progress(None, "the tokenizer and the calibration text, tokenized"):
+        tokenizer = AutoTokenizer.from_pretrained(src)
+        if s["dataset"] in DATASETS:
+            held, facts = heldout_ids(src, tokenizer, ctx.log)
+            where = "the held-out split"
+        else:
+            from pipeline.sources import textdata
 
-        try:
-            held, facts = textdata.stream(tokenizer, s["dataset"], s["field"], s["chat_template"])
-        except textdata.TextDataError as err:
-            raise StageError(f"calibrate.dataset: {err}") from None
-        where = f"calibrate.dataset ({s['dataset']})"
+            try:
+                held, facts = textdata.stream(tokenizer, s["dataset"], s["field"], s["chat_template"])
+            except textdata.TextDataError as err:
+                raise StageError(f"calibrate.dataset: {err}") from None
+            where = f"calibrate.dataset ({s['dataset']})"
     T = s["seq_len"]
     available = len(held) // T
     if available < s["min_samples"]:

@@ -305,19 +305,21 @@ def _promote(ctx, s, src: Path, cal_dir: Path, layers: dict, tensors: dict, grou
                                   on_unit=lambda u: bar.advance(), sensitivity=s["sensitivity"])
     chosen = bit_alloc.choose(found["gains"], units, budget_bytes)
     by_key = {u.key: u for u in units}
-    for key in chosen:
-        for name in by_key[key].layers:
-            quantize_layer(name, 8)
-            model.get_submodule(name).weight.data.copy_(at_codes(name))
-    changed = [name for key in chosen for name in by_key[key].layers]
-    after = found["error"](changed=changed) if chosen else found["base"]
-    head = _head_width(s, found, model, after, tensors, head_alt, weight, group_sizes, tied) if head_alt else None
-    def head_codes():  # the head as it ships (read only where an untied table is measured)
-        final = head_alt if head is not None and head["chosen"] == 4 else \
-            {k: tensors[f"{HEAD}.{k}"] for k in ("qweight", "scales", "zeros")}
-        return gptq.dequantize(final["qweight"], final["scales"], final["zeros"], group_sizes[HEAD])
+    with ctx.progress(None, "the chosen units at 8 bits; the head's and the embedding's widths measured"):
+        for key in chosen:
+            for name in by_key[key].layers:
+                quantize_layer(name, 8)
+                model.get_submodule(name).weight.data.copy_(at_codes(name))
+        changed = [name for key in chosen for name in by_key[key].layers]
+        after = found["error"](changed=changed) if chosen else found["base"]
+        head = _head_width(s, found, model, after, tensors, head_alt, weight, group_sizes, tied) if head_alt else None
 
-    embedding = _embedding_width(s, found, model, weight, tied, head_codes) if s["embedding_measured"] else None
+        def head_codes():  # the head as it ships (read only where an untied table is measured)
+            final = head_alt if head is not None and head["chosen"] == 4 else \
+                {k: tensors[f"{HEAD}.{k}"] for k in ("qweight", "scales", "zeros")}
+            return gptq.dequantize(final["qweight"], final["scales"], final["zeros"], group_sizes[HEAD])
+
+        embedding = _embedding_width(s, found, model, weight, tied, head_codes) if s["embedding_measured"] else None
     del model
     record = {
         "budget": s["eight_bit_budget"],
@@ -562,7 +564,8 @@ def run(ctx) -> dict:
         head_alt = None
         if s["head_bits_measured"]:  # the 4-bit head beside the 8-bit one, for _head_width to weigh
             kept = ({k: tensors[f"{HEAD}.{k}"] for k in ("qweight", "scales", "zeros")}, report[HEAD])
-            quantize_layer(HEAD, 4)
+            with ctx.progress(None, "the head at 4 bits too, to weigh its width"):
+                quantize_layer(HEAD, 4)
             head_alt = {**{k: tensors[f"{HEAD}.{k}"] for k in ("qweight", "scales", "zeros")}, "report": report[HEAD]}
             for k, t in kept[0].items():
                 tensors[f"{HEAD}.{k}"] = t

@@ -429,7 +429,8 @@ def run(ctx: StageContext) -> dict:
     evaluation = _evaluation(ctx, tokenizer, hf_dir, int(bos) if uses_bos else None, context_length)
 
     ref_threads = _ref_threads(hf_dir)
-    ref = TorchReference(hf_dir, threads=ref_threads)
+    with ctx.progress(None, "parity: loading the eager fp32 reference"):
+        ref = TorchReference(hf_dir, threads=ref_threads)
     if ref.vocab_size != int(io["vocab_size"]):
         raise StageError(f"vocab mismatch: checkpoint {ref.vocab_size}, export {io['vocab_size']}: rerun export")
 

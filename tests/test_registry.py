@@ -97,6 +97,13 @@ def test_stable_gate_uses_the_candidates_noise_floor_and_notes_other_hosts():
     assert out["refused"] is False and out["noise_floor"] == 0.2 and "different hosts" in out["note"]
 
 
+def test_a_bundle_holds_the_stages_its_device_has():
+    """A phone's bundle carries its context binaries (compile_qnn); a CPU build has no such stage."""
+    phone, cpu = {"name": "galaxy_s25", "accelerator": "qnn_htp"}, {"name": "x86_avx512", "accelerator": "none"}
+    assert reg.bundle_stages(phone) == reg.BUNDLE_STAGES
+    assert reg.bundle_stages(cpu) == tuple(s for s in reg.BUNDLE_STAGES if s != "compile_qnn")
+
+
 def test_channel_stack_replays_promotions_and_rollbacks():
     ch = {"history": [{"action": "publish", "version": "v1"}, {"action": "promote", "version": "v2"},
                       {"action": "promote", "version": "v3"}, {"action": "rollback", "version": "v2"},

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from pipeline.engine.layout import ROOT
 
 DEVICE_DIR = ROOT / "conf" / "device"
