@@ -128,15 +128,8 @@ def _atomic_rwlock() -> None:
 
 
 def _run_dvc(args: list[str]) -> int:
-    # dvc.yaml's commands say `python`: make it this interpreter (the venv's)
-    # without writing a machine-specific path into the cache key.
-    bindir = str(Path(sys.executable).parent)
-    os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     from dvc.cli import main as dvc_main
 
-    atomic_dvc_files()
-    if not narrate.verbose():
-        narrate.quiet_dvc()  # one line per stage (pipeline/engine/narrate.py)
     return dvc_main(args)
 
 
@@ -145,6 +138,16 @@ def _repro(refs: list[str], say) -> int:
     when EDGEKILN_CACHE_REMOTE names a DVC remote (pipeline/engine/cache_remote.py)."""
     from pipeline.engine import cache_remote
 
+    # For DVC's CLI and, with a cache remote, its Python API in this process alike:
+    # dvc.yaml's commands say `python`: made this interpreter (the venv's) without
+    # writing a machine-specific path into the cache key; dvc.lock written by
+    # rename; one line per stage (pipeline/engine/narrate.py).
+    bindir = str(Path(sys.executable).parent)
+    if os.environ.get("PATH", "").split(os.pathsep)[0] != bindir:
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    atomic_dvc_files()
+    if not narrate.verbose():
+        narrate.quiet_dvc()
     return cache_remote.repro(refs, _run_dvc, say)
 
 

@@ -65,7 +65,8 @@ def _repro_pulling(ref: str, name: str) -> int:
     and making REMOTE the default would mean rewriting .dvc/config under
     builds running beside this one. `Repo(remote=...)` sets it for this one
     repository object. DVC's logging (set up when dvc is imported) prints the
-    same "Running stage" / "is cached" lines the CLI does."""
+    same "Running stage" / "is cached" lines the CLI does, which a `python -m
+    pipeline` build turns into its one line per stage (pipeline/engine/narrate.py)."""
     from dvc.exceptions import DvcException
     from dvc.repo import Repo
 
