@@ -144,8 +144,10 @@ def bundle_stages(device: dict) -> tuple[str, ...]:
 
 
 def record_stages(record: dict) -> tuple[str, ...]:
-    """The stages a published version holds, as its lineage names them."""
-    return tuple(record["lineage"]["stage_content_sha256"])
+    """The stages a published version holds, as its lineage names them, in pipeline
+    order (a stored record's keys come back sorted)."""
+    held = record["lineage"]["stage_content_sha256"]
+    return tuple(s for s in BUNDLE_STAGES if s in held) + tuple(sorted(set(held) - set(BUNDLE_STAGES)))
 
 
 def bundle_files(folder: Path, stages=BUNDLE_STAGES) -> dict[str, dict]:
