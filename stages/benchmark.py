@@ -429,11 +429,10 @@ def _npu(ctx, b, device, host, sel) -> dict:
     from pipeline.measure.stats import fmt, spread
 
     comp = Path(ctx.inputs["compile_qnn"])
-    info = json.loads((comp / "qnn.json").read_text())
-    io = json.loads((comp / "io.json").read_text())
-    reason = qnn.missing()
-    if reason:
-        raise StageError(f"benchmark: cannot run the context binaries on the HTP backend: {reason}")
+    try:
+        info, io = qnn.compiled_for_htp(comp)
+    except qnn.QnnError as err:
+        raise StageError(f"benchmark: {err}") from None
     passes = int(b.passes)
     emulation, expected = {}, {}
     prompt = list(range(4, 4 + NPU_WARMUP))

@@ -884,11 +884,10 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
 
     comp = Path(ctx.inputs["compile_qnn"])
     pack = Path(ctx.inputs["pack"])
-    info = json.loads((comp / "qnn.json").read_text())
-    io = json.loads((comp / "io.json").read_text())
-    reason = qnn.missing()
-    if reason:
-        raise StageError(f"verify_parity: cannot run the context binaries on the HTP backend: {reason}")
+    try:
+        info, io = qnn.compiled_for_htp(comp)
+    except qnn.QnnError as err:
+        raise StageError(f"verify_parity: {err}") from None
     n = min(int(ctx.cfg.parity.qnn_prompts), len(prompts))
     budget = ctx.cfg.parity.get("qnn_steps", None)
     budget = STEPS if budget is None else max(2, int(budget))

@@ -67,6 +67,15 @@ def missing() -> str | None:
     return None
 
 
+def compiled_for_htp(comp_dir: Path) -> tuple[dict, dict]:
+    """A compile_qnn folder's qnn.json and io.json, to run its binaries on this host's HTP backend
+    (parity, benchmark); QnnError first when there is no backend to run them on."""
+    reason = missing()
+    if reason:
+        raise QnnError(f"cannot run the context binaries on the HTP backend: {reason}")
+    return json.loads((comp_dir / "qnn.json").read_text()), json.loads((comp_dir / "io.json").read_text())
+
+
 def sdk_version() -> str:
     """The QNN SDK the installed onnxruntime-qnn bundles ('absent' without it)."""
     from pipeline.toolchains.toolchain import qnn_sdk_version
