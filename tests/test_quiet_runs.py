@@ -111,3 +111,20 @@ def test_a_stage_dvc_did_not_run_says_so_once_its_output_is_in_place(tmp_path, c
     with caplog.at_level(logging.INFO, logger="dvc"):
         logging.getLogger("dvc.stage.run").info("Running stage '%s':", "b--export")
     assert narrate.line_after(FakeStage()) is None  # it ran: the stage said its own line
+
+
+def test_a_progress_bar_names_its_stage_and_ends_complete(capsys):
+    """The bar's text is literal (as rich markup "[calibrate]" was taken for a style and the
+    stage's name vanished), and work of unknown size ends as done, not "0/?"."""
+    from pipeline.engine.context import StageContext
+
+    ctx = StageContext.__new__(StageContext)
+    ctx.stage = "calibrate"
+    with ctx.progress(None, "the text {x}, tokenized [4, 1]"):
+        pass
+    with ctx.progress(3, "layers") as bar:
+        for _ in range(3):
+            bar.advance(loss=1.5)
+    err = capsys.readouterr().err
+    assert "[calibrate] the text {x}, tokenized [4, 1]" in err and "1/1" in err and "0/?" not in err
+    assert "[calibrate] layers" in err and "3/3" in err and "loss 1.5" in err

@@ -54,9 +54,12 @@ class StageContext:
         )
         from rich.console import Console
 
+        # Literal text: as rich markup, "[calibrate]" would be taken for a style and vanish,
+        # and a brace in the description for a format field.
+        label = f"[{self.stage}] {description}".replace("{", "{{").replace("}", "}}")
         return _Bar(
             Progress(
-                TextColumn(f"[{self.stage}] {description}"),
+                TextColumn(label, markup=False),
                 BarColumn(),
                 MofNCompleteColumn(),
                 TimeElapsedColumn(),
@@ -88,4 +91,7 @@ class _Bar:
         self._progress.update(self._task, advance=n, **({"info": info} if fields else {}))
 
     def __exit__(self, *exc):
+        if exc[0] is None and self._total is None:  # work of unknown size, done: shown as such, not "0/?"
+            done = max(1, int(self._progress.tasks[0].completed))
+            self._progress.update(self._task, total=done, completed=done)
         return self._progress.__exit__(*exc)
