@@ -13,7 +13,7 @@ The weight path is chosen by `pipeline.quant.weight_path.select(device, priority
   for a layer the kernel refuses) + `tinygemm.json` (layout, per-layer record,
   prefill mode), plus `model.safetensors` with the untied checkpoint's
   non-quantized tensors and its config/tokenizer, so the folder loads on its
-  own: `int4_runtime.load_tinygemm_model(out, out)`.
+  own: `pipeline.runtimes.tinygemm.load_tinygemm_model(out, out)`.
 - w4_ort_matmulnbits: `model.onnx` + `io.json` (format edgekiln-gqa/1), the
   graph ONNX Runtime runs fast (pipeline/graphs/gqa_graph.py): GroupQueryAttention
   over KV buffers the runtime binds as past and present, window-sized for

@@ -3,7 +3,7 @@
 Tiny random-init Gemma3 / Qwen3 / Llama checkpoints (no downloads), untied,
 their linears round-to-nearest quantized in the quantize stage's format
 (scales rounded to float16 values, so the GPTQ folder that
-`int4_runtime.GptqReference` loads holds exactly the same weights). Window 8,
+`runtimes.tinygemm.GptqReference` loads holds exactly the same weights). Window 8,
 sequences of 40+ tokens: every check runs well past the sliding window.
 """
 

@@ -47,7 +47,7 @@ The graph (`build_gqa_graph`):
   (1 + w), per-layer-type rope (sliding vs full rope_theta), `scale` =
   query_pre_attn_scalar ** -0.5, final logit softcap as Div/Tanh/Mul when set.
 - weights: every quantized linear (lm_head included) is a MatMulNBits built
-  from `int4_runtime.read_quant` codes via `int4_layouts.to_matmulnbits` (no
+  from `quant.codes.read_quant` codes via `int4_layouts.to_matmulnbits` (no
   second rounding; bits=8 for a layer the quantize stage wrote at 8 bits, the
   head by default on this path); concatenation along N is exact (codes, scales and zeros
   are per output row); biases, if any, go in as the op's bias input. The
