@@ -60,6 +60,12 @@ def sigkilled_after_200mb(ctx):
     return {"held": len(held)}  # not reached
 
 
+def segfaults_mid_progress_bar(ctx):
+    with ctx.progress(10, "native work") as bar:
+        bar.advance()
+        os.kill(os.getpid(), signal.SIGSEGV)  # as llama.cpp's AMX kernels did in a prefill
+
+
 def spawns_a_300mb_subprocess(ctx):
     subprocess.run([sys.executable, "-c", f"x = b'1' * ({300 * MiB}); import time; time.sleep(0.3)"], check=True)
     return good_run(ctx)
@@ -148,6 +154,21 @@ def test_a_stage_the_kernel_kills_is_one_line_naming_its_memory_and_settings(tmp
     reached = float(m.group(1)) * (MiB if m.group(2) == "MiB" else 1024 * MiB)
     assert 200 * MiB <= reached < host_bytes(), line
     # Its temp folder went with it: nothing is left where a reader (or the next run) looks.
+    assert leftovers(tmp_path / "artifacts" / "b") == []
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_a_native_crash_is_one_line_on_a_line_of_its_own(tmp_path, monkeypatch, capfd, terminal):
+    """A crash in native code names its signal and the memory reached; on a terminal the line
+    after a bar the crash left open starts a line of its own, the cursor the bar hid shown again."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    assert supervised(tmp_path, monkeypatch, "segfaults_mid_progress_bar") == 1
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+    line = err.splitlines()[-1]
+    assert line.startswith(f"error: {STAGE} [b]: the stage's process died of SIGSEGV at "), line
+    assert "a crash in native code" in line and "nothing was written" in line, line
+    assert ("\x1b[?25h\nerror: " in err) is terminal
     assert leftovers(tmp_path / "artifacts" / "b") == []
 
 

@@ -606,6 +606,8 @@ def supervise(argv: list[str] | None = None, child: list[str] | None = None) -> 
     # but can come out low once the OOM reaper has freed pages; the samples see
     # the whole tree at once but can miss a spike: the larger is the better figure.
     reached = _size(max(sampled, _maxrss_bytes(usage)))
+    if sys.stderr.isatty():  # a child killed mid-progress-bar left its line open and the cursor hidden
+        print("\x1b[?25h", file=sys.stderr)
     if sig == signal.SIGKILL:
         print(f"error: {label}: killed by the kernel (SIGKILL, most likely out of memory) at {reached} "
               f"resident ({_memory_limit()}){_bound_by(args.stage, args.build, args.model)}", file=sys.stderr)
@@ -614,7 +616,7 @@ def supervise(argv: list[str] | None = None, child: list[str] | None = None) -> 
         print(f"error: {label}: stopped by {_signal_name(sig)}; nothing was written", file=sys.stderr)
         return 128 + sig
     print(f"error: {label}: the stage's process died of {_signal_name(sig)} at {reached} resident "
-          f"(a crash in native code: torch, onnxruntime or a converter); nothing was written", file=sys.stderr)
+          f"(a crash in native code: torch, onnxruntime, llama.cpp or a converter); nothing was written", file=sys.stderr)
     return 1
 
 
