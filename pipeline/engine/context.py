@@ -44,32 +44,38 @@ class StageContext:
 
     def progress(self, total: int | None, description: str):
         """A progress bar on stderr for work that takes more than a few seconds."""
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-        from rich.console import Console
+        return progress_bar(self.stage, total, description)
 
-        # Literal text: as rich markup, "[calibrate]" would be taken for a style and vanish,
-        # and a brace in the description for a format field.
-        label = f"[{self.stage}] {description}".replace("{", "{{").replace("}", "}}")
-        return _Bar(
-            Progress(
-                TextColumn(label, markup=False),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                TimeRemainingColumn(),
-                TextColumn("{task.fields[info]}"),
-                console=Console(stderr=True),
-                transient=False,
-            ),
-            total,
-        )
+
+def progress_bar(stage: str, total: int | None, description: str) -> "_Bar":
+    """`[stage] description` with a bar on stderr (the engine's own work before and after a stage
+    uses it too: hashing large inputs and outputs)."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    # Literal text: as rich markup, "[calibrate]" would be taken for a style and vanish,
+    # and a brace in the description for a format field.
+    label = f"[{stage}] {description}".replace("{", "{{").replace("}", "}}")
+    return _Bar(
+        Progress(
+            TextColumn(label, markup=False),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+            console=Console(stderr=True),
+            transient=False,
+        ),
+        total,
+    )
 
 
 class _Bar:

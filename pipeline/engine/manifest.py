@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 from pipeline.engine.context import StageError
 from pipeline.engine.layout import canonical_json, sha256_text
@@ -29,15 +30,18 @@ FORMAT = "edgekiln-manifest/1"
 _CHUNK = 1 << 20
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> str:
+    """The file's sha256; `progress(n)` told of every n bytes read."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
     return h.hexdigest()
 
 
-def list_files(folder: Path) -> dict[str, dict]:
+def list_files(folder: Path, progress: Callable[[int], None] | None = None) -> dict[str, dict]:
     files = {}
     for root, dirs, names in os.walk(folder):
         dirs.sort()
@@ -46,7 +50,7 @@ def list_files(folder: Path) -> dict[str, dict]:
             rel = p.relative_to(folder).as_posix()
             if rel == NAME:
                 continue
-            files[rel] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+            files[rel] = {"sha256": sha256_file(p, progress), "bytes": p.stat().st_size}
     return files
 
 
@@ -60,8 +64,9 @@ def config_hash(key: dict) -> str:
     return sha256_text(canonical_json(key))
 
 
-def write(folder: Path, *, stage: str, build: str, key: dict, result: dict, timings: dict) -> dict:
-    files = list_files(folder)
+def write(folder: Path, *, stage: str, build: str, key: dict, result: dict, timings: dict,
+          progress: Callable[[int], None] | None = None) -> dict:
+    files = list_files(folder, progress)
     manifest = {
         "format": FORMAT,
         "stage": stage,
@@ -90,8 +95,8 @@ def read(folder: Path) -> dict:
     return manifest
 
 
-def verify(folder: Path, expect_stage: str | None = None) -> dict:
-    """Re-hash every file against the manifest; refuse any mismatch by name."""
+def verify(folder: Path, expect_stage: str | None = None, progress: Callable[[int], None] | None = None) -> dict:
+    """Re-hash every file against the manifest; refuse any mismatch by name. `progress(n)`: as sha256_file's."""
     manifest = read(folder)
     if expect_stage and manifest.get("stage") != expect_stage:
         raise StageError(
@@ -112,7 +117,7 @@ def verify(folder: Path, expect_stage: str | None = None) -> dict:
         raise StageError(f"{folder / extra[0]}: not in the manifest (added after the stage ran)")
     for rel, meta in sorted(recorded.items()):
         p = folder / rel
-        if p.stat().st_size != meta["bytes"] or sha256_file(p) != meta["sha256"]:
+        if p.stat().st_size != meta["bytes"] or sha256_file(p, progress) != meta["sha256"]:
             raise StageError(f"{p}: sha256 does not match its manifest (modified or truncated)")
     if content_hash(recorded) != manifest["content_sha256"]:
         raise StageError(f"{folder / NAME}: content hash does not match its file list (edited manifest)")
