@@ -202,9 +202,9 @@ def test_a_llama_cpp_build_with_its_amx_kernels_is_refused_on_a_cpu_with_amx(mon
 
     fake = types.SimpleNamespace(llama_print_system_info=lambda: amx_build.encode())
     monkeypatch.setitem(sys.modules, "llama_cpp", fake)
-    monkeypatch.setattr(toolchain, "cpu_flags", lambda cpuinfo=None: {"amx_int8"})
+    monkeypatch.setattr(devices, "cpu_flags", lambda cpuinfo=None: {"amx_int8"})
     assert llamacpp.available() == (False, why)
-    monkeypatch.setattr(toolchain, "cpu_flags", lambda cpuinfo=None: {"avx512f"})
+    monkeypatch.setattr(devices, "cpu_flags", lambda cpuinfo=None: {"avx512f"})
     assert llamacpp.available() == (True, "")
 
 

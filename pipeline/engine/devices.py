@@ -1,6 +1,8 @@
-"""Device classes: the spec sheets in conf/device/, and how a probed host maps onto one."""
+"""Device classes: the spec sheets in conf/device/, how a probed host maps onto one, and the host's CPU flags."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from pipeline.engine.layout import ROOT
 
@@ -58,3 +60,15 @@ def resolve(device: dict, host: dict | None) -> dict:
         memory_gib=host["memory_gib"],
     )
     return spec
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str] | None:
+    """This host's x86 CPU flags, as /proc/cpuinfo names them; None where there is no `flags`
+    line (ARM lists "Features") or no /proc/cpuinfo."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    return next((set(line.partition(":")[2].split()) for line in cpuinfo.splitlines()
+                 if line.lower().startswith("flags")), None)

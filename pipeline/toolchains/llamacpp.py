@@ -59,7 +59,7 @@ def available() -> tuple[bool, str]:
         if isinstance(e, ImportError):
             return False, SKIP_REASON
         return False, f"import llama_cpp failed ({type(e).__name__}: {e})"
-    from pipeline.toolchains.toolchain import cpu_flags
+    from pipeline.engine.devices import cpu_flags
 
     crash = amx_crash(llama_cpp.llama_print_system_info().decode(errors="replace"), cpu_flags())
     return (False, crash) if crash else (True, "")

@@ -16,7 +16,6 @@ import hashlib
 import platform
 import re
 from importlib import metadata
-from pathlib import Path
 
 # Always part of every stage's fingerprint.
 BASE = ("python", "edgekiln-format")
@@ -52,18 +51,6 @@ def native_build(dist: str) -> str:
         return ""
     libs = sorted(f"{f}={f.hash.value if f.hash else ''}" for f in files if re.search(r"\.(so|dylib|dll)(\.|$)", f.name))
     return hashlib.sha256("\n".join(libs).encode()).hexdigest()[:12] if libs else ""
-
-
-def cpu_flags(cpuinfo: str | None = None) -> set[str] | None:
-    """This host's x86 CPU flags, as /proc/cpuinfo names them; None where there is no `flags`
-    line (ARM lists "Features") or no /proc/cpuinfo."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return None
-    return next((set(line.partition(":")[2].split()) for line in cpuinfo.splitlines()
-                 if line.lower().startswith("flags")), None)
 
 
 def qnn_sdk_version() -> str:

@@ -138,7 +138,7 @@ def available() -> tuple[bool, str]:
 # then its engine dies at the first matmul ("'_C' object has no attribute 'cpu_gemm_wna16'").
 def host_gap(cpuinfo: str | None = None) -> str | None:
     """Why this x86 host cannot run vLLM's GPTQ kernel (no AVX-512), or None (it can, or not x86 Linux)."""
-    from pipeline.toolchains.toolchain import cpu_flags
+    from pipeline.engine.devices import cpu_flags
 
     flags = cpu_flags(cpuinfo)
     if flags is None or "avx2" not in flags or "avx512f" in flags:
