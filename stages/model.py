@@ -30,7 +30,7 @@ import shutil
 import time
 from pathlib import Path
 
-from pipeline.sources import corpus, gguf_checkpoint, model_facts
+from pipeline.sources import corpus, families, gguf_checkpoint, model_facts
 from pipeline.engine.context import StageError
 from pipeline.engine.manifest import sha256_file
 
@@ -42,8 +42,9 @@ MEMORY_KEYS = ("model.dtype", "model.train.batch_size", "model.train.seq_len")  
 SCOPE = "model"
 
 SOURCES = ("embedded", "hf", "gguf")
-# Families whose decode step, KV layout and 4-bit paths the later stages know.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
+# Families whose decode step, KV layout and 4-bit paths the later stages know: one row each in
+# pipeline/sources/families.py.
+SUPPORTED_ARCHITECTURES = tuple(families.BY_ARCHITECTURE)
 
 # The embedded recipe's keys and their defaults; conf/model/embedded.yaml sets
 # the measured values. An unknown key is refused (the `train` dict is free-form
@@ -511,10 +512,10 @@ def _run_hf(ctx) -> dict:
         )
     archs = raw.get("architectures") or []
     arch = archs[0] if archs else None
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise StageError(
-            f"unsupported architecture {arch or '(none in config.json)'}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    try:
+        families.of_architecture(arch)
+    except families.FamilyError as e:
+        raise StageError(str(e)) from None
 
     shards = _weight_files(src)
     shapes = _safetensors_shapes(src, shards)

@@ -265,7 +265,9 @@ REFUSALS = {
     "wrong_shape_config": (lambda p: _edit_config(p, intermediate_size=192),
                            r"mlp\.(gate|up|down)_proj\.weight has shape .*config\.json implies"),
     "unsupported_arch": (lambda p: _edit_config(p, architectures=["GPT2LMHeadModel"]),
-                         r"unsupported architecture GPT2LMHeadModel; supported: LlamaForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM"),
+                         r"unsupported architecture GPT2LMHeadModel; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+                         r"Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM, SmolLM3ForCausalLM, "
+                         r"GraniteForCausalLM"),
     "quantized_config": (lambda p: _edit_config(p, quantization_config={"quant_method": "gptq", "bits": 4}),
                          r"already quantized \(gptq\); point model\.path at the unquantized checkpoint"),
     "quantized_tensors": (lambda p: _edit_tensors(p, _gptq_tensor_names),

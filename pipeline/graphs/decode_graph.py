@@ -44,13 +44,15 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.sources import families
 from pipeline.sources.checkpoint_files import load_hf_model
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 IO_VERSION = 1
-# Static rope types: inv_freq is fixed at init, so reading HF's buffers is exact.
-_STATIC_ROPE = {"default", "linear", "llama3", "yarn", "proportional"}
+# Static rope types: inv_freq is fixed at init, so reading HF's buffers is exact (longrope up to its
+# original positions: `_rope_tables` checks the context against families.rope_limit).
+_STATIC_ROPE = set(families.STATIC_ROPE)
 _EXTERNAL_DATA_BYTES = int(1.5e9)
 
 
@@ -68,21 +70,15 @@ def _text_config(config):
 
 
 def layer_types(cfg, error: type[Exception] = None) -> tuple[list[str], int | None]:
-    """(each layer's type, sliding_window) of a text config, checked: every type
-    full or sliding, and a sliding layer only with a window. Shared by the two
-    graph builders (this module's export, pipeline/graphs/gqa_graph.py)."""
+    """(each layer's type, sliding_window) of a text config as its family's forward masks it
+    (pipeline/sources/families.py: Mistral's window binds every layer, Qwen2's unused window none).
+    Shared by the two graph builders (this module's export, pipeline/graphs/gqa_graph.py)."""
     error = error or DecodeGraphError
-    n = cfg.num_hidden_layers
-    types = list(getattr(cfg, "layer_types", None) or [FULL] * n)
-    if len(types) < n:
-        raise error(f"config.layer_types has {len(types)} entries for {n} layers")
-    window = getattr(cfg, "sliding_window", None)
-    for i, t in enumerate(types[:n]):
-        if t not in (FULL, SLIDING):
-            raise error(f"layer {i}: unsupported layer type {t!r} (only {FULL}, {SLIDING})")
-        if t == SLIDING and not window:
-            raise error(f"layer {i} is {SLIDING} but config.sliding_window is {window!r}")
-    return types[:n], window
+    try:
+        slides, window = families.sliding_layers(cfg)
+    except families.FamilyError as e:
+        raise error(str(e)) from None
+    return [SLIDING if s else FULL for s in slides], (window or None)
 
 
 def layer_plan(config, context_length: int, sliding_layout: str = "ring") -> list[dict[str, Any]]:
@@ -133,19 +129,25 @@ def _applies_attn_softcap(attn) -> float | None:
     return float(cap) if "softcap=" in src else None
 
 
-def _rope_tables(hf_model) -> dict[str, tuple["torch.Tensor", float]]:
+def _rope_tables(hf_model, context_length: int | None = None) -> dict[str, tuple["torch.Tensor", float]]:
     """{rope key: (inv_freq, attention_scaling)} read from HF's rotary module.
 
-    Gemma3 keeps one table per layer type ("<type>_inv_freq"); Llama/Qwen3 one
+    Gemma3 keeps one table per layer type ("<type>_inv_freq"); the others one
     ("inv_freq", key "default"). Reading the buffers HF computed honours static
-    scalings (linear, llama3, yarn, proportional) exactly; position-dependent
-    ones (dynamic, longrope) are refused.
+    scalings (linear, llama3, yarn, proportional, and LongRoPE's short factor up to
+    its original positions) exactly; position-dependent ones (dynamic, LongRoPE past
+    those positions) are refused, in one line naming the limit.
     """
     import torch
 
     rot = getattr(hf_model.model, "rotary_emb", None)
     if rot is None:
         raise DecodeGraphError("the model has no model.rotary_emb: not a rotary decoder this graph knows")
+    limit = families.rope_limit(hf_model.config)
+    if limit is not None and context_length is not None and context_length > limit:
+        raise DecodeGraphError(f"LongRoPE switches to its long factor past {limit} positions "
+                               f"(original_max_position_embeddings): a static graph serves at most {limit}; "
+                               f"set export.context_length <= {limit}")
     rope_type = getattr(rot, "rope_type", "default")
     tables = {}
     if isinstance(rope_type, dict):
@@ -186,7 +188,10 @@ def build_decode_step(hf_model, context_length: int, mask_value: float = -100.0,
         raise DecodeGraphError(f"context_length must be >= 1, got {context_length}")
 
     plan = layer_plan(cfg, context_length, sliding_layout)
-    rope = _rope_tables(hf_model)
+    rope = _rope_tables(hf_model, context_length)
+    family = families.of_config(cfg)
+    rotary = families.rotary_layers(cfg)
+    mult = families.multipliers(cfg)
 
     class DecodeStep(nn.Module):
         def __init__(self):
@@ -216,7 +221,12 @@ def build_decode_step(hf_model, context_length: int, mask_value: float = -100.0,
             # Slot indices per distinct cache length.
             for cl in sorted({p["cache_len"] for p in plan}):
                 self.register_buffer(f"slots_{cl}", torch.arange(cl, dtype=torch.int64), persistent=False)
-            self.gemma_sandwich = hasattr(self.layers[0], "pre_feedforward_layernorm")
+            self.gemma_sandwich = family.sandwich_norms
+            self.fused_qkv = family.fused_qkv  # Phi-3: one q|k|v projection, split here
+            self.rotary = rotary  # False on a NoPE layer (SmolLM3)
+            self.embedding_multiplier = mult.get("embedding_multiplier")  # Granite's (families.MULTIPLIERS)
+            self.residual_multiplier = mult.get("residual_multiplier")
+            self.logits_scaling = mult.get("logits_scaling")
 
         @staticmethod
         def _rotate(x, cos, sin):
@@ -230,6 +240,8 @@ def build_decode_step(hf_model, context_length: int, mask_value: float = -100.0,
 
         def forward(self, input_ids, position, *past):
             h = self.embed_tokens(input_ids)  # [1, 1, H]
+            if self.embedding_multiplier is not None:
+                h = h * self.embedding_multiplier
             pos_f = position.to(torch.float32)  # [1]
             trig = {}
             for key in self.rope_scale:
@@ -257,18 +269,24 @@ def build_decode_step(hf_model, context_length: int, mask_value: float = -100.0,
                 past_k, past_v = past[2 * i], past[2 * i + 1]
                 residual = h
                 x = layer.input_layernorm(h)
-                q = attn.q_proj(x).view(1, 1, self.n_heads, self.head_dim)
-                k = attn.k_proj(x).view(1, 1, self.n_kv, self.head_dim)
-                v = attn.v_proj(x).view(1, 1, self.n_kv, self.head_dim)
+                if self.fused_qkv:
+                    q, k, v = getattr(attn, self.fused_qkv)(x).split(
+                        [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], dim=-1)
+                else:
+                    q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+                q = q.view(1, 1, self.n_heads, self.head_dim)
+                k = k.view(1, 1, self.n_kv, self.head_dim)
+                v = v.view(1, 1, self.n_kv, self.head_dim)
                 if hasattr(attn, "q_norm"):
                     q = attn.q_norm(q)
                     k = attn.k_norm(k)
                 q = q.transpose(1, 2)  # [1, nh, 1, hd]
                 k = k.transpose(1, 2)  # [1, nkv, 1, hd]
                 v = v.transpose(1, 2)
-                cos, sin = trig[self.rope_key[i]]
-                q = self._rotate(q, cos, sin)
-                k = self._rotate(k, cos, sin)
+                if self.rotary[i]:
+                    cos, sin = trig[self.rope_key[i]]
+                    q = self._rotate(q, cos, sin)
+                    k = self._rotate(k, cos, sin)
                 new_kv += [k, v]
                 keys = torch.cat((past_k, k), dim=2)  # [1, nkv, L+1, hd]
                 values = torch.cat((past_v, v), dim=2)
@@ -284,10 +302,15 @@ def build_decode_step(hf_model, context_length: int, mask_value: float = -100.0,
                 if self.gemma_sandwich:
                     h = residual + layer.post_attention_layernorm(o)
                     h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+                elif self.residual_multiplier is not None:
+                    h = residual + o * self.residual_multiplier
+                    h = h + layer.mlp(layer.post_attention_layernorm(h)) * self.residual_multiplier
                 else:
                     h = residual + o
                     h = h + layer.mlp(layer.post_attention_layernorm(h))
             logits = self.lm_head(self.norm(h))
+            if self.logits_scaling is not None:
+                logits = logits / self.logits_scaling
             if self.final_softcap is not None:
                 logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
             return (logits.to(torch.float32), *new_kv)

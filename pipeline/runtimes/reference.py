@@ -76,7 +76,7 @@ class TorchReference(Runtime):
         Gemma3ForCausalLM included): lm_head, then final_logit_softcapping when the config has
         one, in HF's order (divide, tanh, multiply). `greedy_run` checks this against the model's
         own logits once, so a head this does not reproduce is refused rather than mis-measured."""
-        return _Head(self.model.lm_head, getattr(self.config, "final_logit_softcapping", None))(hidden)
+        return _head_of(self.model, self.config)(hidden)
 
     def _hidden(self, token_ids: Sequence[int]):
         """Final hidden states [len(ids), hidden] of `token_ids` fed at the current position, with the cache."""
@@ -109,7 +109,7 @@ class TorchReference(Runtime):
         self.reset()
         if not np.allclose(got, want, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max()))):
             raise DecodeGraphError(f"{type(self.model).__name__}: its logits are not lm_head(final hidden state) "
-                                   "[+ final_logit_softcapping]; the parity reference cannot recompute them")
+                                   "[/ logits_scaling, + final_logit_softcapping]; the parity reference cannot recompute them")
         self._head_checked = True
 
     def greedy_run(self, prompt_ids: Sequence[int], n: int,
@@ -141,20 +141,33 @@ class TorchReference(Runtime):
         # the run keeps the head alone, not this reference: once the runs are made the model can go
         # (the parity stage drops it before loading the artifact's own model beside them)
         return ReferenceRun(ids, cont, torch.cat(states),
-                            _Head(self.model.lm_head, getattr(self.config, "final_logit_softcapping", None)))
+                            _head_of(self.model, self.config))
+
+
+def _head_of(model, config) -> "_Head":
+    """The head as the family's forward applies it: Granite divides by logits_scaling
+    (pipeline/sources/families.py), Gemma softcaps."""
+    from pipeline.sources import families
+
+    cfg = getattr(config, "text_config", None) or config
+    return _Head(model.lm_head, getattr(cfg, "final_logit_softcapping", None),
+                 families.multipliers(cfg).get("logits_scaling"))
 
 
 class _Head:
-    """lm_head then the final softcap (TorchReference.head), holding the head's module only."""
+    """lm_head, then Granite's logits_scaling, then the final softcap (TorchReference.head), holding the
+    head's module only."""
 
-    def __init__(self, lm_head, cap):
-        self.lm_head, self.cap = lm_head, cap
+    def __init__(self, lm_head, cap, scaling=None):
+        self.lm_head, self.cap, self.scaling = lm_head, cap, scaling
 
     def __call__(self, hidden) -> np.ndarray:
         import torch
 
         with torch.inference_mode():
             logits = self.lm_head(hidden)
+            if self.scaling is not None:
+                logits = logits / self.scaling
             if self.cap is not None:
                 logits = logits / self.cap
                 logits = torch.tanh(logits)

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline.sources import families
 from pipeline.sources.model_facts import gguf_metadata
 
-# GGUF architecture -> the transformers class every later stage knows.
-ARCHITECTURES = {"gemma3": "Gemma3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# GGUF architecture -> the transformers class of its family row (families.of_gguf_arch: the rows that
+# transformers' GGUF loader reads).
+ARCHITECTURES = {f.gguf_arch: f.architecture for f in families.FAMILIES.values()
+                 if f.gguf_source and f.model_type != "mistral"}
 
 
 class GgufError(ValueError):
@@ -39,9 +42,10 @@ def dequantize(gguf_file: Path, out: Path) -> dict:
     gguf_file = Path(gguf_file)
     meta = gguf_metadata([gguf_file])
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise GgufError(f"{gguf_file.name}: GGUF architecture {arch!r} is not supported; "
-                        f"supported: {', '.join(ARCHITECTURES)}")
+    try:
+        families.of_gguf_arch(arch)
+    except families.FamilyError as e:
+        raise GgufError(f"{gguf_file.name}: {e}") from None
     folder, name = str(gguf_file.parent), gguf_file.name
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
     try:

@@ -21,6 +21,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.sources import families
 # The embedded recipe's window and positions when conf/model/embedded.yaml
 # leaves them out: stages/model.py TRAIN_DEFAULTS (a test checks they agree).
 EMBEDDED_SLIDING_WINDOW = 64
@@ -99,6 +100,11 @@ def _hf_facts(name: str, folder: Path) -> ModelFacts:
         raise FactsError(f"no config.json in {folder}: not a Hugging Face checkpoint folder") from None
     except (OSError, ValueError) as e:
         raise FactsError(f"{path} is not readable JSON ({e})") from None
+    archs = raw.get("architectures") or []
+    try:  # refused here, at compose time, before any stage runs
+        families.of_architecture(archs[0] if archs else None)
+    except families.FamilyError as e:
+        raise FactsError(f"{folder}: {e}") from None
     raw = raw.get("text_config") or raw
     window = raw.get("sliding_window") or 0
     types = raw.get("layer_types")
@@ -237,6 +243,10 @@ def _gguf_facts(name: str, parts: list[Path]) -> ModelFacts:
     arch = meta.get("general.architecture")
     if not arch:
         raise FactsError(f"{parts[0]}: no general.architecture in the GGUF header")
+    try:
+        families.of_gguf_arch(arch)
+    except families.FamilyError as e:
+        raise FactsError(f"{parts[0]}: {e}") from None
     return ModelFacts(name, int(meta.get(f"{arch}.attention.sliding_window") or 0),
                       int(meta.get(f"{arch}.context_length") or 0))
 
