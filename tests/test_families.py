@@ -33,13 +33,15 @@ WINDOW, VOCAB, SEQ = 8, 128, 26
 
 def tiny_config(family: str, layers: int = 4, **over):
     kw = {"sliding_window": WINDOW} if family in ("gemma2", "gemma3", "mistral", "qwen2") else {}
+    geometry = {"hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16}
     if family == "phi3":
-        kw["partial_rotary"] = 0.75  # Phi-4-mini's
+        kw["partial_rotary"] = 0.75  # Phi-4-mini's: 48 of 64 dims (ONNX Runtime's GQA rotates multiples of 16)
+        geometry = {"hidden": 128, "heads": 2, "kv_heads": 1, "head_dim": 64}  # Phi3Config: hidden = heads x head_dim
     if family == "gemma3":
         kw["full_every"] = 2
     kw.update(over)
-    return family_config(family, vocab=VOCAB, hidden=64, intermediate=128, layers=layers, heads=4, kv_heads=2,
-                         head_dim=16, max_positions=256, bos=1, eos=2, pad=0, **kw)
+    return family_config(family, vocab=VOCAB, intermediate=128, layers=layers, max_positions=256, bos=1, eos=2,
+                         pad=0, **geometry, **kw)
 
 
 def tiny_model(family: str, seed: int = 0, **over):
@@ -146,3 +148,32 @@ def test_longrope_past_its_original_positions_is_refused_in_one_line():
     model = tiny_model("phi3")  # original_max_position_embeddings 64
     with pytest.raises(DecodeGraphError, match="LongRoPE.*at most 64.*export.context_length <= 64"):
         build_decode_step(model, context_length=128)
+
+
+# --------------------------------------------------------------------------
+# x86_avx512: the GroupQueryAttention + MatMulNBits graph against the GPTQ reference of the same codes
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gqa_graph_matches_the_gptq_reference(tmp_path, family):
+    pytest.importorskip("onnxruntime")
+    from pipeline.graphs.gqa_graph import build_gqa_graph
+    from pipeline.runtimes.gqa import GqaDecoder
+    from pipeline.runtimes.tinygemm import GptqReference
+    from tests.test_gqa_graph import _checkpoint
+
+    ck = _checkpoint(tmp_path, family, model=tiny_model(family))
+    facts = build_gqa_graph(ck["hf"], ck["quant"], tmp_path / "gqa", max_len=48, accuracy_level=0,
+                            kv_dtype="float32")
+    assert facts["family"] == families.of_config(tiny_config(family)).model_type
+    ids = _ids()[0].tolist()
+    ref = TorchReference(GptqReference(ck["gptq"]).model)
+    want = np.stack([ref.step(t) for t in ids])
+    dec = GqaDecoder(tmp_path / "gqa")
+    got = np.stack([dec.step(t) for t in ids])
+    assert snr_db(want, got) > 90.0, snr_db(want, got)
+    assert (want.argmax(-1) == got.argmax(-1)).all()
+    # prefill (the same graph, S = prompt length) agrees with stepping
+    dec.reset()
+    assert snr_db(want[len(ids) - 1], dec.prefill(ids)) > 90.0

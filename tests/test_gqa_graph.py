@@ -106,15 +106,16 @@ def _rtn(w: np.ndarray, sym: bool):
     return q, s, z
 
 
-def _checkpoint(root: Path, name: str, sym: bool = True, seed: int = 0, tied: bool = False) -> dict:
+def _checkpoint(root: Path, name: str, sym: bool = True, seed: int = 0, tied: bool = False, model=None) -> dict:
     """hf/ (untied), quant/ (quant.json + quantized.safetensors), gptq/ (for GptqReference).
 
-    `tied`: the head holds a copy of the embedding (a tied model after the untie_head stage)."""
+    `tied`: the head holds a copy of the embedding (a tied model after the untie_head stage);
+    `model`: this model instead of BUILDERS[name]'s (tests/test_families.py: every family's)."""
     from safetensors.numpy import save_file
     from safetensors.torch import save_file as save_torch
 
     torch.manual_seed(seed)
-    model = BUILDERS[name]().eval()
+    model = (BUILDERS[name]() if model is None else model).eval()
     with torch.no_grad():  # random init leaves norms at identity: perturb them so they matter
         for n, p in model.named_parameters():
             if "norm" in n:

@@ -84,13 +84,14 @@ import numpy as np
 
 from pipeline.quant import int4_layouts as L
 from pipeline.graphs.decode_graph import SLIDING, DecodeGraphError, _applies_attn_softcap, _first_id, _id_list, _rope_tables, _text_config, layer_types, load_hf_model
+from pipeline.sources import families
 
 IO_FORMAT = "edgekiln-gqa/1"
 # Initializer bytes past which they go to model.onnx.data: 0, always. ONNX Runtime maps an external data
 # file instead of reading the weights into the protobuf it parses, so what the session does not use after
 # loading can leave memory (GqaDecoder, pages.page_out_file). Tests raise it to check the inline writer.
 _EXTERNAL_DATA_BYTES = 0
-FAMILIES = ("gemma3_text", "qwen3", "llama")
+FAMILIES = tuple(families.FAMILIES)  # every row of the family table (pipeline/sources/families.py)
 MS = "com.microsoft"
 OPSET = 23  # RMSNormalization (standard since 23; ORT runs it with its SimplifiedLayerNorm kernel)
 
@@ -128,11 +129,11 @@ class GqaGraphError(DecodeGraphError):
 # --------------------------------------------------------------------------
 
 
-def _family(cfg) -> str:
-    mt = getattr(cfg, "model_type", None)
-    if mt not in FAMILIES:
-        raise GqaGraphError(f"model_type {mt!r}: the GQA graph knows {', '.join(FAMILIES)}")
-    return mt
+def _family(cfg) -> families.Family:
+    try:
+        return families.of_config(cfg)
+    except families.FamilyError as e:
+        raise GqaGraphError(f"the GQA graph: {e}") from None
 
 
 def _gqa_window(sliding_window: int, offset: int = 0) -> int:
@@ -175,7 +176,7 @@ def _rope_caches(hf_model, max_len: int) -> dict[str, tuple[np.ndarray, np.ndarr
 
     out = {}
     pos = torch.arange(max_len, dtype=torch.float32)
-    for key, (inv, scale) in _rope_tables(hf_model).items():
+    for key, (inv, scale) in _rope_tables(hf_model, max_len).items():
         freqs = pos[:, None] * inv.to(torch.float32)[None, :]  # the same fp32 product HF's matmul makes
         out[key] = ((freqs.cos() * scale).numpy().astype(np.float32),
                     (freqs.sin() * scale).numpy().astype(np.float32))
@@ -598,7 +599,8 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
     # fp32 load alone was 8.2 GB.
     model = load_hf_model(untied_dir, dtype="auto")
     cfg = _text_config(model.config)
-    family = _family(cfg)
+    fam = _family(cfg)
+    family = fam.model_type
     if getattr(cfg, "use_bidirectional_attention", False):
         raise GqaGraphError("use_bidirectional_attention models are not causal decoders")
     base = model.model
@@ -608,12 +610,15 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
     hd = int(attn0.head_dim)
     hidden = cfg.hidden_size
     eps = float(cfg.rms_norm_eps)
-    gemma = family == "gemma3_text"
     plan = layer_plan(cfg, max_len, opts["window_offset"], opts["window_cache_slack"])
-    rope = _rope_caches(model, max_len)
+    rope = _rope_caches(model, max_len)  # a partial rotary (Phi-4-mini) gives rot/2 < hd/2 columns: GQA rotates
+    rotary = families.rotary_layers(cfg)  # the leading rot dims, as Phi3's apply_rotary_pos_emb does
     for key, (cos, _) in rope.items():
-        if cos.shape[1] * 2 != hd:
-            raise GqaGraphError(f"partial rotary ({cos.shape[1] * 2} of {hd} dims, {key}) is not supported")
+        if cos.shape[1] * 2 != hd and cos.shape[1] % 8:  # ORT 1.32's CPU GQA: "cos_cache dimension 1 must be
+            raise GqaGraphError(  # <= head_size / 2 and a multiple of 8" (Phi-4-mini's 96 of 128 dims: 48, fine)
+                f"partial rotary of {cos.shape[1] * 2} of {hd} dims ({key}): ONNX Runtime's GroupQueryAttention "
+                f"rotates a multiple of 16 dims only; this checkpoint needs another device class (x86_avx2)")
+    mult = families.multipliers(cfg)  # Granite's embedding, residual and logits multipliers
     if "lm_head" not in layers:
         raise GqaGraphError("the quantize stage did not quantize lm_head (a tied head?): untie it first")
     acc = int(accuracy_level)
@@ -625,9 +630,9 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
         b = getattr(model.get_submodule(name), "bias", None)
         return None if b is None else w(b)
 
-    def gamma(norm) -> np.ndarray:  # Gemma3: (1 + w); Qwen3 / Llama: w
+    def gamma(norm) -> np.ndarray:  # Gemma 2/3: (1 + w); the others: w
         v = w(norm.weight)
-        return (1.0 + v).astype(np.float32) if gemma else v
+        return (1.0 + v).astype(np.float32) if fam.norm_offset else v
 
     records: dict[str, Any] = {}
     S = "S"
@@ -662,6 +667,16 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
         h, emb_bytes = _shared_embedding(g, layers, widths, scale_f)
     else:
         raise GqaGraphError(f"embedding must be one of {EMBEDDINGS}, got {opts['embedding']!r}")
+    if "embedding_multiplier" in mult:  # Granite: inputs_embeds * embedding_multiplier
+        h = g.node("Mul", [h, g.init("embedding_multiplier", np.asarray(mult["embedding_multiplier"], np.float32))],
+                   ["h_0m"], "embedding_multiplier")
+    residual_mult = (g.init("residual_multiplier", np.asarray(mult["residual_multiplier"], np.float32))
+                     if "residual_multiplier" in mult else None)
+
+    def scaled(t: str, tag: str) -> str:
+        """A sublayer's output times Granite's residual_multiplier before it joins the residual."""
+        return g.node("Mul", [t, residual_mult], [f"{tag}.scaled"], f"{tag}.residual_multiplier") \
+            if residual_mult is not None else t
     kv16 = opts["kv_dtype"] == "float16"
     kv_np, kv_proto = (np.float16, TensorProto.FLOAT16) if kv16 else (np.float32, TensorProto.FLOAT)
     kv_item = np.dtype(kv_np).itemsize
@@ -696,10 +711,12 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
         last = i == n_layers - 1
         x, h = norm_into(x_pending, h, g.init(f"{pre}.input_layernorm.gamma", gamma(layer.input_layernorm)),
                          f"{pre}.input_layernorm")
-        names = [f"{pre}.self_attn.{n}_proj" for n in ("q", "k", "v")]
-        has_qk_norm = hasattr(attn, "q_norm")
+        # Phi-3's checkpoint holds q|k|v as one projection: its codes are one layer, always fused
+        names = ([f"{pre}.self_attn.{fam.fused_qkv}"] if fam.fused_qkv else
+                 [f"{pre}.self_attn.{n}_proj" for n in ("q", "k", "v")])
+        has_qk_norm = fam.qk_norm
         joint_norm = has_qk_norm and opts["qk_norm"] in ("joint", "branchwise")
-        if opts["fuse_qkv"] == "qk":
+        if opts["fuse_qkv"] == "qk" and not fam.fused_qkv:
             qk = linear(g, x, f"{pre}.self_attn.qk_proj", names[:2], layers, f"{pre}.qk", acc, True, records,
                          bias_of)[0]
             v = linear(g, x, f"{pre}.self_attn.v_proj", names[2:], layers, f"{pre}.v", acc, True, records,
@@ -744,7 +761,8 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
                                        f"{pre}.{tag}_flat"))
                 q, k = outs
         key = rope_key[i]
-        gqa_attrs = {"num_heads": nh, "kv_num_heads": nkv, "scale": float(attn.scaling), "do_rotary": 1,
+        gqa_attrs = {"num_heads": nh, "kv_num_heads": nkv, "scale": float(attn.scaling),
+                     "do_rotary": int(rotary[i]),  # 0 on a NoPE layer (SmolLM3)
                      "rotary_interleaved": 0, "local_window_size": int(p["local_window_size"])}
         if p["window_cache"]:
             gqa_attrs["sliding_window_cache"] = 1
@@ -753,8 +771,8 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
         if kv16:  # GQA takes one type T for q/k/v, the caches and its output
             q, k, v = (g.node("Cast", [t], [f"{t}16"], f"{t}16", to=TensorProto.FLOAT16) for t in (q, k, v))
         a = g.node("GroupQueryAttention",
-                   [q, k, v, f"past_key_{i}", f"past_value_{i}", "seqlens_k", "total_sequence_length",
-                    f"cos_{key}", f"sin_{key}"],
+                   [q, k, v, f"past_key_{i}", f"past_value_{i}", "seqlens_k", "total_sequence_length"]
+                   + ([f"cos_{key}", f"sin_{key}"] if rotary[i] else []),
                    [f"{pre}.attn16" if kv16 else f"{pre}.attn", f"present_key_{i}", f"present_value_{i}"],
                    f"{pre}.gqa", domain=MS, **gqa_attrs)[0]
         if kv16:
@@ -767,7 +785,8 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
             h = g.node("Gather", [h, idx], [f"{pre}.res_last"], f"{pre}.res_last", axis=1)
         o = linear(g, a, f"{pre}.self_attn.o_proj", [f"{pre}.self_attn.o_proj"], layers, f"{pre}.o", acc,
                     True, records, bias_of)[0]
-        if gemma:
+        o = scaled(o, f"{pre}.o")
+        if fam.sandwich_norms:
             o = g.node(opts["norm_op"],
                        [o, g.init(f"{pre}.post_attention_layernorm.gamma", gamma(layer.post_attention_layernorm))],
                        [f"{pre}.o_n"], f"{pre}.post_attention_layernorm", axis=-1, epsilon=eps, stash_type=1)
@@ -777,7 +796,8 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
             mlp_norm = layer.post_attention_layernorm
             mlp_tag = "post_attention_layernorm"
         x, h = norm_into(o, h, g.init(f"{pre}.{mlp_tag}.gamma", gamma(mlp_norm)), f"{pre}.{mlp_tag}")
-        names = [f"{pre}.mlp.gate_proj", f"{pre}.mlp.up_proj"]
+        names = ([f"{pre}.mlp.{fam.fused_gate_up}"] if fam.fused_gate_up else
+                 [f"{pre}.mlp.gate_proj", f"{pre}.mlp.up_proj"])  # Phi-3: gate|up one projection, gate first
         gu = linear(g, x, f"{pre}.mlp.gate_up_proj", names, layers, f"{pre}.gu", acc, opts["fuse_gate_up"],
                      records, bias_of)
         if len(gu) == 1:
@@ -796,7 +816,8 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
         m = g.node("Mul", [act, up], [f"{pre}.gated"], f"{pre}.gated")
         m = linear(g, m, f"{pre}.mlp.down_proj", [f"{pre}.mlp.down_proj"], layers, f"{pre}.down", acc, True,
                     records, bias_of)[0]
-        if gemma:
+        m = scaled(m, f"{pre}.down")
+        if fam.sandwich_norms:
             m = g.node(opts["norm_op"],
                        [m, g.init(f"{pre}.post_feedforward_layernorm.gamma",
                                   gamma(layer.post_feedforward_layernorm))],
@@ -808,9 +829,13 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
     xf, _ = norm_into(x_pending, h, g.init("model.norm.gamma", gamma(base.norm)), "model.norm")
     if opts["last_layer_rows"] != "last":
         xf = g.node("Gather", [xf, g.const_i64(-1)], ["final_last"], "final_last", axis=1)  # [1, H]
-    logits_name = "logits" if not getattr(cfg, "final_logit_softcapping", None) else "logits_raw"
-    logits = linear(g, xf, "lm_head", ["lm_head"], layers, logits_name, acc, True, records, bias_of)[0]  # [1, V]
     final_cap = getattr(cfg, "final_logit_softcapping", None)
+    post = [n for n, on in (("scaling", "logits_scaling" in mult), ("softcap", bool(final_cap))) if on]
+    logits = linear(g, xf, "lm_head", ["lm_head"], layers, "logits_raw" if post else "logits", acc, True, records,
+                    bias_of)[0]  # [1, V]
+    if "logits_scaling" in mult:  # Granite: logits / logits_scaling, before any softcap
+        logits = g.node("Div", [logits, g.init("logits_scaling", np.asarray(mult["logits_scaling"], np.float32))],
+                        ["logits" if post == ["scaling"] else "logits_scaled"], "logits_scaling")
     if final_cap:
         c = g.init("final_softcap", np.asarray(final_cap, np.float32))
         t = g.node("Div", [logits, c], ["logits_div"], "softcap_div")
