@@ -404,7 +404,10 @@ def run(ctx: StageContext) -> dict:
     if context_length != int(ctx.cfg.export.context_length):
         raise StageError(f"the export artifact has context_length {context_length} but export.context_length "
                          f"is {ctx.cfg.export.context_length}: rerun export")
-    sliding = [layer for layer in io["layers"] if layer["type"] == "sliding_attention"]
+    # Only a window that binds inside the context (a ring layer) has to be passed: Phi-3.5's 262,144-token
+    # window on every layer never binds in a 4096-token graph, whose sliding layers are then full ones.
+    sliding = [layer for layer in io["layers"]
+               if layer["type"] == "sliding_attention" and layer.get("slot_rule", "position") != "position"]
     window = io.get("sliding_window") if sliding else None
 
     try:
