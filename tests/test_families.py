@@ -177,3 +177,13 @@ def test_gqa_graph_matches_the_gptq_reference(tmp_path, family):
     # prefill (the same graph, S = prompt length) agrees with stepping
     dec.reset()
     assert snr_db(want[len(ids) - 1], dec.prefill(ids)) > 90.0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_calibration_runs_each_family_one_layer_at_a_time_exactly(family):
+    # calibrate and quantize run the decoder layer by layer (pipeline/quant/layerwise.py); Granite's
+    # embedding_multiplier sits between the embedding and the loop
+    from pipeline.quant import layerwise
+
+    model = tiny_model(family)
+    layerwise.check(model.model, _ids())
