@@ -247,7 +247,7 @@ def _model_defaults(c: dict, where, refuse: bool):
         key = (named.group(1) if named
                else "model.package" if c["model"].get("package") else "model.path")
         raise ConfigError(f"{where(key)}: {e}") from None
-    derived = model_facts.derive(facts)
+    derived = model_facts.derive(facts, *_device_memory(c))
     for key in unset:
         section, leaf = key.split(".")
         c[section][leaf] = derived[key]
@@ -256,12 +256,36 @@ def _model_defaults(c: dict, where, refuse: bool):
     return facts if refuse else None
 
 
+def _device_memory(c: dict) -> tuple[float, str]:
+    """(GiB, device name) the default context's KV is sized against: the device's spec sheet, or for
+    device=auto this host's memory (what the probe stage will find)."""
+    from pipeline.engine.devices import host_memory_gib
+
+    device = c["device"]
+    if device.get("name") == "auto":
+        return host_memory_gib(), "this host"
+    return float(device.get("memory_gib") or 0), str(device.get("name") or "")
+
+
+def context_note(c: dict) -> str | None:
+    """One line saying which context the build has and why, where it is the derived default; None where
+    export.context_length was set (or the checkpoint cannot be read: validate said so already)."""
+    from pipeline.sources import model_facts
+
+    try:
+        facts = model_facts.of(c["model"])
+    except model_facts.FactsError:
+        return None
+    context, why = model_facts.default_context(facts, *_device_memory(c))
+    return why if context == c["export"]["context_length"] else None
+
+
 def _refuse_unexercised(c: dict, facts, where) -> None:
     """An explicit setting that cannot exercise the model fails here, before any stage."""
     from pipeline.sources import model_facts
 
     shortest = min((len(p.encode()) + 1 for p in c["parity"]["prompts"]), default=1)
-    for key, reason in model_facts.refusals(facts, c, shortest):
+    for key, reason in model_facts.refusals(facts, c, shortest, _device_memory(c)[0]):
         raise ConfigError(f"{where(key)}: {reason}")
 
 
