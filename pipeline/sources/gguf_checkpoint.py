@@ -4,13 +4,21 @@ transformers reads GGUF (`from_pretrained(dir, gguf_file=name)`, dequantizing
 every tensor), but the model it returns is marked GGUF-quantized and refuses
 `save_pretrained`: measured here on Gemma 3 270M. So the dequantized weights
 are moved into a model built from the same config, which saves as any
-checkpoint does. Two things the GGUF loader drops are put back:
+checkpoint does. What the GGUF loader (transformers 5.x integrations/ggml.py
+GGUF_CONFIG_MAPPING) drops is put back from the file, as llama.cpp runs it
+(each checked per family by tests/test_gguf_families.py):
 
 - `tokenizer.ggml.add_bos_token`: the converted tokenizer.json adds no BOS,
   and Gemma without its BOS generates garbage, so the tokenizer is loaded
   with the file's own setting (its post-processor then adds it);
 - `architectures`, which every later stage reads from config.json;
-- Gemma 3's attention scale (query_pre_attn_scalar) as llama.cpp derives it.
+- Gemma 2's and Gemma 3's attention scale (query_pre_attn_scalar) as llama.cpp
+  derives it, and Gemma 2's two softcaps;
+- the head dim (attention.key_length) where the loader reads none (Qwen3);
+- Phi-3's partial rotary (rope.dimension_count), LongRoPE (its factor tensors
+  and original context) and window;
+- a Mistral's window: llama.cpp writes a Mistral as the llama arch; with an
+  attention.sliding_window it is built as the Mistral it is.
 
 Peak memory is about three fp32 copies of the model (the loader's dequantized
 tensors, its GGUF-quantized model, the saved file's buffers): 3.3 GB for
@@ -50,18 +58,15 @@ def dequantize(gguf_file: Path, out: Path) -> dict:
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
     try:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        _loaded_shape(config, arch, meta)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, add_bos_token=add_bos)
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    except ImportError:
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config, dtype=torch.float32)
+        config.architectures = [ARCHITECTURES[arch]]
+        config = _as_llama_cpp_runs(config, arch, meta, gguf_file)
+    except (ImportError, GgufError):
         raise  # a missing package (accelerate, gguf): run_stage names it with the install command
     except Exception as e:  # transformers' GGUF loader raises many types
         raise GgufError(f"{gguf_file.name}: transformers cannot read it: {str(e).strip().splitlines()[0]}") from None
-    config.architectures = [ARCHITECTURES[arch]]
-    if arch == "gemma3" and meta.get("gemma3.attention.key_length"):
-        # The file carries no query_pre_attn_scalar and transformers' reader fixes 256;
-        # llama.cpp scales attention by 1/sqrt(key_length) (every Gemma 3 but the 27B,
-        # not a target here), so the checkpoint says what llama.cpp runs.
-        config.query_pre_attn_scalar = int(meta["gemma3.attention.key_length"])
     state = loaded.state_dict()
     del loaded
     with torch.device("meta"):
@@ -72,7 +77,7 @@ def dequantize(gguf_file: Path, out: Path) -> dict:
     missing = [m for m in missing if not (tied and m == "lm_head.weight") and not m.endswith("inv_freq")]
     if missing or unexpected:
         what = f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}"
-        raise GgufError(f"{gguf_file.name}: its tensors do not fill a {ARCHITECTURES[arch]} ({what})")
+        raise GgufError(f"{gguf_file.name}: its tensors do not fill a {config.architectures[0]} ({what})")
     if tied:
         model.tie_weights()
     # Non-persistent buffers (rotary inv_freq) stay on meta: they are not saved, and every
@@ -83,6 +88,92 @@ def dequantize(gguf_file: Path, out: Path) -> dict:
         _drop_tokenizer_key(out, stray)
     return {"gguf_architecture": arch, "add_bos_token": add_bos, "gguf_file_type": meta.get("general.file_type"),
             "gguf_name": meta.get("general.name")}
+
+
+def _loaded_shape(config, arch: str, meta: dict) -> None:
+    """What the loader needs to give its tensors their shapes and does not read: the head dim.
+    transformers' qwen3 mapping reads no attention.key_length, and Qwen3Config's default head_dim is
+    128 (every Qwen3 release's, by chance); any other fails to load (measured: a head_dim 16 file)."""
+    key_length = meta.get(f"{arch}.attention.key_length")
+    if key_length and getattr(config, "head_dim", None) != int(key_length):
+        config.head_dim = int(key_length)
+    vocab = getattr(config, "vocab_size", None)
+    pad = getattr(config, "pad_token_id", None)
+    if vocab and isinstance(pad, int) and pad >= vocab:
+        # A family config's default pad id past the file's vocabulary (Phi3Config's 32000) where the
+        # file names none: the embedding refuses it. The file's own pad id, when it has one, is kept.
+        config.pad_token_id = None
+
+
+def _as_llama_cpp_runs(config, arch: str, meta: dict, gguf_file: Path):
+    """The config with what the loader drops put back from the file (the module docstring)."""
+    get = lambda key: meta.get(f"{arch}.{key}")  # noqa: E731
+    if arch in ("gemma2", "gemma3") and get("attention.key_length"):
+        # The file carries no query_pre_attn_scalar and transformers' reader fixes 256;
+        # llama.cpp scales attention by 1/sqrt(key_length) (every Gemma 2 and 3 but the 27B,
+        # not a target here), so the checkpoint says what llama.cpp runs.
+        config.query_pre_attn_scalar = int(get("attention.key_length"))
+    if arch == "gemma2":
+        # Gemma2Config's defaults (50, 30) are the releases', but the file's own values are what
+        # llama.cpp applies (measured: softcaps 5 and 3 came back as 50 and 30).
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if get(key) is not None:
+                setattr(config, key, float(get(key)))
+    if arch == "phi3":
+        _phi3_rope(config, meta, gguf_file)
+    if arch == "llama" and _tensor_names(gguf_file) & {"rope_freqs.weight"}:
+        # Llama 3.x: llama.cpp's converter folds rope_scaling (llama3) into per-dim frequency divisors;
+        # transformers' loader ignores the tensor and builds plain rotary: the slow dims turn at the
+        # wrong rate, an error that grows with position (measured on tests/gguf_fixture.py's tiny
+        # Llama 3.2-style file: 60 dB logits SNR over its first 26 tokens, where parity asks > 100).
+        # The divisors do not give back rope_scaling's four numbers (a band with no head dim in it
+        # leaves them free), so the file is refused rather than built wrong.
+        raise GgufError(f"{gguf_file.name}: its rope_freqs tensor (Llama 3's rope scaling) is not read by "
+                        f"transformers' GGUF loader, which would build plain rotary; build from the Hugging Face "
+                        f"checkpoint instead: model=hf")
+    if arch == "llama" and get("attention.sliding_window"):
+        # llama.cpp's converter writes MistralForCausalLM as the llama arch; the window is the one thing
+        # that tells it apart, and it binds every layer (families: Mistral's row). Built as a Llama, the
+        # window is lost (measured: logits 0.47 off a Mistral with an 8-token window).
+        from transformers import MistralConfig
+
+        fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
+        config = MistralConfig(**{**fields, "sliding_window": int(get("attention.sliding_window"))})
+        config.architectures = ["MistralForCausalLM"]
+    return config
+
+
+def _tensor_names(gguf_file: Path) -> set[str]:
+    import gguf
+
+    return {t.name for t in gguf.GGUFReader(str(gguf_file)).tensors}
+
+
+def _phi3_rope(config, meta: dict, gguf_file: Path) -> None:
+    """Phi-3's rotary as llama.cpp runs it: rope.dimension_count of each head's dims rotated (Phi-4-mini:
+    0.75 of 128), LongRoPE's short and long factors (the rope_factors_short / _long tensors llama.cpp's
+    converter writes) from rope.scaling.original_context_length; transformers' phi3 mapping reads none of
+    them, nor its window (attention.sliding_window)."""
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    rope = dict(config.rope_parameters or {})
+    dims = meta.get("phi3.rope.dimension_count")
+    if dims and int(dims) != head_dim:
+        rope["partial_rotary_factor"] = int(dims) / head_dim
+    original = meta.get("phi3.rope.scaling.original_context_length")
+    if original:
+        import gguf
+
+        factors = {t.name: [float(x) for x in t.data] for t in gguf.GGUFReader(str(gguf_file)).tensors
+                   if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
+        if len(factors) == 2:
+            rope.update(rope_type="longrope", long_factor=factors["rope_factors_long.weight"],
+                        short_factor=factors["rope_factors_short.weight"],
+                        original_max_position_embeddings=int(original))
+            # Phi3Config copies its own original_max_position_embeddings over the rope's
+            config.original_max_position_embeddings = int(original)
+    config.rope_parameters = rope
+    if meta.get("phi3.attention.sliding_window"):
+        config.sliding_window = int(meta["phi3.attention.sliding_window"])
 
 
 def _drop_tokenizer_key(out: Path, key: str) -> None:

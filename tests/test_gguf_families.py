@@ -1,0 +1,128 @@
+"""GGUF as a source for each family transformers' GGUF loader reads (pipeline/sources/families.py
+`gguf_source`): a tiny model of the family written as llama.cpp writes its arch (tests/gguf_fixture.py:
+names, metadata, Llama's q/k permutation, Gemma's 1 + w norms, Phi-3's fused attn_qkv / ffn_up and LongRoPE
+factor tensors), run through the model stage's gguf path, must give back the logits of the model its
+tensors came from, with the family's settings in its config.json (Qwen2's biases, Gemma 2's softcaps and
+attention scale, Phi-3's partial rotary and LongRoPE, a Mistral's window). Random weights: a check of the
+conversion, not of fidelity."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from pipeline.engine.context import StageContext, StageError
+from pipeline.sources import families, gguf_checkpoint
+from stages import model as stage
+from tests import gguf_fixture
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+WINDOW = 8  # a window that 26-token sequences pass
+
+
+def _stage(tmp_path: Path, gguf_file: Path) -> Path:
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = OmegaConf.create({"model": {"name": "g", "source": "gguf", "path": str(gguf_file), "package": None,
+                                      "sha256": None, "trust_remote_code": False}})
+    stage.run(StageContext(stage="model", build="t", cfg=cfg, inputs={}, out=out))
+    return out
+
+
+def _same_logits(out: Path, original):
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(3, original.config.vocab_size, (1, 26), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = reloaded(input_ids=ids).logits, original(input_ids=ids).logits
+    assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
+    return reloaded
+
+
+def _convert(tmp_path, family, window=None, config=None, **settings):
+    model = gguf_fixture.family_model(family, config=config, **settings)
+    path = tmp_path / f"tiny-{family}.gguf"
+    gguf_fixture.write_family(path, model, window=window)
+    out = _stage(tmp_path, path)
+    return model, out, json.loads((out / "config.json").read_text())
+
+
+def test_every_gguf_source_family_has_a_test_here():
+    tested = {"llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"}
+    assert set(gguf_checkpoint.ARCHITECTURES) == tested
+
+
+LLAMA2_ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+
+
+def test_llama_gives_back_its_logits(tmp_path):
+    model, out, cfg = _convert(tmp_path, "llama", config=LLAMA2_ROPE)
+    _same_logits(out, model)
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_a_llama3_rope_scaled_file_is_refused_in_one_line(tmp_path):
+    """Llama 3.x's rope scaling lives in the file as rope_freqs, which transformers' loader ignores: built,
+    its logits would be plain rotary's; the stage refuses it, naming the tensor and model=hf."""
+    model = gguf_fixture.family_model("llama")  # make_hf_checkpoint's Llama: Llama 3.2's rope_type llama3
+    path = tmp_path / "llama3.gguf"
+    gguf_fixture.write_family(path, model)
+    with pytest.raises(StageError) as e:
+        _stage(tmp_path, path)
+    msg = str(e.value)
+    assert "\n" not in msg and "rope_freqs" in msg and "model=hf" in msg
+
+
+def test_qwen2_keeps_its_biases(tmp_path):
+    model, out, cfg = _convert(tmp_path, "qwen2")
+    reloaded = _same_logits(out, model)
+    assert cfg["architectures"] == ["Qwen2ForCausalLM"]
+    q = reloaded.model.layers[1].self_attn.q_proj.bias
+    assert q is not None and torch.equal(q, model.model.layers[1].self_attn.q_proj.bias)
+    assert families.sliding_layers(reloaded.config)[1] == 0  # no window, as Qwen2.5 runs
+
+
+def test_qwen3(tmp_path):
+    model, out, cfg = _convert(tmp_path, "qwen3")
+    _same_logits(out, model)
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"]
+
+
+def test_gemma2_keeps_its_softcaps_and_attention_scale(tmp_path):
+    # softcaps other than Gemma2Config's defaults (50, 30), so a value the conversion drops shows
+    model, out, cfg = _convert(tmp_path, "gemma2", sliding_window=WINDOW,
+                               config={"attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0})
+    _same_logits(out, model)
+    assert cfg["architectures"] == ["Gemma2ForCausalLM"]
+    assert (cfg["attn_logit_softcapping"], cfg["final_logit_softcapping"]) == (5.0, 3.0)
+    assert cfg["query_pre_attn_scalar"] == 16 and cfg["sliding_window"] == WINDOW
+    assert families.layer_types(model.config) == cfg["layer_types"]
+
+
+def test_gemma3(tmp_path):
+    model, out, cfg = _convert(tmp_path, "gemma3", sliding_window=WINDOW, full_every=6)
+    _same_logits(out, model)
+    assert cfg["architectures"] == ["Gemma3ForCausalLM"]
+
+
+def test_phi3_keeps_its_fused_projections_partial_rotary_and_longrope(tmp_path):
+    model, out, cfg = _convert(tmp_path, "phi3", partial_rotary=0.75)
+    _same_logits(out, model)
+    assert cfg["architectures"] == ["Phi3ForCausalLM"]
+    rope = cfg["rope_parameters"]
+    assert rope["rope_type"] == "longrope" and rope["partial_rotary_factor"] == 0.75
+    assert rope["short_factor"] == pytest.approx(model.config.rope_parameters["short_factor"])  # float32 in the file
+    assert rope["long_factor"] == pytest.approx(model.config.rope_parameters["long_factor"])
+    assert rope["original_max_position_embeddings"] == 64
+
+
+def test_a_mistral_written_as_llama_keeps_its_window(tmp_path):
+    model, out, cfg = _convert(tmp_path, "mistral", window=WINDOW, sliding_window=WINDOW)
+    _same_logits(out, model)
+    assert cfg["architectures"] == ["MistralForCausalLM"] and cfg["sliding_window"] == WINDOW
