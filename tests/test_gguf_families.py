@@ -126,3 +126,27 @@ def test_a_mistral_written_as_llama_keeps_its_window(tmp_path):
     model, out, cfg = _convert(tmp_path, "mistral", window=WINDOW, sliding_window=WINDOW)
     _same_logits(out, model)
     assert cfg["architectures"] == ["MistralForCausalLM"] and cfg["sliding_window"] == WINDOW
+
+
+@pytest.mark.parametrize("arch", ["smollm3", "granite"])
+def test_families_the_loader_cannot_read_are_refused_in_one_line(tmp_path, arch):
+    """transformers' GGUF loader has no reader for SmolLM3 or Granite (families: gguf_source=False): a file
+    of either is refused at compose time and by the stage, naming model=hf."""
+    import gguf
+
+    from pipeline.sources import model_facts
+
+    path = tmp_path / f"{arch}.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(model_facts.FactsError) as facts:
+        model_facts.of({"source": "gguf", "name": "g", "path": str(path)})
+    with pytest.raises(StageError) as built:
+        _stage(tmp_path, path)
+    for e in (facts, built):
+        msg = str(e.value)
+        assert "\n" not in msg and "no reader" in msg and "model=hf" in msg, msg
