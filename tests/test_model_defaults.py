@@ -192,12 +192,23 @@ def test_real_checkpoint_gets_llama_cpps_default_context_and_says_why(tmp_path):
 
 def test_the_device_memory_bounds_the_default_context(tmp_path):
     d = _checkpoint(tmp_path, "llama2", LLAMA2_7B)
-    # 2.5 GiB of KV at 4096 (with headroom): over a quarter of an 8 GiB phone, under a quarter of 24 GiB
-    phone = build(["model=hf", f"model.path={d}", "device=galaxy_s24"])
-    assert phone["export"]["context_length"] == 2048
-    assert context_note(phone) == ("context 2048: its KV (1.2 GiB) within 25% of galaxy_s24's 8 GiB, within "
+    # 2.5 GiB of KV at 4096 (with headroom): over a quarter of an 8 GiB board, under a quarter of 24 GiB
+    board = build(["model=hf", f"model.path={d}", "device=arm64_llamacpp"])
+    assert board["export"]["context_length"] == 2048
+    assert context_note(board) == ("context 2048: its KV (1.2 GiB) within 25% of arm64_llamacpp's 8 GiB, within "
                                    "LlamaForCausalLM's 4096 positions")
     assert build(["model=hf", f"model.path={d}", "device=x86_avx512"])["export"]["context_length"] == 4096
+
+
+def test_a_phone_gets_1024_or_twice_the_window(tmp_path):
+    """A phone's context binary is a static graph: every step attends over its whole capacity (the
+    tiny model's phone build: pack 28 -> 151 s, parity 127 -> 313 s from 256 to 4096 tokens)."""
+    qwen = _checkpoint(tmp_path, "qwen", QWEN25)
+    c = build(["model=hf", f"model.path={qwen}", "device=galaxy_s25"])
+    assert c["export"]["context_length"] == 1024
+    assert context_note(c).startswith("context 1024: a phone's static graph pays its whole context every step")
+    wide = _hf_dir(tmp_path, "gemma", sliding_window=1024, max_position_embeddings=32768)
+    assert build(["model=hf", f"model.path={wide}", "device=galaxy_s25"])["export"]["context_length"] == 2048
 
 
 def test_longrope_bounds_the_default_context_and_refuses_past_it(tmp_path):

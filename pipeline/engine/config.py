@@ -256,15 +256,16 @@ def _model_defaults(c: dict, where, refuse: bool):
     return facts if refuse else None
 
 
-def _device_memory(c: dict) -> tuple[float, str]:
-    """(GiB, device name) the default context's KV is sized against: the device's spec sheet, or for
+def _device_memory(c: dict) -> tuple[float, str, str]:
+    """(GiB, device name, accelerator) the default context is sized for: the device's spec sheet, or for
     device=auto this host's memory (what the probe stage will find)."""
     from pipeline.engine.devices import host_memory_gib
 
     device = c["device"]
+    accelerator = str(device.get("accelerator") or "")
     if device.get("name") == "auto":
-        return host_memory_gib(), "this host"
-    return float(device.get("memory_gib") or 0), str(device.get("name") or "")
+        return host_memory_gib(), "this host", accelerator
+    return float(device.get("memory_gib") or 0), str(device.get("name") or ""), accelerator
 
 
 def context_note(c: dict) -> str | None:
@@ -285,7 +286,8 @@ def _refuse_unexercised(c: dict, facts, where) -> None:
     from pipeline.sources import model_facts
 
     shortest = min((len(p.encode()) + 1 for p in c["parity"]["prompts"]), default=1)
-    for key, reason in model_facts.refusals(facts, c, shortest, _device_memory(c)[0]):
+    memory, _, accelerator = _device_memory(c)
+    for key, reason in model_facts.refusals(facts, c, shortest, memory, accelerator):
         raise ConfigError(f"{where(key)}: {reason}")
 
 

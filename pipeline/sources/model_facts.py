@@ -45,6 +45,15 @@ DEPLOY_CONTEXT = 4096
 # 0.6 GiB of KV, under a quarter of an 8 GB phone).
 KV_MEMORY_SHARE = 0.25
 KV_DTYPE = "float16"  # the deployed graphs' KV (ORT's GroupQueryAttention, the phone's fp16 and w8a16 graphs)
+# A phone's (device.accelerator qnn_htp) default is 1024: its QNN context binary is a static graph that
+# attends over its whole KV capacity on every step, whatever the position, on the phone and in the HTP
+# emulation this host checks parity in. Measured on tests/conftest.py's tiny model for galaxy_s25,
+# 256 -> 4096 tokens: pack (the QDQ graphs' calibration) 28 -> 151 s, verify_parity 127 -> 313 s, the
+# context binaries 2.7 -> 6.5 MB; Gemma 3 270M's phone build already takes ~20 minutes at 1024
+# (tests/test_real_checkpoint.py). 1024 is the context the S25's measured step is at
+# (conf/device/galaxy_s25.yaml: 27.2 ms at 1k); twice a window still wins where that is more.
+PHONE_CONTEXT = 1024
+PHONE_ACCELERATOR = "qnn_htp"
 WINDOW_MARGIN = 16  # tokens past the window: the ring has wrapped a few times
 NO_WINDOW_DECODE = 80  # a model without sliding layers: nothing to leave
 MIN_CALIBRATION_LEN = 128
@@ -320,17 +329,21 @@ def _size(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-def default_context(facts: ModelFacts, memory_gib: float = 0.0, device: str = "") -> tuple[int, str]:
+def default_context(facts: ModelFacts, memory_gib: float = 0.0, device: str = "",
+                    accelerator: str = "") -> tuple[int, str]:
     """(export.context_length's default, one line saying why). `memory_gib`: the device's memory
-    (0: not known, no memory bound)."""
+    (0: not known, no memory bound); `accelerator`: the device's (a phone's qnn_htp: PHONE_CONTEXT)."""
     w = facts.sliding_window
     floor = max(MIN_CONTEXT, _next_pow2(2 * w)) if w else MIN_CONTEXT  # passes the window: parity's need
     if facts.source == "embedded":  # its quick default: 256, or twice its window, within its positions
         context = min(floor, facts.max_positions) if facts.max_positions else floor
         return context, f"context {context}: the embedded model's quick default ({MIN_CONTEXT}, or twice its " \
                         f"window, within its positions)"
-    context, why = max(DEPLOY_CONTEXT, floor), ("llama.cpp's default" if floor <= DEPLOY_CONTEXT
-                                                 else f"twice its {w}-token window")
+    phone = accelerator == PHONE_ACCELERATOR
+    target = PHONE_CONTEXT if phone else DEPLOY_CONTEXT
+    context = max(target, floor)
+    why = (f"twice its {w}-token window" if floor > target else
+           "a phone's static graph pays its whole context every step" if phone else "llama.cpp's default")
     family = facts.family or facts.name
     bounds = []
     if facts.max_positions:
@@ -360,11 +373,11 @@ def default_context(facts: ModelFacts, memory_gib: float = 0.0, device: str = ""
     return context, f"context {context}: {why}" + (f", within {' and '.join(bounds)}" if bounds else "")
 
 
-def derive(facts: ModelFacts, memory_gib: float = 0.0, device: str = "") -> dict[str, int]:
-    """The model-dependent defaults, by dotted key (`memory_gib`, `device`: default_context's)."""
+def derive(facts: ModelFacts, memory_gib: float = 0.0, device: str = "", accelerator: str = "") -> dict[str, int]:
+    """The model-dependent defaults, by dotted key (`memory_gib`, `device`, `accelerator`: default_context's)."""
     w = facts.sliding_window
     decode = w + WINDOW_MARGIN if w else NO_WINDOW_DECODE
-    context, _ = default_context(facts, memory_gib, device)
+    context, _ = default_context(facts, memory_gib, device, accelerator)
     seq_len = max(MIN_CALIBRATION_LEN, decode if w else 0)
     if facts.max_positions:
         seq_len = min(seq_len, facts.max_positions)
@@ -381,14 +394,15 @@ def derive(facts: ModelFacts, memory_gib: float = 0.0, device: str = "") -> dict
     }
 
 
-def refusals(facts: ModelFacts, cfg: dict, prompts_upper: int, memory_gib: float = 0.0) -> list[tuple[str, str]]:
+def refusals(facts: ModelFacts, cfg: dict, prompts_upper: int, memory_gib: float = 0.0,
+             accelerator: str = "") -> list[tuple[str, str]]:
     """(key, reason) for each explicit setting that cannot exercise the model.
 
     `prompts_upper`: an upper bound of the shortest parity prompt's token count
     (its UTF-8 bytes, plus BOS), so a refusal here is certain; the parity stage
     checks each tokenized prompt exactly."""
     w, positions = facts.sliding_window, facts.max_positions
-    derived = derive(facts, memory_gib)
+    derived = derive(facts, memory_gib, accelerator=accelerator)
     out = []
     ctx = cfg["export"]["context_length"]
     decode = cfg["parity"]["decode_tokens"]
