@@ -234,3 +234,13 @@ def test_host_memory_is_read_as_the_probe_reads_it():
 
     assert host_memory_gib("MemTotal:       25165824 kB\nMemFree: 1 kB\n") == 24.0
     assert host_memory_gib("nothing here") == 0.0
+
+
+def test_a_real_checkpoints_benchmark_can_measure_past_256_tokens(tmp_path):
+    """benchmark.context_points=[32,512] was refused at the old 256-token default."""
+    d = _checkpoint(tmp_path, "qwen", QWEN25)
+    c = build(["model=hf", f"model.path={d}", "device=x86_avx512", "benchmark.context_points=[32,512]"])
+    assert c["benchmark"]["context_points"] == [32, 512] and c["export"]["context_length"] == 4096
+    with pytest.raises(ConfigError, match="benchmark.context_points"):
+        build(["model=hf", f"model.path={d}", "device=x86_avx512", "benchmark.context_points=[32,512]",
+               "export.context_length=256"])
