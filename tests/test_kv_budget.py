@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.runtimes.kv_budget import kv_budget
+from pipeline.sources.kv_budget import kv_budget
 
 # 28 layers (21 sliding, window 512 + 7 full), K,V x 512 values x 2 bytes = 56 KiB/token.
 SPARK = {
@@ -107,7 +107,7 @@ def test_qwen2s_unused_window_is_charged_as_full_attention():
 
 
 def test_vllm_charges_every_mistral_layer_as_a_sliding_one():
-    from pipeline.runtimes.kv_budget import vllm_kv_bytes
+    from pipeline.sources.kv_budget import vllm_kv_bytes
 
     # vLLM's LlamaAttention passes a per-layer window only from layer_types; without the map its Attention
     # takes the model's window (cache_config.sliding_window) on every layer: one group of 32 sliding layers.

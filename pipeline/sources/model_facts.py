@@ -39,7 +39,7 @@ MIN_CONTEXT = 256
 # model's figure, its quick default; a chat model served at 256 tokens ends a conversation in one turn.
 DEPLOY_CONTEXT = 4096
 # The share of the device's memory the default context's KV may take (the planner's per-layer-type
-# figure with its headroom, pipeline/runtimes/kv_budget.py): the rest holds the weights (a 1.7B's 4-bit
+# figure with its headroom, pipeline/sources/kv_budget.py): the rest holds the weights (a 1.7B's 4-bit
 # codes ~1 GB), the runtime's buffers and everything else the device runs (a phone's other apps).
 # A choice, not a measurement; it binds only for a large model on a small device (a 7B Mistral at 4096:
 # 0.6 GiB of KV, under a quarter of an 8 GB phone).
@@ -320,7 +320,7 @@ def kv_bytes(facts: ModelFacts, context: int) -> int | None:
     headroom); None where the checkpoint's config does not give its geometry."""
     if facts.kv_config is None:
         return None
-    from pipeline.runtimes.kv_budget import kv_budget
+    from pipeline.sources.kv_budget import kv_budget
 
     return kv_budget(facts.kv_config, context, kv_dtype=KV_DTYPE)["per_layer_type_with_headroom"]
 

@@ -1,5 +1,9 @@
 """KV cache sizing from the model's config, instead of a server's round default.
 
+A fact of the checkpoint's config (here in sources/, not runtimes/, so the compose-time
+default context, pipeline/sources/model_facts.py, sizes its KV with the same figures the
+deploy profile states).
+
 The serving engine's CPU KV size is an integer number of GiB (minimum 1 GiB);
 sized from the model instead, resident memory fell from 8329 MB to 5254 MB on a
 2048-token single stream with unchanged output (field notes). Two figures:
@@ -186,4 +190,4 @@ def vllm_kv_bytes(config: dict, context_length: int, *, block_size: int, max_num
     return {"block_size": block_size, "max_num_batched_tokens": in_flight, "kv_dtype": kv_dtype,
             "group_size": group, "groups": groups, "blocks_per_request": blocks, "pool_block_bytes": pool_block,
             "needed_bytes": needed, "headroom": headroom, "kv_cache_memory_bytes": budget,
-            "rule": "vLLM 0.32 v1 KV cache groups (hybrid allocator), restated in pipeline/runtimes/kv_budget.py"}
+            "rule": "vLLM 0.32 v1 KV cache groups (hybrid allocator), restated in pipeline/sources/kv_budget.py"}
