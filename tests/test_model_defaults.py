@@ -244,3 +244,12 @@ def test_a_real_checkpoints_benchmark_can_measure_past_256_tokens(tmp_path):
     with pytest.raises(ConfigError, match="benchmark.context_points"):
         build(["model=hf", f"model.path={d}", "device=x86_avx512", "benchmark.context_points=[32,512]",
                "export.context_length=256"])
+
+
+def test_a_config_whose_kv_cannot_be_sized_is_one_line(tmp_path):
+    bad = dict(QWEN25, layer_types=["full_attention"] * 3)  # 3 entries for 24 layers
+    d = _checkpoint(tmp_path, "bad", bad)
+    with pytest.raises(ConfigError) as e:
+        build(["model=hf", f"model.path={d}"])
+    msg = str(e.value)
+    assert "\n" not in msg and "model.path" in msg and "KV cache" in msg, msg

@@ -242,12 +242,12 @@ def _model_defaults(c: dict, where, refuse: bool):
         return None
     try:
         facts = model_facts.of(c["model"])
+        derived = model_facts.derive(facts, *_device_memory(c))
     except model_facts.FactsError as e:
         named = re.match(r"(model\.train\.\w+)=", str(e))  # the embedded model's own setting, named by the error
         key = (named.group(1) if named
                else "model.package" if c["model"].get("package") else "model.path")
         raise ConfigError(f"{where(key)}: {e}") from None
-    derived = model_facts.derive(facts, *_device_memory(c))
     for key in unset:
         section, leaf = key.split(".")
         c[section][leaf] = derived[key]

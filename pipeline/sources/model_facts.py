@@ -322,7 +322,11 @@ def kv_bytes(facts: ModelFacts, context: int) -> int | None:
         return None
     from pipeline.sources.kv_budget import kv_budget
 
-    return kv_budget(facts.kv_config, context, kv_dtype=KV_DTYPE)["per_layer_type_with_headroom"]
+    try:
+        return kv_budget(facts.kv_config, context, kv_dtype=KV_DTYPE)["per_layer_type_with_headroom"]
+    except Exception as e:  # the config goes through transformers' config class, which raises several types
+        raise FactsError(f"{facts.name}: its config cannot be sized for its KV cache: "
+                         f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
 
 
 def _size(n: float) -> str:
