@@ -150,3 +150,23 @@ def test_families_the_loader_cannot_read_are_refused_in_one_line(tmp_path, arch)
     for e in (facts, built):
         msg = str(e.value)
         assert "\n" not in msg and "no reader" in msg and "model=hf" in msg, msg
+
+
+def test_a_gguf_sources_default_context_is_bounded_by_its_header(tmp_path):
+    """model=gguf: the context follows the header (context_length, LongRoPE's original context), its KV
+    charged flat (the header does not say which layers slide)."""
+    from pipeline.sources import model_facts
+
+    model = gguf_fixture.family_model("phi3", partial_rotary=0.75)  # 256 positions, LongRoPE up to 64
+    path = tmp_path / "phi3.gguf"
+    gguf_fixture.write_family(path, model)
+    facts = model_facts.of({"source": "gguf", "name": "p", "path": str(path)})
+    assert (facts.max_positions, facts.rope_limit, facts.family) == (256, 64, "Phi3ForCausalLM")
+    context, why = model_facts.default_context(facts, 24, "x86_avx512")
+    assert context == 64 and why.startswith("context 64: LongRoPE's short factor ends at 64 positions")
+    qwen = gguf_fixture.family_model("qwen2")
+    gguf_fixture.write_family(tmp_path / "qwen2.gguf", qwen)
+    facts = model_facts.of({"source": "gguf", "name": "q", "path": str(tmp_path / "qwen2.gguf")})
+    # 4 layers x 2 x 2 KV heads x 16 x 2 bytes = 512 B a token: 128 KiB at 256, 160 KiB with headroom
+    assert model_facts.default_context(facts, 24, "x86_avx512") == (
+        256, "context 256: Qwen2ForCausalLM's 256 positions, within 160 KiB of KV on x86_avx512's 24 GiB")

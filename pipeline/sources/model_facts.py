@@ -332,7 +332,10 @@ def kv_bytes(facts: ModelFacts, context: int) -> int | None:
 
 
 def _size(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}" if unit == "GiB" else f"{n / scale:.0f} {unit}"
+    return f"{n / 2**10:.0f} KiB"  # a tiny test model's
 
 
 def default_context(facts: ModelFacts, memory_gib: float = 0.0, device: str = "",
