@@ -181,6 +181,12 @@ def write_family(path: Path, model, name: str = "tiny", window: int | None = Non
     if fam.gguf_arch == "phi3":  # convert_hf_to_gguf.py Phi3MiniModel
         w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * head_dim))
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if rope.get("rope_type") == "longrope":  # its attn_factor: sqrt(1 + ln(scale) / ln(original))
+            import math
+
+            scale = cfg.max_position_embeddings / rope["original_max_position_embeddings"]
+            w.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(rope["original_max_position_embeddings"])))
         if cfg.sliding_window:
             w.add_sliding_window(cfg.sliding_window)
     if window:

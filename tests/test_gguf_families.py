@@ -9,6 +9,7 @@ conversion, not of fidelity."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,7 @@ def test_phi3_keeps_its_fused_projections_partial_rotary_and_longrope(tmp_path):
     assert rope["short_factor"] == pytest.approx(model.config.rope_parameters["short_factor"])  # float32 in the file
     assert rope["long_factor"] == pytest.approx(model.config.rope_parameters["long_factor"])
     assert rope["original_max_position_embeddings"] == 64
+    assert rope["attention_factor"] == pytest.approx((1 + math.log(256 / 64) / math.log(64)) ** 0.5)  # the file's
 
 
 def test_a_mistral_written_as_llama_keeps_its_window(tmp_path):

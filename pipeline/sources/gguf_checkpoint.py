@@ -169,6 +169,8 @@ def _phi3_rope(config, meta: dict, gguf_file: Path) -> None:
             rope.update(rope_type="longrope", long_factor=factors["rope_factors_long.weight"],
                         short_factor=factors["rope_factors_short.weight"],
                         original_max_position_embeddings=int(original))
+            if meta.get("phi3.rope.scaling.attn_factor"):  # the cos/sin scale llama.cpp applies, as written
+                rope["attention_factor"] = float(meta["phi3.rope.scaling.attn_factor"])
             # Phi3Config copies its own original_max_position_embeddings over the rope's
             config.original_max_position_embeddings = int(original)
     config.rope_parameters = rope
