@@ -112,7 +112,7 @@ def _llama_permute(w, n_head: int, n_head_kv: int):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def family_model(family: str, seed: int = 0, config: dict | None = None, **settings):
+def family_model(family: str, seed: int = 0, config: dict | None = None, head_dim: int = 16, **settings):
     """A tiny model of `family` (random weights; norms and biases perturbed so a lost offset or bias
     shows), its vocabulary this module's; `config`: attributes set on its config before it is built."""
     import sys
@@ -127,7 +127,7 @@ def family_model(family: str, seed: int = 0, config: dict | None = None, **setti
     tokens, _, _ = vocabulary(llama=not gemma)
     ids = {"bos": 2, "eos": 1, "pad": 0} if gemma else {"bos": 1, "eos": 2, "pad": None}
     cfg = family_config(family, vocab=len(tokens), hidden=64, intermediate=128, layers=4, heads=4, kv_heads=2,
-                        head_dim=16, max_positions=256, tie=gemma, **ids, **settings)
+                        head_dim=head_dim, max_positions=256, tie=gemma, **ids, **settings)
     for key, value in (config or {}).items():
         setattr(cfg, key, value)
     torch.manual_seed(seed)

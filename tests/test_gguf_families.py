@@ -68,10 +68,26 @@ def test_llama_gives_back_its_logits(tmp_path):
     assert cfg["architectures"] == ["LlamaForCausalLM"]
 
 
-def test_a_llama3_rope_scaled_file_is_refused_in_one_line(tmp_path):
-    """Llama 3.x's rope scaling lives in the file as rope_freqs, which transformers' loader ignores: built,
-    its logits would be plain rotary's; the stage refuses it, naming the tensor and model=hf."""
-    model = gguf_fixture.family_model("llama")  # make_hf_checkpoint's Llama: Llama 3.2's rope_type llama3
+def test_llama3_rope_scaling_is_read_back_from_rope_freqs(tmp_path):
+    """Llama 3.x's rope scaling lives in the file as rope_freqs divisors, which transformers' loader
+    ignores (plain rotary: 60 dB off on this model's first 26 tokens); the conversion reads rope_scaling
+    back from them. Head dim 64, as Llama 3.2 1B's: four rotary pairs between the bands."""
+    model = gguf_fixture.family_model("llama", head_dim=64)  # make_hf_checkpoint's Llama: Llama 3.2's llama3
+    path = tmp_path / "llama3.gguf"
+    gguf_fixture.write_family(path, model)
+    out = _stage(tmp_path, path)
+    _same_logits(out, model)
+    rope = json.loads((out / "config.json").read_text())["rope_parameters"]
+    assert {k: rope[k] for k in ("rope_type", "factor", "low_freq_factor", "high_freq_factor",
+                                 "original_max_position_embeddings")} == {
+        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 128}  # make_hf_checkpoint's own (min(8192, positions / 2))
+
+
+def test_rope_freqs_that_do_not_read_back_are_refused_in_one_line(tmp_path):
+    """Head dim 16 leaves one rotary pair between the bands: the divisors do not fix rope_scaling, so the
+    file is refused, naming the tensor and model=hf, rather than built with plain rotary."""
+    model = gguf_fixture.family_model("llama")
     path = tmp_path / "llama3.gguf"
     gguf_fixture.write_family(path, model)
     with pytest.raises(StageError) as e:
@@ -172,3 +188,36 @@ def test_a_gguf_sources_default_context_is_bounded_by_its_header(tmp_path):
     # 4 layers x 2 x 2 KV heads x 16 x 2 bytes = 512 B a token: 128 KiB at 256, 160 KiB with headroom
     assert model_facts.default_context(facts, 24, "x86_avx512") == (
         256, "context 256: Qwen2ForCausalLM's 256 positions, within 160 KiB of KV on x86_avx512's 24 GiB")
+
+
+@pytest.mark.parametrize("head_dim,factor", [(64, 32.0), (128, 8.0)])  # Llama 3.2 1B / 3B's; Llama 3.1 8B's
+def test_a_llama3_releases_rope_freqs_read_back_as_its_rope_scaling(tmp_path, head_dim, factor):
+    """The releases' divisors (theta 500000, low 1, high 4, from 8192 positions), as llama.cpp's converter
+    writes them, read back as the releases' own rope_scaling."""
+    import types
+
+    import gguf
+    import numpy as np
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": factor, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    divisors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * 500000.0 ** (i / head_dim)
+        if wavelen < 8192 / 4:
+            divisors.append(1.0)
+        elif wavelen > 8192:
+            divisors.append(factor)
+        else:
+            smooth = (8192 / wavelen - 1) / 3
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    path = tmp_path / "freqs.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("rope_freqs.weight", np.asarray(divisors, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    config = types.SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                                   head_dim=head_dim, hidden_size=2048, num_attention_heads=32)
+    assert gguf_checkpoint._llama3_rope(config, path) == pytest.approx(rope)

@@ -18,7 +18,9 @@ GGUF_CONFIG_MAPPING) drops is put back from the file, as llama.cpp runs it
 - Phi-3's partial rotary (rope.dimension_count), LongRoPE (its factor tensors
   and original context) and window;
 - a Mistral's window: llama.cpp writes a Mistral as the llama arch; with an
-  attention.sliding_window it is built as the Mistral it is.
+  attention.sliding_window it is built as the Mistral it is;
+- Llama 3's rope scaling, read back from the rope_freqs divisors llama.cpp
+  writes (or the file refused where they do not read back).
 
 Peak memory is about three fp32 copies of the model (the loader's dequantized
 tensors, its GGUF-quantized model, the saved file's buffers): 3.3 GB for
@@ -121,16 +123,13 @@ def _as_llama_cpp_runs(config, arch: str, meta: dict, gguf_file: Path):
                 setattr(config, key, float(get(key)))
     if arch == "phi3":
         _phi3_rope(config, meta, gguf_file)
-    if arch == "llama" and _tensor_names(gguf_file) & {"rope_freqs.weight"}:
+    if arch == "llama" and "rope_freqs.weight" in _tensor_names(gguf_file):
         # Llama 3.x: llama.cpp's converter folds rope_scaling (llama3) into per-dim frequency divisors;
         # transformers' loader ignores the tensor and builds plain rotary: the slow dims turn at the
         # wrong rate, an error that grows with position (measured on tests/gguf_fixture.py's tiny
         # Llama 3.2-style file: 60 dB logits SNR over its first 26 tokens, where parity asks > 100).
-        # The divisors do not give back rope_scaling's four numbers (a band with no head dim in it
-        # leaves them free), so the file is refused rather than built wrong.
-        raise GgufError(f"{gguf_file.name}: its rope_freqs tensor (Llama 3's rope scaling) is not read by "
-                        f"transformers' GGUF loader, which would build plain rotary; build from the Hugging Face "
-                        f"checkpoint instead: model=hf")
+        # So rope_scaling is read back from the divisors (_llama3_rope) or the file is refused.
+        config.rope_parameters = _llama3_rope(config, gguf_file)
     if arch == "llama" and get("attention.sliding_window"):
         # llama.cpp's converter writes MistralForCausalLM as the llama arch; the window is the one thing
         # that tells it apart, and it binds every layer (families: Mistral's row). Built as a Llama, the
@@ -141,6 +140,60 @@ def _as_llama_cpp_runs(config, arch: str, meta: dict, gguf_file: Path):
         config = MistralConfig(**{**fields, "sliding_window": int(get("attention.sliding_window"))})
         config.architectures = ["MistralForCausalLM"]
     return config
+
+
+def _llama3_rope(config, gguf_file: Path) -> dict:
+    """rope_parameters (rope_type llama3) that give back the file's rope_freqs divisors.
+
+    llama.cpp's convert_hf_to_gguf.py LlamaModel writes, per rotary pair of frequency f and wavelength
+    w = 2 pi / f: 1 where w < old / high, `factor` where w > old / low, and between them
+    1 / ((1 - s) / factor + s) with s = (old / w - low) / (high - low), which transformers'
+    _compute_llama3_parameters divides inv_freq by as well. `factor` is the largest divisor; each
+    divisor between the bands gives s, linear in 1 / w: s = A / w - B with A = old / (high - low),
+    B = low / (high - low), which two such divisors fix. old, low and high appear only through A and B
+    (the band edges are where s is 0 and 1), so low is taken as 1, every Llama 3 release's, which gives
+    back their own old and high (8192 and 4). Every divisor is then recomputed and must match, else the
+    file is refused (fewer than two between the bands leave A and B free: a head dim too small to
+    sample the band)."""
+    import math
+
+    import gguf
+
+    rope = dict(config.rope_parameters or {})
+    theta = float(rope.get("rope_theta") or 10000.0)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    reader = gguf.GGUFReader(str(gguf_file))
+    divisors = next([float(x) for x in t.data] for t in reader.tensors if t.name == "rope_freqs.weight")
+    waves = [2 * math.pi * theta ** (2 * i / head_dim) for i in range(len(divisors))]
+    factor = max(divisors)
+    inner = [(w, (1 / d - 1 / factor) / (1 - 1 / factor)) for w, d in zip(waves, divisors)
+             if factor > 1 and abs(d - 1) > 1e-4 and abs(d - factor) > 1e-4 * factor]
+    refuse = GgufError(f"{gguf_file.name}: its rope_freqs tensor (Llama 3's rope scaling, which transformers' "
+                       f"GGUF loader ignores) does not read back as rope_scaling llama3; build from the Hugging "
+                       f"Face checkpoint instead: model=hf")
+    if len(inner) < 2:
+        raise refuse
+    (w1, s1), (w2, s2) = inner[0], inner[-1]
+    a = (s1 - s2) / (1 / w1 - 1 / w2)
+    b = a / w1 - s1
+    if a <= 0 or b <= 0:
+        raise refuse
+    low, span = 1.0, 1 / b  # span: high - low
+    old = round(a / b)
+    out = {**rope, "rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+           "high_freq_factor": round(low + span, 6), "original_max_position_embeddings": old}
+    span = out["high_freq_factor"] - low
+    for w, d in zip(waves, divisors):
+        if w < old / out["high_freq_factor"]:
+            want = 1.0
+        elif w > old / low:
+            want = factor
+        else:
+            smooth = (old / w - low) / span
+            want = 1 / ((1 - smooth) / factor + smooth)
+        if abs(want - d) > 1e-3 * d:
+            raise refuse
+    return out
 
 
 def _tensor_names(gguf_file: Path) -> set[str]:
