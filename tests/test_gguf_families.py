@@ -221,3 +221,19 @@ def test_a_llama3_releases_rope_freqs_read_back_as_its_rope_scaling(tmp_path, he
     config = types.SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
                                    head_dim=head_dim, hidden_size=2048, num_attention_heads=32)
     assert gguf_checkpoint._llama3_rope(config, path) == pytest.approx(rope)
+
+
+@pytest.mark.parametrize("window", [None, WINDOW])
+def test_a_llama_arch_file_named_mistral_is_read(tmp_path, window):
+    """transformers' loader reads a llama-arch file whose general.name is exactly "mistral" as a
+    MistralConfig and then cannot map its tensors; the conversion loads it as the llama arch it is:
+    a Llama without a window, a Mistral with one."""
+    family, settings = ("mistral", {"sliding_window": WINDOW}) if window else ("llama", {"config": LLAMA2_ROPE})
+    model = gguf_fixture.family_model(family, **settings)
+    path = tmp_path / "m.gguf"
+    gguf_fixture.write_family(path, model, name="mistral", window=window)
+    out = _stage(tmp_path, path)
+    _same_logits(out, model)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == (["MistralForCausalLM"] if window else ["LlamaForCausalLM"])
+    assert cfg.get("sliding_window") == window

@@ -59,8 +59,7 @@ def dequantize(gguf_file: Path, out: Path) -> dict:
     folder, name = str(gguf_file.parent), gguf_file.name
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
     try:
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
-        _loaded_shape(config, arch, meta)
+        config = _loaded_shape(AutoConfig.from_pretrained(folder, gguf_file=name), arch, meta)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, add_bos_token=add_bos)
         loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config, dtype=torch.float32)
         config.architectures = [ARCHITECTURES[arch]]
@@ -92,10 +91,18 @@ def dequantize(gguf_file: Path, out: Path) -> dict:
             "gguf_name": meta.get("general.name")}
 
 
-def _loaded_shape(config, arch: str, meta: dict) -> None:
-    """What the loader needs to give its tensors their shapes and does not read: the head dim.
-    transformers' qwen3 mapping reads no attention.key_length, and Qwen3Config's default head_dim is
-    128 (every Qwen3 release's, by chance); any other fails to load (measured: a head_dim 16 file)."""
+def _loaded_shape(config, arch: str, meta: dict):
+    """The config the loader can load the file's tensors with. transformers' qwen3 mapping reads no
+    attention.key_length, and Qwen3Config's default head_dim is 128 (every Qwen3 release's, by chance);
+    any other fails to load (measured: a head_dim 16 file)."""
+    if arch == "llama" and getattr(config, "model_type", None) == "mistral":
+        # The loader reads a llama-arch file whose general.name is exactly "mistral" as a MistralConfig,
+        # then cannot map its tensors (gguf-py has no "mistral" arch: measured, "Unknown gguf model_type:
+        # mistral"); it is loaded as the llama arch it is, and its window, if any, makes it a Mistral.
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(**{k: v for k, v in config.to_dict().items()
+                                if k not in ("model_type", "architectures", "sliding_window")})
     key_length = meta.get(f"{arch}.attention.key_length")
     if key_length and getattr(config, "head_dim", None) != int(key_length):
         config.head_dim = int(key_length)
@@ -105,6 +112,7 @@ def _loaded_shape(config, arch: str, meta: dict) -> None:
         # A family config's default pad id past the file's vocabulary (Phi3Config's 32000) where the
         # file names none: the embedding refuses it. The file's own pad id, when it has one, is kept.
         config.pad_token_id = None
+    return config
 
 
 def _as_llama_cpp_runs(config, arch: str, meta: dict, gguf_file: Path):
