@@ -131,13 +131,13 @@ def _as_llama_cpp_runs(config, arch: str, meta: dict, gguf_file: Path):
                 setattr(config, key, float(get(key)))
     if arch == "phi3":
         _phi3_rope(config, meta, gguf_file)
-    if arch == "llama" and "rope_freqs.weight" in _tensor_names(gguf_file):
+    if arch == "llama" and (llama3 := _llama3_rope(config, gguf_file)) is not None:
         # Llama 3.x: llama.cpp's converter folds rope_scaling (llama3) into per-dim frequency divisors;
         # transformers' loader ignores the tensor and builds plain rotary: the slow dims turn at the
         # wrong rate, an error that grows with position (measured on tests/gguf_fixture.py's tiny
         # Llama 3.2-style file: 60 dB logits SNR over its first 26 tokens, where parity asks > 100).
         # So rope_scaling is read back from the divisors (_llama3_rope) or the file is refused.
-        config.rope_parameters = _llama3_rope(config, gguf_file)
+        config.rope_parameters = llama3
     if arch == "llama" and get("attention.sliding_window"):
         # llama.cpp's converter writes MistralForCausalLM as the llama arch; the window is the one thing
         # that tells it apart, and it binds every layer (families: Mistral's row). Built as a Llama, the
@@ -150,8 +150,8 @@ def _as_llama_cpp_runs(config, arch: str, meta: dict, gguf_file: Path):
     return config
 
 
-def _llama3_rope(config, gguf_file: Path) -> dict:
-    """rope_parameters (rope_type llama3) that give back the file's rope_freqs divisors.
+def _llama3_rope(config, gguf_file: Path) -> dict | None:
+    """rope_parameters (rope_type llama3) that give back the file's rope_freqs divisors; None: it has none.
 
     llama.cpp's convert_hf_to_gguf.py LlamaModel writes, per rotary pair of frequency f and wavelength
     w = 2 pi / f: 1 where w < old / high, `factor` where w > old / low, and between them
@@ -170,8 +170,10 @@ def _llama3_rope(config, gguf_file: Path) -> dict:
     rope = dict(config.rope_parameters or {})
     theta = float(rope.get("rope_theta") or 10000.0)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-    reader = gguf.GGUFReader(str(gguf_file))
-    divisors = next([float(x) for x in t.data] for t in reader.tensors if t.name == "rope_freqs.weight")
+    divisors = next(([float(x) for x in t.data] for t in gguf.GGUFReader(str(gguf_file)).tensors
+                     if t.name == "rope_freqs.weight"), None)
+    if divisors is None:
+        return None
     waves = [2 * math.pi * theta ** (2 * i / head_dim) for i in range(len(divisors))]
     factor = max(divisors)
     inner = [(w, (1 / d - 1 / factor) / (1 - 1 / factor)) for w, d in zip(waves, divisors)
@@ -202,12 +204,6 @@ def _llama3_rope(config, gguf_file: Path) -> dict:
         if abs(want - d) > 1e-3 * d:
             raise refuse
     return out
-
-
-def _tensor_names(gguf_file: Path) -> set[str]:
-    import gguf
-
-    return {t.name for t in gguf.GGUFReader(str(gguf_file)).tensors}
 
 
 def _phi3_rope(config, meta: dict, gguf_file: Path) -> None:
