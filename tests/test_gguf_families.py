@@ -141,9 +141,13 @@ def test_phi3_keeps_its_fused_projections_partial_rotary_and_longrope(tmp_path):
 
 
 def test_a_mistral_written_as_llama_keeps_its_window(tmp_path):
+    from pipeline.sources import model_facts
+
     model, out, cfg = _convert(tmp_path, "mistral", window=WINDOW, sliding_window=WINDOW)
     _same_logits(out, model)
     assert cfg["architectures"] == ["MistralForCausalLM"] and cfg["sliding_window"] == WINDOW
+    facts = model_facts.of({"source": "gguf", "name": "m", "path": str(tmp_path / "tiny-mistral.gguf")})
+    assert (facts.family, facts.sliding_window) == ("MistralForCausalLM", WINDOW)  # what compose time derives from
 
 
 @pytest.mark.parametrize("arch", ["smollm3", "granite"])

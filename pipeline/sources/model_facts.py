@@ -299,6 +299,8 @@ def _gguf_facts(name: str, parts: list[Path]) -> ModelFacts:
     except families.FamilyError as e:
         raise FactsError(f"{parts[0]}: {e}") from None
     window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
+    if arch == "llama" and window:  # a Mistral, which llama.cpp writes as llama (gguf_checkpoint builds it so)
+        fam = families.FAMILIES["mistral"]
     heads = meta.get(f"{arch}.attention.head_count")
     geometry = {"num_hidden_layers": meta.get(f"{arch}.block_count"), "num_attention_heads": heads,
                 "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv") or heads,
