@@ -32,7 +32,7 @@ import sys
 
 from pipeline.engine.build import build, register
 from pipeline.engine.narrate import VERBOSE_ENV
-from pipeline.engine.config import GROUPS, CONF_DIR, ConfigError, compose, validate
+from pipeline.engine.config import GROUPS, CONF_DIR, ConfigError, compose, context_note, validate
 from pipeline.engine.layout import (
     ARTIFACTS,
     BUILDS,
@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     name = cfg["build"]["name"]
     from pipeline.engine import locks
 
+    note = context_note(cfg)
+
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     try:
         # One run of a build at a time (a second waits, then finds it built);
@@ -176,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             with locks.hold(locks.REGISTRY, say=say):
                 path = register(cfg)
             print(f"build {name}: {path.relative_to(ROOT)} -> {ARTIFACTS}/{name}/", file=sys.stderr)
+            if note:
+                print(f"build {name}: {note}", file=sys.stderr)
             rc = build(name, cfg, say)
             if rc != 0:
                 if is_new:

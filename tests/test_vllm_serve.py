@@ -23,7 +23,7 @@ import yaml
 from pipeline.runtimes import vllm
 from pipeline.toolchains import vllm_server
 from pipeline.quant import weight_path
-from pipeline.runtimes.kv_budget import vllm_kv_bytes
+from pipeline.sources.kv_budget import vllm_kv_bytes
 from pipeline.measure.stats import fmt
 from tests.conftest import FAST_RUN, TINY_MODEL, repo_copy, report_line, venv_env
 

@@ -242,12 +242,12 @@ def _model_defaults(c: dict, where, refuse: bool):
         return None
     try:
         facts = model_facts.of(c["model"])
+        derived = model_facts.derive(facts, *_device_memory(c))
     except model_facts.FactsError as e:
         named = re.match(r"(model\.train\.\w+)=", str(e))  # the embedded model's own setting, named by the error
         key = (named.group(1) if named
                else "model.package" if c["model"].get("package") else "model.path")
         raise ConfigError(f"{where(key)}: {e}") from None
-    derived = model_facts.derive(facts)
     for key in unset:
         section, leaf = key.split(".")
         c[section][leaf] = derived[key]
@@ -256,12 +256,38 @@ def _model_defaults(c: dict, where, refuse: bool):
     return facts if refuse else None
 
 
+def _device_memory(c: dict) -> tuple[float, str, str]:
+    """(GiB, device name, accelerator) the default context is sized for: the device's spec sheet, or for
+    device=auto this host's memory (what the probe stage will find)."""
+    from pipeline.engine.devices import host_memory_gib
+
+    device = c["device"]
+    accelerator = str(device.get("accelerator") or "")
+    if device.get("name") == "auto":
+        return host_memory_gib(), "this host", accelerator
+    return float(device.get("memory_gib") or 0), str(device.get("name") or ""), accelerator
+
+
+def context_note(c: dict) -> str | None:
+    """One line saying which context the build has and why, where it is the derived default; None where
+    export.context_length was set (or the checkpoint cannot be read: validate said so already)."""
+    from pipeline.sources import model_facts
+
+    try:
+        facts = model_facts.of(c["model"])
+    except model_facts.FactsError:
+        return None
+    context, why = model_facts.default_context(facts, *_device_memory(c))
+    return why if context == c["export"]["context_length"] else None
+
+
 def _refuse_unexercised(c: dict, facts, where) -> None:
     """An explicit setting that cannot exercise the model fails here, before any stage."""
     from pipeline.sources import model_facts
 
     shortest = min((len(p.encode()) + 1 for p in c["parity"]["prompts"]), default=1)
-    for key, reason in model_facts.refusals(facts, c, shortest):
+    memory, _, accelerator = _device_memory(c)
+    for key, reason in model_facts.refusals(facts, c, shortest, memory, accelerator):
         raise ConfigError(f"{where(key)}: {reason}")
 
 

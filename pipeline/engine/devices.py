@@ -62,6 +62,19 @@ def resolve(device: dict, host: dict | None) -> dict:
     return spec
 
 
+def host_memory_gib(meminfo: str | None = None) -> float:
+    """This host's memory (MemTotal) in GiB, as the probe stage records it; 0.0 where unreadable."""
+    if meminfo is None:
+        try:
+            meminfo = Path("/proc/meminfo").read_text()
+        except OSError:
+            return 0.0
+    for line in meminfo.splitlines():
+        if line.startswith("MemTotal:"):
+            return round(int(line.split()[1]) / 2**20, 1)
+    return 0.0
+
+
 def cpu_flags(cpuinfo: str | None = None) -> set[str] | None:
     """This host's x86 CPU flags, as /proc/cpuinfo names them; None where there is no `flags`
     line (ARM lists "Features") or no /proc/cpuinfo."""

@@ -79,8 +79,10 @@ class ExportConfig:
 
     # KV capacity of full-attention layers, in tokens: the longest context the
     # exported graph serves. Sliding layers hold window-1 entries whatever this is.
-    # null: derived from the model (pipeline/sources/model_facts.py: 256, or twice its
-    # largest sliding window rounded up to a power of two, within its positions).
+    # null: derived from the model (pipeline/sources/model_facts.py default_context): the
+    # embedded model 256, or twice its window; a real checkpoint (hf, gguf) llama.cpp's 4096,
+    # or twice its window, within its positions, LongRoPE's short factor and a quarter of the
+    # device's memory for its KV. The build prints which and why.
     context_length: Optional[int] = None
     opset: int = 21  # the notes: opset 21 exports and runs on ORT CPU and QNN
     # A modest mask constant: -1e9 ruins 16-bit activation scales (field notes).

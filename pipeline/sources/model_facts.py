@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pipeline.sources import families
@@ -32,6 +32,30 @@ EMBEDDED_MAX_POSITIONS = 1024
 # prompts) are exactly what these rules give for its 64-token window, so its
 # builds are unchanged.
 MIN_CONTEXT = 256
+# A real checkpoint (model=hf, model=gguf) is built for the context it is deployed at: llama.cpp's
+# default (common_params.n_ctx = 4096, what llama-cli and llama-server open with), or twice its window
+# where that is more, within its positions, within the positions its static rotary tables hold (Phi-3's
+# LongRoPE: families.rope_limit) and with its KV in a share of the device's memory. 256 is the embedded
+# model's figure, its quick default; a chat model served at 256 tokens ends a conversation in one turn.
+# Measured on tests/conftest.py's tiny model for x86_avx512, 256 -> 4096 tokens: export 33.7 -> 31.3 s,
+# verify_parity 26.4 -> 20.1 s (no change past this shared 2-core host's noise; both pass, 140.3 dB).
+DEPLOY_CONTEXT = 4096
+# The share of the device's memory the default context's KV may take (the planner's per-layer-type
+# figure with its headroom, pipeline/sources/kv_budget.py): the rest holds the weights (a 1.7B's 4-bit
+# codes ~1 GB), the runtime's buffers and everything else the device runs (a phone's other apps).
+# A choice, not a measurement; it binds only for a large model on a small device (a 7B Mistral at 4096:
+# 0.6 GiB of KV, under a quarter of an 8 GB phone).
+KV_MEMORY_SHARE = 0.25
+KV_DTYPE = "float16"  # the deployed graphs' KV (ORT's GroupQueryAttention, the phone's fp16 and w8a16 graphs)
+# A phone's (device.accelerator qnn_htp) default is 1024: its QNN context binary is a static graph that
+# attends over its whole KV capacity on every step, whatever the position, on the phone and in the HTP
+# emulation this host checks parity in. Measured on tests/conftest.py's tiny model for galaxy_s25,
+# 256 -> 4096 tokens: pack (the QDQ graphs' calibration) 28 -> 151 s, verify_parity 127 -> 313 s, the
+# context binaries 2.7 -> 6.5 MB; Gemma 3 270M's phone build already takes ~20 minutes at 1024
+# (tests/test_real_checkpoint.py). 1024 is the context the S25's measured step is at
+# (conf/device/galaxy_s25.yaml: 27.2 ms at 1k); twice a window still wins where that is more.
+PHONE_CONTEXT = 1024
+PHONE_ACCELERATOR = "qnn_htp"
 WINDOW_MARGIN = 16  # tokens past the window: the ring has wrapped a few times
 NO_WINDOW_DECODE = 80  # a model without sliding layers: nothing to leave
 MIN_CALIBRATION_LEN = 128
@@ -60,6 +84,11 @@ class ModelFacts:
     sliding_window: int  # the largest window of any sliding layer; 0: none
     max_positions: int  # positions the model was trained for
     parameters: int = 0  # the checkpoint's parameter count (its safetensors headers); 0: not read
+    source: str = "embedded"  # model.source: the embedded model keeps its quick defaults
+    family: str = ""  # its family's architecture (the messages name it)
+    rope_limit: int = 0  # the last context its static rotary tables are exact for (LongRoPE); 0: any
+    # what the KV planner reads (geometry and which layers slide), None where the file does not say
+    kv_config: dict | None = field(default=None, compare=False, hash=False)
 
 
 def of(model: dict) -> ModelFacts:
@@ -67,7 +96,7 @@ def of(model: dict) -> ModelFacts:
     facts = _read(model)
     if facts.max_positions and facts.sliding_window >= facts.max_positions:
         # A window no sequence can fill never binds: the model attends fully.
-        return ModelFacts(facts.name, 0, facts.max_positions, facts.parameters)
+        return replace(facts, sliding_window=0)
     return facts
 
 
@@ -102,7 +131,7 @@ def _hf_facts(name: str, folder: Path) -> ModelFacts:
         raise FactsError(f"{path} is not readable JSON ({e})") from None
     archs = raw.get("architectures") or []
     try:  # refused here, at compose time, before any stage runs
-        families.of_architecture(archs[0] if archs else None)
+        fam = families.of_architecture(archs[0] if archs else None)
     except families.FamilyError as e:
         raise FactsError(f"{folder}: {e}") from None
     raw = raw.get("text_config") or raw
@@ -112,7 +141,29 @@ def _hf_facts(name: str, folder: Path) -> ModelFacts:
     # without sliding layers means none slides either.
     if raw.get("use_sliding_window") is False or (types and "sliding_attention" not in types):
         window = 0
-    return ModelFacts(name, int(window), int(raw.get("max_position_embeddings") or 0), _parameters(folder))
+    text = {**raw, "model_type": fam.model_type}
+    return ModelFacts(name, int(window), int(raw.get("max_position_embeddings") or 0), _parameters(folder),
+                      source="hf", family=fam.architecture, rope_limit=_rope_limit(text, folder),
+                      kv_config=text if all(raw.get(k) for k in GEOMETRY) else None)
+
+
+GEOMETRY = ("num_hidden_layers", "num_attention_heads", "hidden_size")  # what the KV planner needs of a config
+
+
+def _rope_limit(text: dict, folder: Path) -> int:
+    """families.rope_limit on the config as transformers reads it (a Phi-3 config.json's `rope_scaling`
+    and top-level original_max_position_embeddings become its rope_parameters there); 0: any context."""
+    scaling = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    if "longrope" not in json.dumps(scaling):
+        return 0  # only LongRoPE has a limit: no transformers import for the others
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        cfg = CONFIG_MAPPING[text["model_type"]].from_dict(dict(text))
+    except Exception as e:  # transformers' config validation raises several types
+        raise FactsError(f"{folder / 'config.json'}: transformers cannot read it: "
+                         f"{str(e).strip().splitlines()[0]}") from None
+    return int(families.rope_limit(cfg) or 0)
 
 
 def _parameters(folder: Path) -> int:
@@ -244,24 +295,100 @@ def _gguf_facts(name: str, parts: list[Path]) -> ModelFacts:
     if not arch:
         raise FactsError(f"{parts[0]}: no general.architecture in the GGUF header")
     try:
-        families.of_gguf_arch(arch)
+        fam = families.of_gguf_arch(arch)
     except families.FamilyError as e:
         raise FactsError(f"{parts[0]}: {e}") from None
-    return ModelFacts(name, int(meta.get(f"{arch}.attention.sliding_window") or 0),
-                      int(meta.get(f"{arch}.context_length") or 0))
+    window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
+    if arch == "llama" and window:  # a Mistral, which llama.cpp writes as llama (gguf_checkpoint builds it so)
+        fam = families.FAMILIES["mistral"]
+    heads = meta.get(f"{arch}.attention.head_count")
+    geometry = {"num_hidden_layers": meta.get(f"{arch}.block_count"), "num_attention_heads": heads,
+                "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv") or heads,
+                "head_dim": meta.get(f"{arch}.attention.key_length"),
+                "hidden_size": meta.get(f"{arch}.embedding_length"), "sliding_window": window or None}
+    # No model_type: the header does not say which layers slide, so the planner charges every layer the
+    # whole context (its conservative rule). A per-layer head count is an array, which the reader skips.
+    kv = geometry if all(isinstance(geometry[k], int) for k in GEOMETRY) else None
+    # LongRoPE in a GGUF: llama.cpp writes the factors as tensors and the short factor's positions here.
+    limit = int(meta.get(f"{arch}.rope.scaling.original_context_length") or 0) if arch == "phi3" else 0
+    return ModelFacts(name, window, int(meta.get(f"{arch}.context_length") or 0), source="gguf",
+                      family=fam.architecture, rope_limit=limit, kv_config=kv)
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def derive(facts: ModelFacts) -> dict[str, int]:
-    """The model-dependent defaults, by dotted key."""
+def kv_bytes(facts: ModelFacts, context: int) -> int | None:
+    """The KV bytes of one stream at `context` as the planner charges them (per layer type, with its
+    headroom); None where the checkpoint's config does not give its geometry."""
+    if facts.kv_config is None:
+        return None
+    from pipeline.sources.kv_budget import kv_budget
+
+    try:
+        return kv_budget(facts.kv_config, context, kv_dtype=KV_DTYPE)["per_layer_type_with_headroom"]
+    except Exception as e:  # the config goes through transformers' config class, which raises several types
+        raise FactsError(f"{facts.name}: its config cannot be sized for its KV cache: "
+                         f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}" if unit == "GiB" else f"{n / scale:.0f} {unit}"
+    return f"{n / 2**10:.0f} KiB"  # a tiny test model's
+
+
+def default_context(facts: ModelFacts, memory_gib: float = 0.0, device: str = "",
+                    accelerator: str = "") -> tuple[int, str]:
+    """(export.context_length's default, one line saying why). `memory_gib`: the device's memory
+    (0: not known, no memory bound); `accelerator`: the device's (a phone's qnn_htp: PHONE_CONTEXT)."""
+    w = facts.sliding_window
+    floor = max(MIN_CONTEXT, _next_pow2(2 * w)) if w else MIN_CONTEXT  # passes the window: parity's need
+    if facts.source == "embedded":  # its quick default: 256, or twice its window, within its positions
+        context = min(floor, facts.max_positions) if facts.max_positions else floor
+        return context, f"context {context}: the embedded model's quick default ({MIN_CONTEXT}, or twice its " \
+                        f"window, within its positions)"
+    phone = accelerator == PHONE_ACCELERATOR
+    target = PHONE_CONTEXT if phone else DEPLOY_CONTEXT
+    context = max(target, floor)
+    why = (f"twice its {w}-token window" if floor > target else
+           "a phone's static graph pays its whole context every step" if phone else "llama.cpp's default")
+    family = facts.family or facts.name
+    bounds = []
+    if facts.max_positions:
+        if facts.max_positions < context:
+            context, why = facts.max_positions, f"{family}'s {facts.max_positions} positions"
+        else:
+            bounds.append(f"{family}'s {facts.max_positions} positions")
+    if facts.rope_limit:
+        if facts.rope_limit < context:
+            context, why = facts.rope_limit, f"LongRoPE's short factor ends at {facts.rope_limit} positions"
+        else:
+            bounds.append(f"LongRoPE's {facts.rope_limit} short-factor positions")
+    kv = kv_bytes(facts, context)
+    if kv is not None and memory_gib > 0:
+        allowed = KV_MEMORY_SHARE * memory_gib * 2**30
+        on = f"{device}'s {memory_gib:g} GiB" if device else f"{memory_gib:g} GiB"
+        if kv > allowed:
+            while context > floor and kv > allowed:
+                context = max(floor, _next_pow2(context) // 2)
+                kv = kv_bytes(facts, context)
+            why = (f"its KV ({_size(kv)}) within {KV_MEMORY_SHARE:.0%} of {on}" if kv <= allowed else
+                   f"the least that passes its window; its KV ({_size(kv)}) exceeds {KV_MEMORY_SHARE:.0%} of {on}")
+        else:
+            bounds.append(f"{_size(kv)} of KV on {on}")
+    elif kv is not None:
+        bounds.append(f"{_size(kv)} of KV")
+    return context, f"context {context}: {why}" + (f", within {' and '.join(bounds)}" if bounds else "")
+
+
+def derive(facts: ModelFacts, memory_gib: float = 0.0, device: str = "", accelerator: str = "") -> dict[str, int]:
+    """The model-dependent defaults, by dotted key (`memory_gib`, `device`, `accelerator`: default_context's)."""
     w = facts.sliding_window
     decode = w + WINDOW_MARGIN if w else NO_WINDOW_DECODE
-    context = max(MIN_CONTEXT, _next_pow2(2 * w)) if w else MIN_CONTEXT
-    if facts.max_positions:
-        context = min(context, facts.max_positions)
+    context, _ = default_context(facts, memory_gib, device, accelerator)
     seq_len = max(MIN_CALIBRATION_LEN, decode if w else 0)
     if facts.max_positions:
         seq_len = min(seq_len, facts.max_positions)
@@ -278,14 +405,15 @@ def derive(facts: ModelFacts) -> dict[str, int]:
     }
 
 
-def refusals(facts: ModelFacts, cfg: dict, prompts_upper: int) -> list[tuple[str, str]]:
+def refusals(facts: ModelFacts, cfg: dict, prompts_upper: int, memory_gib: float = 0.0,
+             accelerator: str = "") -> list[tuple[str, str]]:
     """(key, reason) for each explicit setting that cannot exercise the model.
 
     `prompts_upper`: an upper bound of the shortest parity prompt's token count
     (its UTF-8 bytes, plus BOS), so a refusal here is certain; the parity stage
     checks each tokenized prompt exactly."""
     w, positions = facts.sliding_window, facts.max_positions
-    derived = derive(facts)
+    derived = derive(facts, memory_gib, accelerator=accelerator)
     out = []
     ctx = cfg["export"]["context_length"]
     decode = cfg["parity"]["decode_tokens"]
@@ -293,6 +421,11 @@ def refusals(facts: ModelFacts, cfg: dict, prompts_upper: int) -> list[tuple[str
         out.append(("export.context_length",
                     f"export.context_length={ctx} exceeds {facts.name}'s {positions} positions; "
                     f"set it to at most {positions} (or null: {derived['export.context_length']})"))
+    if facts.rope_limit and ctx > facts.rope_limit:
+        out.append(("export.context_length",
+                    f"export.context_length={ctx} passes the {facts.rope_limit} positions of {facts.name}'s LongRoPE "
+                    f"short factor, the one table a static graph holds; set it to at most {facts.rope_limit} "
+                    f"(or null: {derived['export.context_length']})"))
     if w and ctx <= w:
         out.append(("export.context_length",
                     f"export.context_length={ctx} does not pass {facts.name}'s {w}-token sliding window, so its "

@@ -1,5 +1,9 @@
 """KV cache sizing from the model's config, instead of a server's round default.
 
+A fact of the checkpoint's config (here in sources/, not runtimes/, so the compose-time
+default context, pipeline/sources/model_facts.py, sizes its KV with the same figures the
+deploy profile states).
+
 The serving engine's CPU KV size is an integer number of GiB (minimum 1 GiB);
 sized from the model instead, resident memory fell from 8329 MB to 5254 MB on a
 2048-token single stream with unchanged output (field notes). Two figures:
@@ -10,11 +14,16 @@ sized from the model instead, resident memory fell from 8329 MB to 5254 MB on a
   the block size), full layers the whole context. On the 1.7B hybrid (21
   sliding of window 512 + 7 full) at 32k context it is 3.8x smaller.
 
-Conservative by construction: the window is rounded up to the block size, the
-context too, both figures carry 1.25 headroom, and a config with a
-`sliding_window` but no `layer_types` map is charged the flat rate (which of
-its layers slide is unknown). Too small a budget is not graceful: the engine
-preempts by recompute, a stall on a single stream.
+Which layers slide is the family's own rule (pipeline/sources/families.py
+`sliding_layers`, on the config as transformers reads config.json, which is
+also what vLLM and the graphs read): Mistral's and Phi-3's window binds every
+layer though they have no `layer_types` map, Gemma 2 alternates, and Qwen2's
+`sliding_window` is no window unless `use_sliding_window` (transformers sets it
+to None). Conservative by construction: the window is rounded up to the block
+size, the context too, both figures carry 1.25 headroom, and a config of no
+known family with a `sliding_window` but no `layer_types` map is charged the
+flat rate (which of its layers slide is unknown). Too small a budget is not
+graceful: the engine preempts by recompute, a stall on a single stream.
 """
 
 from __future__ import annotations
@@ -48,6 +57,27 @@ def _geometry(config: dict) -> tuple[dict, int, int, int]:
     return text, int(text["num_hidden_layers"]), int(text.get("num_key_value_heads") or heads), head_dim
 
 
+def sliding_layers(text: dict) -> tuple[list[bool], int] | None:
+    """(per layer: does it slide, the window) of a config dict of a known family, as its forward masks;
+    None for a model_type the family table does not have (its layers are then charged conservatively).
+
+    The dict goes through the family's transformers config class first, as config.json is read by every
+    runtime (transformers, vLLM): that is where Qwen2's unused window becomes None and a Gemma 2
+    config.json without `layer_types` gets its alternating pattern."""
+    from pipeline.sources import families
+
+    model_type = text.get("model_type")
+    if model_type not in families.FAMILIES:
+        return None
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cfg = CONFIG_MAPPING[model_type].from_dict(dict(text))
+    try:
+        return families.sliding_layers(cfg)
+    except families.FamilyError as e:
+        raise ValueError(str(e)) from None
+
+
 def kv_budget(
     config: dict,
     context_length: int,
@@ -67,7 +97,16 @@ def kv_budget(
 
     layer_types = text.get("layer_types")
     window = text.get("sliding_window")
-    if layer_types and window:
+    family = sliding_layers(text)
+    if family is not None:
+        slides, window = family
+        window_tokens = min(_round_up(int(window), block_size), ctx_tokens) if window else ctx_tokens
+        hybrid_tokens = sum(window_tokens if s else ctx_tokens for s in slides)
+        basis = (f"{sum(slides)} sliding (window {window}) + {layers - sum(slides)} full layers "
+                 f"({text['model_type']}'s own rule)" if window else
+                 f"every layer full attention ({text['model_type']}: no window"
+                 + (" binds; its sliding_window is unused)" if text.get("sliding_window") else ")"))
+    elif layer_types and window:
         if len(layer_types) != layers:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {layers} layers")
         window_tokens = min(_round_up(int(window), block_size), ctx_tokens)
@@ -107,6 +146,10 @@ def vllm_kv_bytes(config: dict, context_length: int, *, block_size: int, max_num
     - a full-attention layer holds ceil(context / block) blocks;
     - a sliding layer holds ceil(min(window - 1 + in-flight tokens, context) / block) + 1
       (the window need not start on a block boundary); in flight: one scheduler step;
+    - which layers slide: `sliding_layers` (vLLM's LlamaAttention passes the window per layer from
+      `layer_types`; without a map its Attention falls back to cache_config.sliding_window, the
+      model's window, on every layer: Mistral, Phi-3); every Mistral layer is then a sliding one,
+      one block more than a full layer while the context is inside its window;
     - a hybrid model's layers are put in groups of equal size, the smallest layer count
       of a type (or the largest, if it is under 1.5x the smallest), padding the last
       group of a type; one block of the shared pool is a group's worth of pages, and a
@@ -118,10 +161,17 @@ def vllm_kv_bytes(config: dict, context_length: int, *, block_size: int, max_num
     page = block_size * 2 * kv_heads * head_dim * DTYPE_BYTES[kv_dtype]  # one layer's K and V for one block
     in_flight = min(int(max_num_batched_tokens), int(context_length))
     full_blocks = math.ceil(context_length / block_size)
-    window = text.get("sliding_window")
-    types = text.get("layer_types") or ["full_attention"] * layers
-    if not window:
-        types = ["full_attention"] * layers
+    family = sliding_layers(text)
+    if family is not None:  # vLLM's attention layers take this window per layer, or the model's on every layer
+        slides, window = family
+        types = ["sliding_attention" if s else "full_attention" for s in slides]
+    else:
+        window = text.get("sliding_window")
+        # No layer_types map: vLLM's Attention falls back to the model-level window on every layer; a config
+        # of no known family may not be read that way, so each layer is charged the larger of the two rules.
+        types = text.get("layer_types") or (["either"] * layers if window else ["full_attention"] * layers)
+        if not window:
+            types = ["full_attention"] * layers
     counts = {t: types.count(t) for t in dict.fromkeys(types)}
     if len(counts) == 1:
         group, groups = layers, {next(iter(counts)): 1}
@@ -132,6 +182,7 @@ def vllm_kv_bytes(config: dict, context_length: int, *, block_size: int, max_num
     per_group = {"full_attention": full_blocks}
     if window:
         per_group["sliding_attention"] = math.ceil(min(int(window) - 1 + in_flight, context_length) / block_size) + 1
+        per_group["either"] = max(per_group["full_attention"], per_group["sliding_attention"])
     blocks = sum(n * per_group[t] for t, n in groups.items())
     pool_block = group * page
     needed = blocks * pool_block
@@ -139,4 +190,4 @@ def vllm_kv_bytes(config: dict, context_length: int, *, block_size: int, max_num
     return {"block_size": block_size, "max_num_batched_tokens": in_flight, "kv_dtype": kv_dtype,
             "group_size": group, "groups": groups, "blocks_per_request": blocks, "pool_block_bytes": pool_block,
             "needed_bytes": needed, "headroom": headroom, "kv_cache_memory_bytes": budget,
-            "rule": "vLLM 0.32 v1 KV cache groups (hybrid allocator), restated in pipeline/runtimes/kv_budget.py"}
+            "rule": "vLLM 0.32 v1 KV cache groups (hybrid allocator), restated in pipeline/sources/kv_budget.py"}
