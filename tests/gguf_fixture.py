@@ -131,14 +131,9 @@ def family_model(family: str, seed: int = 0, config: dict | None = None, head_di
     for key, value in (config or {}).items():
         setattr(cfg, key, value)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.add_(torch.randn_like(p) * 0.2)
-            elif n.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.5)
-    return model
+    from tests.tiny_models import perturb
+
+    return perturb(AutoModelForCausalLM.from_config(cfg).eval())
 
 
 def write_family(path: Path, model, name: str = "tiny", window: int | None = None) -> None:

@@ -19,6 +19,7 @@ from pipeline.graphs.decode_graph import DecodeGraphError, build_decode_step, ex
 from pipeline.runtimes.contract import ContextFull  # noqa: E402
 from pipeline.runtimes.onnx import OnnxDecoder  # noqa: E402
 from pipeline.runtimes.reference import TorchReference  # noqa: E402
+from tests.tiny_models import run_step as _run_step  # noqa: E402
 
 WINDOW = 8
 VOCAB = 128
@@ -87,24 +88,6 @@ def _model(name, seed=0):
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def _run_step(step, ids):
-    """Drive a step module token by token, the runtime's slot writes done in torch."""
-    args = list(step.example_inputs())
-    logits, news = [], []
-    with torch.no_grad():
-        for p, t in enumerate(ids):
-            args[0] = torch.tensor([[t]], dtype=torch.int64)
-            args[1] = torch.tensor([p], dtype=torch.int64)
-            out = step(*args)
-            logits.append(out[0][0, 0].numpy().copy())
-            news.append([o.numpy().copy() for o in out[1:]])
-            for j, layer in enumerate(step.plan):
-                slot = p % layer["ring"] if layer["ring"] else p
-                args[2 + 2 * j][:, :, slot] = out[1 + 2 * j][:, :, 0]
-                args[3 + 2 * j][:, :, slot] = out[2 + 2 * j][:, :, 0]
-    return np.stack(logits), news
 
 
 # (a) ---------------------------------------------------------------------

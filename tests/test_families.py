@@ -25,6 +25,7 @@ from make_hf_checkpoint import FAMILIES, family_config  # noqa: E402
 from pipeline.graphs.decode_graph import DecodeGraphError, build_decode_step, snr_db  # noqa: E402
 from pipeline.runtimes.reference import TorchReference  # noqa: E402
 from pipeline.sources import families, model_facts  # noqa: E402
+from tests.tiny_models import perturb, run_step  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -48,35 +49,11 @@ def tiny_model(family: str, seed: int = 0, **over):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family, **over)).eval()
-    with torch.no_grad():  # random init leaves norms at identity and biases at zero: perturb them
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.add_(torch.randn_like(p) * 0.2)
-            elif n.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.5)
-    return model
+    return perturb(AutoModelForCausalLM.from_config(tiny_config(family, **over)).eval())
 
 
 def _ids(seed=1):
     return torch.randint(3, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(seed))
-
-
-def _run_step(step, ids):
-    """Drive a step module token by token, the runtime's slot writes done in torch."""
-    args = list(step.example_inputs())
-    logits = []
-    with torch.no_grad():
-        for p, t in enumerate(ids):
-            args[0] = torch.tensor([[t]], dtype=torch.int64)
-            args[1] = torch.tensor([p], dtype=torch.int64)
-            out = step(*args)
-            logits.append(out[0][0, 0].numpy().copy())
-            for j, layer in enumerate(step.plan):
-                slot = p % layer["ring"] if layer["ring"] else p
-                args[2 + 2 * j][:, :, slot] = out[1 + 2 * j][:, :, 0]
-                args[3 + 2 * j][:, :, slot] = out[2 + 2 * j][:, :, 0]
-    return np.stack(logits)
 
 
 # --------------------------------------------------------------------------
@@ -132,7 +109,7 @@ def test_decode_step_matches_transformers(family):
     with torch.no_grad():
         hf = model(ids).logits[0].numpy()
     step = build_decode_step(model, context_length=32, mask_value=-100.0)
-    got = _run_step(step, ids[0].tolist())
+    got, _ = run_step(step, ids[0].tolist())
     assert snr_db(hf, got) > 100.0, snr_db(hf, got)
     assert (hf.argmax(-1) == got.argmax(-1)).all()
     # the parity reference (transformers' own cached decode, its head recomputed) agrees too
