@@ -68,34 +68,35 @@ def layers_of(decoder):
 
 
 def capture(decoder, ids):
-    """(the embedding output for `ids` [B, T], per decoder layer the (args, kwargs) its loop passes it)."""
+    """(the hidden state the decoder's loop gives its first layer for `ids` [B, T], per decoder layer the
+    (args, kwargs) its loop passes it)."""
     import torch
 
     layers = layers_of(decoder)
     calls: list = []
+    first: list = []
 
     def record(hidden, *args, **kwargs):
+        if not calls:
+            first.append(hidden)
         calls.append((args, kwargs))
         return hidden
 
     real = list(layers)
-    embedded: list = []
-    hook = decoder.get_input_embeddings().register_forward_hook(lambda _m, _a, out: embedded.append(out))
     try:
         for i, layer in enumerate(real):
             layers[i] = stand_in(layer, record)
         with torch.no_grad():
             decoder(input_ids=ids, use_cache=False)
     finally:
-        hook.remove()
         for i, layer in enumerate(real):
             layers[i] = layer
-    if len(calls) != len(real) or len(embedded) != 1:
-        raise LayerwiseError(f"the decoder's loop called {len(calls)} of {len(real)} layers "
-                             f"and its embedding {len(embedded)} times")
-    # the first layer's input is the embedding module's output (Gemma 3 scales inside the module); a
-    # family that transforms it before the loop fails check()
-    return embedded[0], calls
+    if len(calls) != len(real):
+        raise LayerwiseError(f"the decoder's loop called {len(calls)} of {len(real)} layers")
+    # The first layer's input as the loop hands it over, not the embedding module's output: Granite
+    # multiplies the embedding by embedding_multiplier in GraniteModel.forward, between the two (Gemma
+    # scales inside the module); a family that transforms the hidden state between layers fails check()
+    return first[0], calls
 
 
 def step(layer, hidden, call):
