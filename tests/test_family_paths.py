@@ -1,0 +1,421 @@
+"""Every model family (pipeline/sources/families.py) through every CPU and phone weight path's builder and runtime.
+
+Each family's tiny checkpoint (tests/test_families.py's recipe: benchmarks/make_hf_checkpoint.py's
+`family_config` with the releases' settings, norms and biases perturbed so they matter) goes through the
+stages a build runs for it, called directly: untie_head, calibrate (the family's decoder one layer at a time,
+on a local text file), quantize (GPTQ for the device's kernel), pack, and for the phone export. Then each
+path's runtime runs it:
+
+- w4a16_tinygemm (x86_avx2, arm64_cpu): `load_tinygemm_model` on the pack folder alone, against the fp32
+  model holding the quantize stage's dequantized weights;
+- w4a8_gptq_vllm (xeon_amx): the GPTQ folder's codes read back, and `GptqReference` (what vLLM computes, in
+  fp32) against the same reference;
+- gguf_q4_0 (x86_llamacpp): llama.cpp's own converter on the checkpoint, our codes written into it by gguf's
+  name table; every tensor read back bit for bit (the pack stage's own check), the file's model
+  (`gguf_q4.file_model`) against the reference, and where transformers' GGUF loader reads the architecture,
+  the file read back by it (it undoes the converter's permutations and norm offsets on its own);
+- qnn_graph (galaxy_s25): the export's decode step made QNN-ready (pipeline/graphs/npu_rewrite.py, the pack
+  stage's >= 100 dB check against the export) and its w8a16 QDQ graph on the CPU EP against the export.
+
+Why not tests/test_families.py's `tiny_config` as it is: its vocabulary (128) is below what a byte-fallback
+SentencePiece tokenizer needs (256 bytes + specials), and the calibrate stage and llama.cpp's converter both
+read a real tokenizer; so the same recipe at vocabulary 512, with the tokenizer's own special ids.
+Random weights: each runtime against the reference of the same codes, not a fidelity claim.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from make_hf_checkpoint import FAMILIES, family_config  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from pipeline.engine import devices  # noqa: E402
+from pipeline.engine.context import StageContext, StageError  # noqa: E402
+from pipeline.graphs.decode_graph import snr_db  # noqa: E402
+from pipeline.runtimes.reference import TorchReference  # noqa: E402
+from pipeline.sources import families  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+WINDOW = 8  # tests/test_families.py's: the 24-token decode below passes every sliding layer's window
+VOCAB = 512
+PAD, EOS, BOS = 0, 1, 2  # stages/model.py's SentencePiece layout
+TOKENS = [BOS] + list(range(10, 250, 9))[:23]
+TINYGEMM_CAPS = ("AVX512", "AVX2", "DEFAULT")  # tests/test_int4_layouts.py's verified layouts
+
+
+def family_checkpoint(family: str, folder: Path, spm: Path, *, tie: bool = False) -> Path:
+    """A tiny random checkpoint of `family` (tests/test_families.py's geometry and settings) with the
+    tokenizer, saved at `folder`."""
+    from transformers import AutoModelForCausalLM
+
+    from stages.model import _hf_tokenizer
+
+    kw = {"sliding_window": WINDOW} if family in ("gemma2", "gemma3", "mistral", "qwen2") else {}
+    if family == "phi3":
+        kw["partial_rotary"] = 0.75
+    if family == "gemma3":
+        kw["full_every"] = 2
+    cfg = family_config(family, vocab=VOCAB, hidden=64, intermediate=128, layers=4, heads=4, kv_heads=2,
+                        head_dim=16, max_positions=256, tie=tie, bos=BOS, eos=EOS, pad=PAD, **kw)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # random init leaves norms at identity and biases at zero: perturb them
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.2)
+            elif n.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.5)
+    model.save_pretrained(folder)
+    _hf_tokenizer(spm, folder, 256)
+    return folder
+
+
+def ctx(stage: str, out: Path, cfg: dict, inputs: dict) -> StageContext:
+    out.mkdir(parents=True, exist_ok=True)
+    return StageContext(stage=stage, build="t", cfg=OmegaConf.create(cfg), inputs=inputs, out=out)
+
+
+def decode(runtime, tokens=TOKENS) -> np.ndarray:
+    runtime.reset()
+    return np.stack([runtime.step(t) for t in tokens])
+
+
+def top1(a: np.ndarray, b: np.ndarray) -> float:
+    return float((a.argmax(-1) == b.argmax(-1)).mean())
+
+
+class Builds:
+    """Each (family, tie) checkpoint's stages run once for the module, each device's quantize + pack once."""
+
+    def __init__(self, root: Path):
+        import argparse
+        import collections
+        import functools
+        import itertools
+        import os
+        import pathlib
+        import re
+        import subprocess
+        import textwrap
+
+        from stages.model import _train_tokenizer
+
+        self.root = root
+        docs = [m.__doc__ for m in (argparse, collections, functools, json, re, textwrap, pathlib, subprocess,
+                                    itertools, os) if m.__doc__]
+        tok = root / "_spm"
+        tok.mkdir()
+        self.spm = _train_tokenizer(docs, VOCAB, tok)
+        self.text = tok / "calibration.txt"  # the calibrate stage's local-file dataset (pipeline/sources/textdata.py)
+        self.text.write_text("\n\n".join(docs))
+        self.done: dict = {}
+
+    def checkpoint(self, family: str, tie: bool = False) -> Path:
+        """The untie_head stage's folder, calibrated beside it (cal/)."""
+        from stages import calibrate, untie_head
+
+        key = (family, tie)
+        if key not in self.done:
+            base = self.root / f"{family}{'-tied' if tie else ''}"
+            family_checkpoint(family, base / "model", self.spm, tie=tie)
+            untie_head.run(ctx("untie_head", base / "untied", {"model": {}}, {"model": base / "model"}))
+            cal = {"dataset": str(self.text), "samples": 8, "seq_len": 32, "min_samples": 8, "seed": 0}
+            calibrate.run(ctx("calibrate", base / "cal", {"calibrate": cal}, {"untie_head": base / "untied"}))
+            self.done[key] = base
+        return self.done[key] / "untied"
+
+    def export(self, family: str) -> Path:
+        from stages import export
+
+        self.checkpoint(family)
+        base = self.done[(family, False)]
+        if not (base / "export" / "io.json").is_file():
+            export.run(ctx("export", base / "export", {"export": {"context_length": 32, "opset": 21,
+                                                                  "mask_value": -100.0}},
+                           {"untie_head": base / "untied"}))
+        return base / "export"
+
+    def pack(self, family: str, device: str, tie: bool = False, priority: str = "speed") -> tuple[Path, Path, dict]:
+        """(quantize folder, pack folder, the pack stage's result) for `device`, as a build composes it."""
+        from stages import pack, quantize
+
+        untied = self.checkpoint(family, tie)
+        base = self.done[(family, tie)]
+        key = (family, tie, device, priority)
+        if key not in self.done:
+            spec = devices.spec_sheet(device)
+            q = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "quantize" / "default.yaml"))
+            if device.endswith("llamacpp"):  # the llama.cpp device classes pick quantize=q4_0
+                q = {**q, **{k: v for k, v in OmegaConf.to_container(
+                    OmegaConf.load(ROOT / "conf" / "quantize" / "q4_0.yaml")).items() if k != "defaults"}}
+            p = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "pack" / "default.yaml"))
+            p["qnn_calibration_sequences"] = 2  # 2 x 32 decode steps: enough to calibrate a tiny model
+            qdir, pdir = base / f"quant-{device}-{priority}", base / f"pack-{device}-{priority}"
+            common = {"device": spec, "priority": {"name": priority}}
+            inputs = {"untie_head": untied, "calibrate": base / "cal", "quantize": qdir}
+            if spec.get("accelerator") == "qnn_htp":
+                inputs["export"] = self.export(family)
+            else:
+                quantize.run(ctx("quantize", qdir, {"quantize": q, **common}, inputs))
+            result = pack.run(ctx("pack", pdir, {"pack": p, **common}, inputs))
+            self.done[key] = (qdir, pdir, result)
+        return self.done[key]
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    return Builds(tmp_path_factory.mktemp("family_paths"))
+
+
+def reference(untied: Path, quant: Path):
+    """The fp32 model holding the quantize stage's dequantized weights (the embedding as the codes ship it)."""
+    from pipeline.quant import gguf_q4
+
+    return TorchReference(gguf_q4.dequantized_model(untied, quant))
+
+
+def quantized_linears(untied: Path) -> set[str]:
+    from stages.calibrate import decoder_linears
+    from transformers import AutoModelForCausalLM
+
+    return set(decoder_linears(AutoModelForCausalLM.from_pretrained(untied, dtype=torch.float32)))
+
+
+# --------------------------------------------------------------------------
+# calibrate + quantize: every family's linears, a fused projection one layer
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_linear_is_calibrated_and_quantized_a_fused_projection_as_one_layer(builds, family):
+    from pipeline.quant.codes import read_quant
+
+    untied = builds.checkpoint(family)
+    qdir, _, _ = builds.pack(family, "x86_avx2")
+    meta, layers = read_quant(qdir)
+    assert set(layers) == quantized_linears(untied)
+    fam = families.FAMILIES["gemma3_text" if family == "gemma3" else family]
+    per_layer = {name.split(".", 3)[3] for name in layers if name.startswith("model.layers.0.")}
+    if fam.fused:  # Phi-3: q|k|v and gate|up are one nn.Linear each, quantized whole
+        assert per_layer == set(fam.fused) | {"self_attn.o_proj", "mlp.down_proj"}
+        assert layers["model.layers.0.self_attn.qkv_proj"][0].shape == (64 + 2 * 32, 64)
+        assert layers["model.layers.0.mlp.gate_up_proj"][0].shape == (2 * 128, 64)
+    else:
+        assert per_layer == {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
+    errs = [e["out_rel_err_h"] for e in meta["layers"].values()]
+    assert 0 < max(errs) < 0.05, max(errs)  # GPTQ on each layer's own calibration inputs
+
+
+def test_the_layer_by_layer_calibration_reproduces_granites_forward(builds):
+    """Granite multiplies the embedding in GraniteModel.forward, after the embedding module: the layer-by-layer
+    run starts from what the loop hands its first layer (pipeline/quant/layerwise.py), so it holds."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.quant import layerwise
+
+    model = AutoModelForCausalLM.from_pretrained(builds.checkpoint("granite"), dtype=torch.float32).eval()
+    decoder = model.get_decoder()
+    hidden, _ = layerwise.capture(decoder, torch.tensor([TOKENS[:8]]))
+    with torch.no_grad():
+        embedded = decoder.get_input_embeddings()(torch.tensor([TOKENS[:8]]))
+    assert torch.equal(hidden, embedded * model.config.embedding_multiplier)
+    layerwise.check(decoder, torch.tensor([TOKENS[:16]]))
+
+
+# --------------------------------------------------------------------------
+# w4a16_tinygemm (x86_avx2, arm64_cpu)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability().upper() not in TINYGEMM_CAPS,
+                    reason="no verified tinygemm layout for this CPU capability")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tinygemm_runs_every_family_close_to_its_dequantized_weights(builds, family):
+    from pipeline.runtimes.tinygemm import TINYGEMM_JSON, TinygemmLinear, load_tinygemm_model
+
+    qdir, pdir, result = builds.pack(family, "x86_avx2")
+    assert result["metrics"]["path"] == "w4a16_tinygemm"
+    meta = json.loads((pdir / TINYGEMM_JSON).read_text())
+    assert meta["fallback_layers"] == []  # every layer, the fused ones included, on the kernel
+    tg = load_tinygemm_model(pdir, pdir)  # the pack folder alone
+    swapped = {n for n, m in tg.named_modules() if isinstance(m, TinygemmLinear)}
+    assert swapped == set(meta["layers"]) == quantized_linears(builds.checkpoint(family))
+    ref = reference(builds.checkpoint(family), qdir)
+    want, got = decode(ref), decode(TorchReference(tg))
+    # bf16 activations inside the kernel (tests/test_int4_layouts.py: > 25 dB); measured 44.8-46.9 dB here
+    assert snr_db(want, got) > 35.0, snr_db(want, got)
+    assert top1(want, got) >= 0.9
+    # prefill: 24 rows >= the threshold, dequantize + an fp32 GEMM
+    ids = torch.tensor([TOKENS])
+    with torch.no_grad():
+        full = snr_db(ref.model(ids).logits.numpy(), tg(ids).logits.numpy())
+    assert full > 40.0, full
+
+
+# --------------------------------------------------------------------------
+# w4a8_gptq_vllm (xeon_amx): the GPTQ folder vLLM loads
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_gptq_folder_holds_every_familys_codes_and_computes_their_model(builds, family):
+    from safetensors.torch import load_file
+
+    from pipeline.quant import int4_layouts as L
+    from pipeline.quant.codes import read_quant
+    from pipeline.runtimes.tinygemm import GptqReference
+
+    qdir, pdir, result = builds.pack(family, "xeon_amx")
+    assert result["metrics"]["path"] == "w4a8_gptq_vllm"
+    gdir = pdir / "gptq"
+    cfg = json.loads((gdir / "config.json").read_text())
+    assert cfg["architectures"] == [families.FAMILIES["gemma3_text" if family == "gemma3" else family].architecture]
+    qc = cfg["quantization_config"]
+    assert (qc["quant_method"], qc["bits"], qc["sym"], qc["desc_act"], qc["lm_head"]) == ("gptq", 4, True, False, True)
+    _, layers = read_quant(qdir)
+    tensors = load_file(str(gdir / "model.safetensors"))
+    for name, (q, s, z, g) in layers.items():  # the codes as GPTQ v1 packs them, read back exactly
+        parts = {p: tensors[f"{name}.{p}"] for p in ("qweight", "qzeros", "scales", "g_idx")}
+        q2, s2, z2 = L.from_gptq(parts)
+        assert np.array_equal(q2, q) and np.array_equal(z2, z) and g == qc["group_size"]
+        assert np.array_equal(s2, s.astype(np.float16).astype(np.float32))  # fp16 scales, as vLLM reads them
+    ref = GptqReference(gdir)
+    assert set(ref.layers) == set(layers)
+    want, got = decode(reference(builds.checkpoint(family), qdir)), decode(TorchReference(ref.model))
+    assert snr_db(want, got) > 40.0, snr_db(want, got)  # only the fp16 storage of the scales differs (~69 dB)
+
+
+# --------------------------------------------------------------------------
+# gguf_q4_0 (x86_llamacpp): llama.cpp's converter, our codes by gguf's name table
+# --------------------------------------------------------------------------
+
+
+def _need_converter() -> None:
+    pytest.importorskip("gguf", reason="the gguf package (the llamacpp extra)")
+    from pipeline.toolchains import converter
+
+    if converter.find() is None:
+        pytest.skip(converter.missing_message())
+
+
+def gguf_only(fn):
+    """Needs gguf and llama.cpp's converter: optional, skipped saying how to get them; the converter runs
+    once a family (~5-20 s): slow."""
+    return pytest.mark.slow(pytest.mark.optional(fn))
+
+
+# What the converter writes each family as (families.Family.gguf_arch), and its fused tensors' names.
+GGUF_FUSED = {"phi3": {"blk.0.attn_qkv.weight": "model.layers.0.self_attn.qkv_proj",
+                       "blk.0.ffn_up.weight": "model.layers.0.mlp.gate_up_proj"}}
+# Gemma 2's releases are tied (llama.cpp's gemma2 reads its head from token_embd): its checkpoint here is too
+GGUF_TIED = ("gemma2",)
+
+
+@gguf_only
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_familys_gguf_holds_our_codes_bit_for_bit_in_llamacpps_own_conversion(builds, family):
+    import gguf
+
+    from pipeline.quant import gguf_q4
+    from pipeline.quant.codes import read_quant
+
+    _need_converter()
+    tie = family in GGUF_TIED
+    qdir, pdir, result = builds.pack(family, "x86_llamacpp", tie=tie)
+    info = json.loads((pdir / "gguf.json").read_text())
+    untied = builds.checkpoint(family, tie)
+    reader = gguf.GGUFReader(str(pdir / gguf_q4.GGUF_FILE))
+    fam = families.FAMILIES["gemma3_text" if family == "gemma3" else family]
+    assert reader.fields["general.architecture"].contents() == fam.gguf_arch  # Mistral: llama
+    _, layers = read_quant(qdir, bits=(4, 8))
+    assert set(info["layers"].values()) == set(layers)
+    for gname, layer in GGUF_FUSED.get(family, {}).items():
+        assert info["layers"][gname] == layer
+    # the pack stage read every tensor back (gguf's dequantizer) bit for bit; again here, from the file alone
+    assert gguf_q4.verify_file(pdir / gguf_q4.GGUF_FILE, qdir, info, untied) == info["checked_bit_exact"] >= 17
+    # the file's weights in the checkpoint's model compute the quantize stage's model exactly
+    want = decode(reference(untied, qdir))
+    got = decode(TorchReference(gguf_q4.file_model(untied, pdir / gguf_q4.GGUF_FILE, info)))
+    assert snr_db(want, got) > 100.0, snr_db(want, got)
+
+
+@gguf_only
+@pytest.mark.parametrize("family", [f for f in FAMILIES
+                                    if families.FAMILIES["gemma3_text" if f == "gemma3" else f].gguf_source])
+def test_the_gguf_read_back_by_transformers_is_the_model_of_our_codes(builds, family, tmp_path):
+    """transformers' GGUF loader (pipeline/sources/gguf_checkpoint.py: the GGUF source) undoes the converter's
+    Q/K permutation, Gemma's norm + 1 and the fused tensors on its own: its model of our file computes what
+    the checkpoint holding our codes computes, so the converter's other tensors (norms, biases) and our row
+    mapping agree. Not SmolLM3 or Granite: that loader has no reader for them (families.Family.gguf_source)."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.quant import gguf_q4
+    from pipeline.sources import gguf_checkpoint
+
+    _need_converter()
+    tie = family in GGUF_TIED
+    qdir, pdir, _ = builds.pack(family, "x86_llamacpp", tie=tie)
+    if family == "mistral":  # written as llama: read as the Llama it is, which has no window
+        pytest.skip("llama.cpp's converter writes Mistral as llama, without its sliding window: the file read "
+                    "back attends past the window (see test_a_mistral_gguf_has_no_window)")
+    gguf_checkpoint.dequantize(pdir / gguf_q4.GGUF_FILE, tmp_path / "read")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "read", dtype=torch.float32).eval()
+    info = json.loads((pdir / "gguf.json").read_text())
+    want = decode(TorchReference(gguf_q4.file_model(builds.checkpoint(family, tie), pdir / gguf_q4.GGUF_FILE, info)))
+    got = decode(TorchReference(back))
+    assert snr_db(want, got) > 40.0, snr_db(want, got)
+    assert top1(want, got) >= 0.95
+
+
+@gguf_only
+def test_an_untied_gemma2_is_refused_in_one_line(builds):
+    _need_converter()
+    with pytest.raises(StageError) as e:
+        builds.pack("gemma2", "x86_llamacpp")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("pack: lm_head: llama.cpp's gemma2 has no output tensor")
+    assert "untied gemma2 checkpoint cannot ship as GGUF" in msg
+
+
+# --------------------------------------------------------------------------
+# qnn_graph (galaxy_s25): the NPU rewrites on each family's export, w8a16 on the CPU EP
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_phone_graphs_of_every_family_stay_close_to_its_export(builds, family):
+    from pipeline.graphs import qnn
+    from pipeline.runtimes.onnx import OnnxDecoder
+
+    _, pdir, result = builds.pack(family, "galaxy_s25")
+    assert result["metrics"]["path"] == "qnn_graph"
+    npu = json.loads((pdir / "npu.json").read_text())
+    assert npu["rewrite_check"]["worst_snr_db"] >= 100.0  # the QNN-ready float graph is the export's
+    assert npu["rewrites"]["rms_norms_fused"] >= 9  # every RMSNorm (Gemma's sandwich norms: more)
+    export = decode(OnnxDecoder(builds.export(family)))
+    from transformers import AutoModelForCausalLM
+
+    eager = decode(TorchReference(AutoModelForCausalLM.from_pretrained(builds.checkpoint(family),
+                                                                       dtype=torch.float32).eval()))
+    assert snr_db(eager, export) > 100.0
+    # the float graph as the phone runs it, its embedding the int8 lookup (the fp16 binary's graph)
+    fp = decode(OnnxDecoder(pdir / "float"))
+    assert snr_db(export, fp) > 35.0, snr_db(export, fp)
+    w8 = decode(qnn.cpu_qdq_decoder(pdir, "w8a16/model.onnx"))
+    # the QDQ arithmetic on the CPU EP (qnn.CPU_QDQ_CONFIG); the phone build's gate is 30 dB against eager
+    # on the embedded model (tests/test_qnn.py); measured here (random weights)
+    assert snr_db(export, w8) > 22.0, snr_db(export, w8)
+    assert top1(export, w8) >= 0.9
