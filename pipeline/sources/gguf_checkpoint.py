@@ -48,20 +48,25 @@ def dequantize(gguf_file: Path, out: Path) -> dict:
         raise GgufError(f"{gguf_file.name}: {e}") from None
     folder, name = str(gguf_file.parent), gguf_file.name
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    key_length = meta.get(f"{arch}.attention.key_length")
     try:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        if key_length and getattr(config, "head_dim", None) not in (None, int(key_length)):
+            # transformers' reader maps no key_length to head_dim for some architectures and leaves the
+            # config class's default (Qwen3Config: 128): a Qwen3 of another head_dim then fails to load
+            config.head_dim = int(key_length)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, add_bos_token=add_bos)
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config, dtype=torch.float32)
     except ImportError:
         raise  # a missing package (accelerate, gguf): run_stage names it with the install command
     except Exception as e:  # transformers' GGUF loader raises many types
         raise GgufError(f"{gguf_file.name}: transformers cannot read it: {str(e).strip().splitlines()[0]}") from None
     config.architectures = [ARCHITECTURES[arch]]
-    if arch == "gemma3" and meta.get("gemma3.attention.key_length"):
+    if arch in ("gemma2", "gemma3") and key_length:
         # The file carries no query_pre_attn_scalar and transformers' reader fixes 256;
-        # llama.cpp scales attention by 1/sqrt(key_length) (every Gemma 3 but the 27B,
+        # llama.cpp scales attention by 1/sqrt(key_length) (every Gemma 2 and 3 but the 27Bs,
         # not a target here), so the checkpoint says what llama.cpp runs.
-        config.query_pre_attn_scalar = int(meta["gemma3.attention.key_length"])
+        config.query_pre_attn_scalar = int(key_length)
     state = loaded.state_dict()
     del loaded
     with torch.device("meta"):
