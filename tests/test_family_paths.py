@@ -66,9 +66,8 @@ def family_checkpoint(family: str, folder: Path, spm: Path, *, tie: bool = False
         kw["partial_rotary"] = 0.75
     if family == "gemma3":
         kw["full_every"] = 2
-    kw.update(over)
-    cfg = family_config(family, vocab=VOCAB, hidden=64, intermediate=128, layers=4, heads=4, kv_heads=2,
-                        head_dim=16, max_positions=256, tie=tie, bos=BOS, eos=EOS, pad=PAD, **kw)
+    kw = {"hidden": 64, "intermediate": 128, "layers": 4, "heads": 4, "kv_heads": 2, "head_dim": 16, **kw, **over}
+    cfg = family_config(family, vocab=VOCAB, max_positions=256, tie=tie, bos=BOS, eos=EOS, pad=PAD, **kw)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():  # random init leaves norms at identity and biases at zero: perturb them
@@ -358,8 +357,18 @@ def test_every_familys_gguf_holds_our_codes_bit_for_bit_in_llamacpps_own_convers
 # transformers' GGUF loader (the GGUF source) reads these; not SmolLM3 or Granite (families.Family.gguf_source)
 READ_BACK = [f for f in FAMILIES if families.FAMILIES["gemma3_text" if f == "gemma3" else f].gguf_source]
 # Gemma 3 as llama.cpp runs it: its layer pattern is fixed at every 6th layer full (tests/test_gguf_q4.py), and
-# the converter writes no pattern, so the file read back slides every layer of 4: the checkpoint here does too
-READ_BACK_SETTINGS = {"gemma3": {"full_every": 6}}
+# the converter writes no pattern, so the file read back slides every layer of 4: the checkpoint here does too.
+# Qwen2 without a window, as Qwen2.5 ships (use_sliding_window false): llama.cpp's qwen2 has none (Mistral's case,
+# test_a_mistral_gguf_is_a_llama_without_its_window).
+READ_BACK_SETTINGS = {"gemma3": {"full_every": 6}, "qwen2": {"sliding_window": None}}
+# What transformers' GGUF reader (the GGUF source, model=gguf) does not read back, though the file holds it for
+# llama.cpp: measured here, the model read back differs from the file's (60.4 dB Llama, 40.3 dB Phi-3)
+READ_BACK_LOSSY = {
+    "llama": "transformers' GGUF reader maps no rope scaling: Llama 3's rope_type llama3 reads back as default "
+             "(the file holds the converter's rope_freqs, which llama.cpp reads)",
+    "phi3": "transformers' GGUF reader reads neither partial rotary (0.75 reads back as 1.0) nor LongRoPE's "
+            "factors (the file holds the rope dimension count and rope_factors_short/long, which llama.cpp reads)",
+}
 
 
 def _read_back(builds, family: str, tmp_path: Path):
@@ -381,16 +390,16 @@ def _read_back(builds, family: str, tmp_path: Path):
 
 
 @gguf_only
-@pytest.mark.parametrize("family", [f for f in READ_BACK if f != "mistral"])
+@pytest.mark.parametrize("family", [
+    pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=READ_BACK_LOSSY[f])) if f in READ_BACK_LOSSY else f
+    for f in READ_BACK if f != "mistral"])
 def test_the_gguf_read_back_by_transformers_is_the_model_of_our_codes(builds, family, tmp_path):
     """transformers' GGUF loader (pipeline/sources/gguf_checkpoint.py: the GGUF source) undoes the converter's
     Q/K permutation, Gemma's norm + 1 and Phi-3's fused tensors on its own: its model of our file computes what
-    the checkpoint holding our codes computes, so the converter's other tensors (norms, biases) and our row
-    mapping agree. Measured 57-60 dB (the f16 the converter keeps some tensors in, Llama 3's rope factors
-    the reader drops: positions < 24 barely feel them)."""
+    the checkpoint holding our codes computes (measured 127-132 dB: the same float32 arithmetic), so the
+    converter's other tensors (norms, biases) and our row mapping agree."""
     want, got, _ = _read_back(builds, family, tmp_path)
-    assert snr_db(want, got) > 40.0, snr_db(want, got)
-    assert top1(want, got) >= 0.95
+    assert snr_db(want, got) > 100.0, snr_db(want, got)
 
 
 @gguf_only
