@@ -535,12 +535,16 @@ def run(ctx: StageContext) -> dict:
         raise StageError(f"pack.prefill_threshold must be >= 1, got {threshold}")
 
     device = OmegaConf.to_container(ctx.cfg.device, resolve=True)
-    try:
-        sel = weight_path.select(device, str(ctx.cfg.priority.name))
+    try:  # the model too: a path whose runtime cannot run its family falls back (weight_path.FAMILY_GAPS)
+        sel = weight_path.select(device, str(ctx.cfg.priority.name),
+                                 weight_path.model_config(ctx.inputs["untie_head"]))
     except ValueError as err:
         raise StageError(f"pack: {err}") from None
     out = Path(ctx.out)
     (out / "weight_path.json").write_text(json.dumps(sel, indent=2) + "\n")
+    if "fallback" in sel:
+        ctx.log(f"warning: {sel['fallback']['from']} cannot run a {sel['fallback']['family']} model "
+                f"({sel['fallback']['reason']}): {sel['path']} instead")
     ctx.log(f"weight path {sel['path']} ({'verified' if sel['verified'] else 'unverified'}): {sel['kernel']}")
     if sel["path"] == "qnn_graph":
         detail = _write_qnn(ctx, Path(ctx.inputs["export"]), Path(ctx.inputs["calibrate"]))

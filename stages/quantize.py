@@ -108,11 +108,11 @@ SPILL = ".codes.spill"  # the codes as they are made (run); removed once quantiz
 _QUANTIZED_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "zeros")
 
 
-def _settings(cfg) -> dict:
+def _settings(cfg, model: dict | None = None) -> dict:
     from pipeline.quant import bit_alloc, gptq
 
     q = cfg.quantize
-    path = _weight_path(cfg)  # resolved once: every null default below depends on it
+    path = _weight_path(cfg, model)  # resolved once: every null default below depends on it
     group_size = _by_kernel(q, path, "group_size", GROUP_SIZE_ORT, GROUP_SIZE)
     s = {
         "method": str(q.get("method", "gptq")),
@@ -180,8 +180,9 @@ def _optional_int(value) -> int | None:
     return None if value is None else int(value)
 
 
-def _weight_path(cfg) -> str | None:
-    """The device's weight path (pipeline/quant/weight_path.py), or None where the config names no device."""
+def _weight_path(cfg, model: dict | None = None) -> str | None:
+    """The device's weight path for the model of config.json `model` (pipeline/quant/weight_path.py: the
+    pack stage's choice, a fallback included), or None where the config names no device."""
     from omegaconf import OmegaConf
 
     from pipeline.quant import weight_path
@@ -189,7 +190,8 @@ def _weight_path(cfg) -> str | None:
     if "device" not in cfg or "priority" not in cfg:
         return None
     try:
-        return weight_path.select(OmegaConf.to_container(cfg.device, resolve=True), str(cfg.priority.name))["path"]
+        return weight_path.select(OmegaConf.to_container(cfg.device, resolve=True), str(cfg.priority.name),
+                                  model)["path"]
     except ValueError:
         return None
 
@@ -463,7 +465,9 @@ def run(ctx) -> dict:
     from pipeline.quant import gptq
     from pipeline.sources.tensorfile import SpilledTensors
 
-    s = _settings(ctx.cfg)
+    from pipeline.quant import weight_path
+
+    s = _settings(ctx.cfg, weight_path.model_config(ctx.inputs["untie_head"]))
     src = Path(ctx.inputs["untie_head"])
     cal_dir = Path(ctx.inputs["calibrate"])
     t_start = time.perf_counter()

@@ -317,6 +317,17 @@ def map_layers(reader, hf_dir: Path, layer_names) -> dict[str, tuple[str, np.nda
             if perm is not None:
                 found = (t.name, perm)
                 break
+        if found is None and layer == HEAD and name is None and TOKEN_EMBD in tensors:
+            # an architecture whose llama.cpp graph has no output tensor (gemma2: the converter drops
+            # lm_head, llama.cpp reads the head from token_embd): a tied checkpoint's head is that tensor
+            emb = tensors[TOKEN_EMBD]
+            src = _as_stored(w, emb)
+            if src is None or src.shape != tuple(emb.data.shape) or not np.array_equal(np.asarray(emb.data), src):
+                raise GgufQ4Error(f"{layer}: llama.cpp's {arch} has no output tensor (it reads the head from "
+                                  f"{TOKEN_EMBD}) and this checkpoint's head is not its token embedding, so an "
+                                  f"untied {arch} checkpoint cannot ship as GGUF (its releases are tied); build it "
+                                  f"for a device that is not a llama.cpp one")
+            found = (TOKEN_EMBD, np.arange(w.shape[0]))
         if found is None:
             where = f"expected {name}" if name else f"gguf has no tensor-name table entry for it under {arch!r}"
             raise GgufQ4Error(f"{layer}: no tensor of the converted GGUF holds its rows ({where}); "
@@ -429,7 +440,9 @@ def write_q4_0(converted_gguf, hf_dir, quant_dir, out_file, *, others: str = "au
     chosen = (meta.get("embedding") or {}).get("chosen") if others == "auto" and not shared else None
     embed_bits = {"int8": 8, "int4": 4}.get(chosen)
     others = "keep" if others == "auto" else others
-    dropped = placed[HEAD][0] if shared else None  # output.weight: llama.cpp reads the head from token_embd
+    # output.weight: llama.cpp reads the head from token_embd (none to drop where the architecture has no
+    # output tensor and map_layers placed the head at token_embd itself)
+    dropped = placed[HEAD][0] if shared and placed[HEAD][0] != TOKEN_EMBD else None
     if shared:
         placed[HEAD] = (TOKEN_EMBD, placed[HEAD][1])
     by_tensor = {name: (layer, perm) for layer, (name, perm) in placed.items()}
@@ -513,7 +526,8 @@ def write_q4_0(converted_gguf, hf_dir, quant_dir, out_file, *, others: str = "au
         "tensor_types": dict(sorted(types.items())),
         "file_type": "MOSTLY_Q4_0" if wrote_ftype else "absent in the conversion (left absent)",
         # the token embedding: the head's own tensor (one copy), or what `others` made of the converted one
-        "token_embedding": f"shared: the head's {GGUF_TYPE[width[HEAD]]} tensor ({dropped} left out)" if shared
+        "token_embedding": f"shared: the head's {GGUF_TYPE[width[HEAD]]} tensor "
+                           f"({f'{dropped} left out' if dropped else f'{arch} has no output tensor'})" if shared
         else f"{chosen}: the quantize stage's measured choice, its codes as {GGUF_TYPE[embed_bits]}" if embed_bits
         else others,
         "rounded": rounded,

