@@ -1,0 +1,191 @@
+"""Stopping a build: SIGTERM, SIGINT or SIGHUP to the process running DVC.
+
+`python -m pipeline` (and a sweep's worker) runs DVC in-process, and DVC runs
+each stage's command as a child (`$SHELL -c "python -m pipeline.engine.run_stage
+..."`). Left alone, a SIGTERM or SIGHUP ends the driver on the spot and the stage
+runs on, re-parented to init, holding the cores; DVC itself ignores SIGINT while
+a stage runs (it counts on a terminal sending Ctrl-C to the stage too), so a
+`kill -INT` of the driver did nothing. `stoppable()` installs, for the driver:
+
+- a handler for the three signals that sends the first one to the running stage
+  (whose supervisor stops the stage's processes and removes its temporary
+  output: pipeline/engine/run_stage.py `supervise`) and lets DVC see the stage
+  fail, so DVC stops there and releases its locks as after any failed stage;
+  with no stage running (DVC hashing, a lock being waited for) it raises `Stopped`;
+- DVC's stage runner (dvc/stage/run.py `_run`) swapped for one that records
+  which stage runs (for the handler and the build's last line), does not ignore
+  SIGINT, and starts no stage once a stop was asked for.
+
+The build then ends with one line, `error: build NAME: stopped by SIGTERM during
+STAGE`. A stage whose driver dies without a signal (SIGKILL) stops by itself: its
+supervisor watches its parent (run_stage.py `_parents_watched`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+from typing import Iterator
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop signal that came while no stage ran: unwinds the build like Ctrl-C
+    (DVC and the build locks already handle an interrupt), carrying the signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _State:
+    signum: int | None = None
+    stage: str | None = None  # the stage running when the stop came
+    last: str | None = None  # the last stage started, for a stop between stages
+    running: dict[int, str] = {}  # pid of a stage's command -> its DVC stage name
+
+
+_state = _State()
+
+
+def requested() -> int | None:
+    """The signal that stopped this process's build, or None."""
+    return _state.signum
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def where() -> str:
+    """'during <stage>' (the stage the stop came during, or after the last one started)."""
+    if _state.stage:
+        return f"during {_stage_name(_state.stage)}"
+    if _state.last:
+        return f"after {_stage_name(_state.last)}, before the next stage started"
+    return "before its first stage started"
+
+
+def line(what: str) -> str:
+    """The build's closing line: `error: build NAME: stopped by SIGTERM during verify_parity`."""
+    return f"error: {what}: stopped by {signal_name(_state.signum or signal.SIGTERM)} {where()}"
+
+
+def _stage_name(dvc_stage: str) -> str:
+    """`b--verify_parity` -> verify_parity, `model--<model id>` -> model (dvc.yaml's names)."""
+    first, sep, second = dvc_stage.partition("--")
+    if not sep:
+        return dvc_stage
+    from pipeline.engine.layout import STAGES
+
+    return second if second in STAGES else first
+
+
+def _on_signal(signum, _frame):
+    first = _state.signum is None
+    if first:
+        _state.signum = signum
+    running = dict(_state.running)
+    if running:
+        if first:
+            _state.stage = next(iter(running.values()))
+            for pid in running:
+                try:
+                    os.kill(pid, signum)  # run_stage's supervisor stops the stage's whole process group
+                except ProcessLookupError:
+                    pass
+        return  # DVC sees the stage exit non-zero and stops there; a later signal changes nothing
+    if first:
+        raise Stopped(signum)
+
+
+def _run_stage_cmd(executable, cmd, **kwargs):
+    """dvc/stage/run.py `_run` (DVC 3.67), recording the stage it runs, without its
+    SIGINT ignore (the handler above forwards SIGINT instead), and refusing to start
+    a stage once the build was stopped."""
+    from dvc.stage import run as dvc_run
+    from dvc.stage.exceptions import StageCmdFailedError
+
+    stage = (kwargs.get("env") or {}).get("DVC_STAGE") or cmd
+    if _state.signum is not None:
+        raise StageCmdFailedError(cmd, 128 + _state.signum)
+    p = subprocess.Popen(dvc_run._make_cmd(executable, cmd), **kwargs)  # noqa: S603 - DVC's own call
+    _state.running[p.pid] = stage
+    _state.last = stage
+    try:
+        if _state.signum is not None and _state.stage is None:  # the stop came as it started
+            _state.stage = stage
+            try:
+                os.kill(p.pid, _state.signum)
+            except ProcessLookupError:
+                pass
+        p.communicate()
+    finally:
+        _state.running.pop(p.pid, None)
+    if p.returncode != 0:
+        raise StageCmdFailedError(cmd, p.returncode)
+
+
+@contextlib.contextmanager
+def stoppable() -> Iterator[None]:
+    """Stop handling for the `with` block (a build's driver). Only the main thread can
+    take signals; elsewhere (a launcher running jobs in threads) this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from dvc.stage import run as dvc_run
+
+    _state.signum = _state.stage = _state.last = None
+    _state.running = {}
+    dvc_before = dvc_run._run
+    dvc_run._run = _run_stage_cmd
+    from dvc.log import logger as dvc_logger
+
+    from pipeline.engine import narrate
+
+    # DVC's CLI says "ERROR: failed to reproduce ...: exited with 143" (or "interrupted by the
+    # user") for the stage a stop ended: the stage's line and the build's say it (shown with -v).
+    cli_logger = dvc_logger.getChild("dvc.cli")
+    quiet = None if narrate.verbose() else _AfterStop()
+    if quiet:
+        cli_logger.addFilter(quiet)
+    before = {s: signal.signal(s, _on_signal) for s in SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+        dvc_run._run = dvc_before
+        if quiet:
+            cli_logger.removeFilter(quiet)
+
+
+class _AfterStop:
+    """A logging filter: nothing once the build was stopped."""
+
+    def filter(self, record) -> bool:
+        return _state.signum is None
+
+
+def watch_parent(interval: float = 0.5) -> None:
+    """Stop this process's build (SIGTERM to itself) when its parent is gone: a sweep's
+    worker whose launcher was SIGKILLed. A polling thread, not PR_SET_PDEATHSIG, which
+    fires when the parent *thread* that started this process ends (loky starts its
+    workers from a thread of the launcher)."""
+    parent = os.getppid()
+
+    def watch():
+        import time
+
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="edgekiln-parent-watch", daemon=True).start()
