@@ -381,11 +381,14 @@ def main(argv: list[str] | None = None) -> int:
     except MemoryError:
         print(f"error: {label}: out of memory", file=sys.stderr)
         return 1
+    # Under supervision the supervisor says it, knowing why (a signal, or the build gone).
     except _Stopped as e:
-        _say(f"error: {label}: stopped by {_signal_name(e.signum)}; nothing was written")
+        if not _supervised:
+            _say(f"error: {label}: stopped by {_signal_name(e.signum)}; nothing was written")
         return 128 + e.signum
     except KeyboardInterrupt:
-        _say(f"error: {label}: interrupted; nothing was written")
+        if not _supervised:
+            _say(f"error: {label}: interrupted; nothing was written")
         return 130
     except Exception as e:  # a bug: keep the traceback, but out of the way
         return _internal_error(label, args.stage, e)
@@ -657,16 +660,17 @@ def supervise(argv: list[str] | None = None, child: list[str] | None = None) -> 
     rc = proc.returncode = os.waitstatus_to_exitcode(status)
     if forwarded:
         _remove_child_leftovers(args.stage, args.build, args.model, proc.pid)
+        sig = forwarded[0]
+        if rc == 0 or (rc > 0 and rc != 128 + sig):
+            return rc  # it had finished when the signal came, or failed and said why
         if orphaned:
             _say(f"error: {label}: stopped: its parent process is gone (the build was stopped or killed); "
                  f"nothing was written")
-            return 128 + signal.SIGTERM
-        if rc >= 0 and rc != 0:  # the child said so itself (interrupted / stopped by ...)
-            return rc
-        if rc < 0:
-            _say(f"error: {label}: stopped by {_signal_name(forwarded[0])}; nothing was written")
-            return 128 + forwarded[0]
-        return rc  # it had finished (and installed its output) when the signal came
+        elif sig == signal.SIGINT:
+            _say(f"error: {label}: interrupted; nothing was written")
+        else:
+            _say(f"error: {label}: stopped by {_signal_name(sig)}; nothing was written")
+        return 128 + sig
     if rc >= 0:
         return rc
     sig = -rc
@@ -765,6 +769,9 @@ class _Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
+_supervised = False  # this process is a supervised child (_as_child)
+
+
 def _stopped(signum, _frame):
     raise _Stopped(signum)
 
@@ -779,6 +786,8 @@ def _as_child(parent: int, argv: list[str]) -> int:
         pass
     if os.getppid() != parent:  # the supervisor died before prctl took effect
         return 1
+    global _supervised
+    _supervised = True
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _stopped)
     return main(argv)
