@@ -43,6 +43,8 @@ class Stopped(KeyboardInterrupt):
 
 
 class _State:
+    building = False  # inside stoppable()
+    watching = False  # watch_parent's thread runs
     signum: int | None = None
     stage: str | None = None  # the stage running when the stop came
     last: str | None = None  # the last stage started, for a stop between stages
@@ -92,6 +94,8 @@ def _on_signal(signum, _frame):
     first = _state.signum is None
     if first:
         _state.signum = signum
+    if not _state.building:
+        return  # a sweep's worker between jobs: its next job sees the stop and builds nothing
     running = dict(_state.running)
     if running:
         if first:
@@ -134,15 +138,22 @@ def _run_stage_cmd(executable, cmd, **kwargs):
 
 
 @contextlib.contextmanager
-def stoppable() -> Iterator[None]:
+def stoppable(worker: bool = False) -> Iterator[None]:
     """Stop handling for the `with` block (a build's driver). Only the main thread can
-    take signals; elsewhere (a launcher running jobs in threads) this does nothing."""
+    take signals; elsewhere (a launcher running jobs in threads) this does nothing.
+
+    `worker`: a sweep's worker process, which runs one job after another: a stop that
+    came before (between jobs) is kept, not forgotten, and the handlers stay on after
+    the block, so that a stop between two jobs neither kills the worker (the launcher
+    would lose every job it had) nor is lost."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     from dvc.stage import run as dvc_run
 
-    _state.signum = _state.stage = _state.last = None
+    if not worker:
+        _state.signum = None
+    _state.stage = _state.last = None
     _state.running = {}
     dvc_before = dvc_run._run
     dvc_run._run = _run_stage_cmd
@@ -157,11 +168,14 @@ def stoppable() -> Iterator[None]:
     if quiet:
         cli_logger.addFilter(quiet)
     before = {s: signal.signal(s, _on_signal) for s in SIGNALS}
+    _state.building = True
     try:
         yield
     finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
+        _state.building = False
+        if not worker:
+            for s, handler in before.items():
+                signal.signal(s, handler)
         dvc_run._run = dvc_before
         if quiet:
             cli_logger.removeFilter(quiet)
@@ -174,11 +188,55 @@ class _AfterStop:
         return _state.signum is None
 
 
+@contextlib.contextmanager
+def stopping_workers(stop_file) -> Iterator[None]:
+    """For a sweep's launcher (pipeline/fleet/sweep.py): the first SIGTERM, SIGINT or
+    SIGHUP is recorded, `stop_file` written (a job that starts later builds nothing)
+    and the signal sent to this process's children, the launcher's workers (each
+    stops its build as `python -m pipeline` does: `stoppable(worker=True)`); the
+    launcher then collects their results as usual. loky's resource tracker is left
+    alone: it ignores SIGINT and SIGTERM and would die of SIGHUP, leaking semaphores."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _state.signum = None
+
+    def on_signal(signum, _frame):
+        if _state.signum is not None:
+            return
+        _state.signum = signum
+        try:
+            stop_file.parent.mkdir(parents=True, exist_ok=True)
+            stop_file.write_text(f"{signal_name(signum)}\n")
+        except OSError:
+            pass  # the workers still get the signal
+        from pipeline.engine.run_stage import _children
+
+        for pid in _children(os.getpid()):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"resource_tracker" in f.read():
+                        continue
+                os.kill(pid, signum)
+            except (OSError, ProcessLookupError):
+                pass
+
+    before = {s: signal.signal(s, on_signal) for s in SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
 def watch_parent(interval: float = 0.5) -> None:
-    """Stop this process's build (SIGTERM to itself) when its parent is gone: a sweep's
-    worker whose launcher was SIGKILLed. A polling thread, not PR_SET_PDEATHSIG, which
-    fires when the parent *thread* that started this process ends (loky starts its
-    workers from a thread of the launcher)."""
+    """Stop this process's build (SIGTERM to itself) when its parent is gone, then end
+    the process: a sweep's worker whose launcher was SIGKILLed. A polling thread, not
+    PR_SET_PDEATHSIG, which fires when the parent *thread* that started this process
+    ends (loky starts its workers from a thread of the launcher)."""
+    if _state.watching:
+        return
+    _state.watching = True
     parent = os.getppid()
 
     def watch():
@@ -186,6 +244,12 @@ def watch_parent(interval: float = 0.5) -> None:
 
         while os.getppid() == parent:
             time.sleep(interval)
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # the build under way stops its stage and ends
+        while _state.building:
+            time.sleep(interval)
+        # Nobody is left to hand a job to it: an idle worker would otherwise wait out the
+        # launcher's idle timeout (loky's: minutes). The job's result file is written by now.
+        time.sleep(2 * interval)
+        os._exit(128 + signal.SIGTERM)
 
     threading.Thread(target=watch, name="edgekiln-parent-watch", daemon=True).start()
