@@ -101,13 +101,31 @@ def _on_signal(signum, _frame):
         if first:
             _state.stage = next(iter(running.values()))
             for pid in running:
-                try:
-                    os.kill(pid, signum)  # run_stage's supervisor stops the stage's whole process group
-                except ProcessLookupError:
-                    pass
+                _signal_stage(pid, signum)
         return  # DVC sees the stage exit non-zero and stops there; a later signal changes nothing
     if first:
         raise Stopped(signum)
+
+
+def _signal_stage(pid: int, signum: int) -> None:
+    """The signal to the stage's command, `pid` (run_stage's supervisor, which stops the
+    stage's whole process group); where the shell DVC runs the command through did not
+    exec it, `pid` is that shell, which would keep a SIGINT to itself until the stage
+    ended: to the shell's children too."""
+    from pipeline.engine.run_stage import _SHELLS, _children
+
+    targets = [pid]
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            if f.read().strip() in _SHELLS:
+                targets += _children(pid)
+    except OSError:
+        pass
+    for target in targets:
+        try:
+            os.kill(target, signum)
+        except ProcessLookupError:
+            pass
 
 
 def _run_stage_cmd(executable, cmd, **kwargs):
@@ -126,10 +144,7 @@ def _run_stage_cmd(executable, cmd, **kwargs):
     try:
         if _state.signum is not None and _state.stage is None:  # the stop came as it started
             _state.stage = stage
-            try:
-                os.kill(p.pid, _state.signum)
-            except ProcessLookupError:
-                pass
+            _signal_stage(p.pid, _state.signum)
         p.communicate()
     finally:
         _state.running.pop(p.pid, None)
