@@ -359,3 +359,14 @@ def test_a_stage_that_ignores_the_stop_is_killed_after_the_grace(tmp_path, monke
     assert 1.0 <= took < 10, took
     assert error_lines(capfd) == [f"error: {STAGE} [b]: stopped by SIGTERM; nothing was written"]
     assert leftovers(parent) == []
+
+
+def test_a_stage_whose_parent_is_already_gone_does_not_start(tmp_path, monkeypatch, capfd):
+    """The parent died while the command was starting (before its watch was on): nothing runs."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    monkeypatch.setattr(run_stage, "_parents_watched", lambda: {dead.pid: None})
+    assert supervised(tmp_path, monkeypatch, "allocate_and_write") == 128 + signal.SIGTERM
+    assert error_lines(capfd) == [f"error: {STAGE} [b]: not started: its parent process is gone "
+                                  f"(the build was stopped or killed)"]
+    assert leftovers(tmp_path / "artifacts" / "b") == []

@@ -602,25 +602,12 @@ def supervise(argv: list[str] | None = None, child: list[str] | None = None) -> 
     orphaned = False
     try:
         if _parent_gone(parents):  # it died while this process was starting: run nothing
-            orphaned = True
-            forwarded.append(signal.SIGTERM)
-        else:
-            proc = subprocess.Popen(cmd, process_group=0)
-            started.append(proc)
-            if forwarded:  # a signal that came while it was starting
-                _signal_group(proc.pid, forwarded[0])
-    except BaseException:
-        _close(parents)
-        for s, handler in before.items():
-            signal.signal(s, handler)
-        raise
-    if orphaned:
-        _close(parents)
-        for s, handler in before.items():
-            signal.signal(s, handler)
-        _say(f"error: {label}: not started: its parent process is gone (the build was stopped)")
-        return 128 + signal.SIGTERM
-    try:
+            _say(f"error: {label}: not started: its parent process is gone (the build was stopped or killed)")
+            return 128 + signal.SIGTERM
+        proc = subprocess.Popen(cmd, process_group=0)
+        started.append(proc)
+        if forwarded:  # a signal that came while it was starting
+            _signal_group(proc.pid, forwarded[0])
         try:
             watch = os.pidfd_open(proc.pid)  # wakes the moment the child exits
         except (AttributeError, OSError):
@@ -640,6 +627,7 @@ def supervise(argv: list[str] | None = None, child: list[str] | None = None) -> 
                     _signal_group(proc.pid, signal.SIGKILL)  # it had its chance to clean up
                     deadline = float("inf")
                 sampled = max(sampled, _tree_rss(proc.pid))
+                # Wakes when the child exits or a watched parent does, else after the sample period.
                 waits = [fd for fd in [watch, *parents.values()] if fd is not None]
                 if waits:
                     import select
