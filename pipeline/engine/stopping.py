@@ -206,11 +206,13 @@ class _AfterStop:
 @contextlib.contextmanager
 def stopping_workers(stop_file) -> Iterator[None]:
     """For a sweep's launcher (pipeline/fleet/sweep.py): the first SIGTERM, SIGINT or
-    SIGHUP is recorded, `stop_file` written (a job that starts later builds nothing)
-    and the signal sent to this process's children, the launcher's workers (each
-    stops its build as `python -m pipeline` does: `stoppable(worker=True)`); the
-    launcher then collects their results as usual. loky's resource tracker is left
-    alone: it ignores SIGINT and SIGTERM and would die of SIGHUP, leaking semaphores."""
+    SIGHUP is recorded, `stop_file` written (a job that starts later builds nothing:
+    `job_stopped`) and the signal sent to this process's children that catch it, the
+    launcher's workers that have run a job (each stops its build as `python -m pipeline`
+    does: `stoppable(worker=True)`); the launcher then collects their results as usual.
+    A child that does not catch it is left alone: a worker that never ran a job would
+    die of it and take the launcher's pool down (loky SIGKILLs the other workers then),
+    and loky's resource trackers ignore SIGTERM and SIGINT."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -228,13 +230,11 @@ def stopping_workers(stop_file) -> Iterator[None]:
         from pipeline.engine.run_stage import _children
 
         for pid in _children(os.getpid()):
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"resource_tracker" in f.read():
-                        continue
-                os.kill(pid, signum)
-            except (OSError, ProcessLookupError):
-                pass
+            if _catches(pid, signum):
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass
 
     before = {s: signal.signal(s, on_signal) for s in SIGNALS}
     try:
@@ -242,6 +242,23 @@ def stopping_workers(stop_file) -> Iterator[None]:
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Does process `pid` have a handler for `signum` (/proc/PID/status SigCgt)?"""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(int(l.split()[1], 16) for l in f if l.startswith("SigCgt:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return bool(caught & (1 << (signum - 1)))
+
+
+def job_stopped(stop_file) -> bool:
+    """A sweep's job: was the sweep stopped (this process told, or the launcher's file written)?
+    Asked before the build and again once `stoppable` is on: a stop that came between the
+    two found no handler here (`stopping_workers` skipped this worker) but wrote the file."""
+    return _state.signum is not None or stop_file.exists()
 
 
 def watch_parent(interval: float = 0.5) -> None:
