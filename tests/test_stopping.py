@@ -90,3 +90,28 @@ def test_a_stop_while_no_stage_runs_unwinds_the_build():
         assert stopping.line("build b") == "error: build b: stopped by SIGHUP before its first stage started"
         os.kill(os.getpid(), signal.SIGTERM)  # a second signal while it unwinds changes nothing
     assert stopping.requested() == signal.SIGHUP
+
+
+def test_a_stop_as_the_stage_starts_reaches_it(tmp_path, monkeypatch):
+    """The signal lands after DVC started the command but before its pid was recorded:
+    not raised there (the new process would run on behind the unwinding build), the
+    command is signalled once its pid is known."""
+    from dvc.stage import run as dvc_run
+    from dvc.stage.exceptions import StageCmdFailedError
+
+    real = stopping.subprocess.Popen
+
+    def popen_then_signal(*args, **kwargs):
+        proc = real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, before Popen returns
+        return proc
+
+    monkeypatch.setattr(stopping.subprocess, "Popen", popen_then_signal)
+    env = {**os.environ, "STAGE_CODE": STAGE_CMD, "DVC_STAGE": "b--export"}
+    t0 = time.monotonic()
+    with stopping.stoppable():
+        with pytest.raises(StageCmdFailedError):
+            dvc_run._run("/bin/sh", f"exec {sys.executable} -c \"$STAGE_CODE\" {tmp_path / 'got'}",
+                         env=env, close_fds=True)
+        assert stopping.line("build b") == "error: build b: stopped by SIGTERM during export"
+    assert time.monotonic() - t0 < 30  # the command's 60 s sleep was cut short

@@ -49,6 +49,7 @@ class _State:
     stage: str | None = None  # the stage running when the stop came
     last: str | None = None  # the last stage started, for a stop between stages
     running: dict[int, str] = {}  # pid of a stage's command -> its DVC stage name
+    starting: str | None = None  # the stage whose command is being started
 
 
 _state = _State()
@@ -103,6 +104,8 @@ def _on_signal(signum, _frame):
             for pid in running:
                 _signal_stage(pid, signum)
         return  # DVC sees the stage exit non-zero and stops there; a later signal changes nothing
+    if _state.starting:
+        return  # _run_stage_cmd signals it once started
     if first:
         raise Stopped(signum)
 
@@ -138,8 +141,14 @@ def _run_stage_cmd(executable, cmd, **kwargs):
     stage = (kwargs.get("env") or {}).get("DVC_STAGE") or cmd
     if _state.signum is not None:
         raise StageCmdFailedError(cmd, 128 + _state.signum)
-    p = subprocess.Popen(dvc_run._make_cmd(executable, cmd), **kwargs)  # noqa: S603 - DVC's own call
-    _state.running[p.pid] = stage
+    # A stop while the command starts (`starting`) is not raised (that would leave the new
+    # process running behind the unwinding build): the stage is signalled once its pid is known.
+    _state.starting = stage
+    try:
+        p = subprocess.Popen(dvc_run._make_cmd(executable, cmd), **kwargs)  # noqa: S603 - DVC's own call
+        _state.running[p.pid] = stage
+    finally:
+        _state.starting = None
     _state.last = stage
     try:
         if _state.signum is not None and _state.stage is None:  # the stop came as it started
