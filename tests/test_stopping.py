@@ -103,7 +103,7 @@ def test_a_stop_as_the_stage_starts_reaches_it(tmp_path, monkeypatch):
 
     def popen_then_signal(*args, **kwargs):
         proc = real(*args, **kwargs)
-        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, before Popen returns
+        stopping._on_signal(signal.SIGTERM, None)  # the handler, as the signal would run it here
         return proc
 
     monkeypatch.setattr(stopping.subprocess, "Popen", popen_then_signal)
