@@ -15,6 +15,12 @@ import pytest
 
 from pipeline.engine import stopping
 
+
+@pytest.fixture(autouse=True)
+def dvc_patched():
+    """DVC's stage runner swapped, as the build does before it calls DVC."""
+    stopping.patch_dvc()
+
 # The stage's command: says which signal reached it, and when it started.
 STAGE_CMD = (
     "import signal, sys, time, pathlib\n"

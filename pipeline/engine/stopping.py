@@ -12,9 +12,10 @@ a stage runs (it counts on a terminal sending Ctrl-C to the stage too), so a
   output: pipeline/engine/run_stage.py `supervise`) and lets DVC see the stage
   fail, so DVC stops there and releases its locks as after any failed stage;
   with no stage running (DVC hashing, a lock being waited for) it raises `Stopped`;
-- DVC's stage runner (dvc/stage/run.py `_run`) swapped for one that records
-  which stage runs (for the handler and the build's last line), does not ignore
-  SIGINT, and starts no stage once a stop was asked for.
+- DVC's stage runner (dvc/stage/run.py `_run`) swapped (`patch_dvc`, where the
+  build calls DVC) for one that, inside `stoppable`, records which stage runs (for
+  the handler and the build's last line), does not ignore SIGINT, and starts no
+  stage once a stop was asked for.
 
 The build then ends with one line, `error: build NAME: stopped by SIGTERM during
 STAGE`. A stage whose driver dies without a signal (SIGKILL) stops by itself: its
@@ -135,6 +136,8 @@ def _run_stage_cmd(executable, cmd, **kwargs):
     """dvc/stage/run.py `_run` (DVC 3.67), recording the stage it runs, without its
     SIGINT ignore (the handler above forwards SIGINT instead), and refusing to start
     a stage once the build was stopped."""
+    if not _state.building:  # not a build's driver: DVC's own
+        return _dvc_run[0](executable, cmd, **kwargs)
     from dvc.stage import run as dvc_run
     from dvc.stage.exceptions import StageCmdFailedError
 
@@ -161,6 +164,9 @@ def _run_stage_cmd(executable, cmd, **kwargs):
         raise StageCmdFailedError(cmd, p.returncode)
 
 
+_run_stage_cmd.edgekiln_stoppable = True
+
+
 @contextlib.contextmanager
 def stoppable(worker: bool = False) -> Iterator[None]:
     """Stop handling for the `with` block (a build's driver). Only the main thread can
@@ -179,18 +185,6 @@ def stoppable(worker: bool = False) -> Iterator[None]:
         _state.signum = None
     _state.stage = _state.last = None
     _state.running = {}
-    dvc_before = dvc_run._run
-    dvc_run._run = _run_stage_cmd
-    from dvc.log import logger as dvc_logger
-
-    from pipeline.engine import narrate
-
-    # DVC's CLI says "ERROR: failed to reproduce ...: exited with 143" (or "interrupted by the
-    # user") for the stage a stop ended: the stage's line and the build's say it (shown with -v).
-    cli_logger = dvc_logger.getChild("dvc.cli")
-    quiet = None if narrate.verbose() else _AfterStop()
-    if quiet:
-        cli_logger.addFilter(quiet)
     before = {s: signal.signal(s, _on_signal) for s in SIGNALS}
     _state.building = True
     try:
@@ -200,16 +194,36 @@ def stoppable(worker: bool = False) -> Iterator[None]:
         if not worker:
             for s, handler in before.items():
                 signal.signal(s, handler)
-        dvc_run._run = dvc_before
-        if quiet:
-            cli_logger.removeFilter(quiet)
+
+
+def patch_dvc() -> None:
+    """Swap DVC's stage runner for `_run_stage_cmd` (which is DVC's own outside `stoppable`)
+    and quiet DVC's CLI after a stop: done where the build calls DVC (build._repro), not in
+    `stoppable`, so that a driver that never reaches DVC does not pay for importing it.
+    Once per process."""
+    from dvc.stage import run as dvc_run
+
+    if getattr(dvc_run._run, "edgekiln_stoppable", False):
+        return
+    from dvc.log import logger as dvc_logger
+
+    _dvc_run.append(dvc_run._run)
+    dvc_run._run = _run_stage_cmd
+    # DVC's CLI says "ERROR: failed to reproduce ...: exited with 143" (or "interrupted by the
+    # user") for the stage a stop ended: the stage's line and the build's say it (shown with -v).
+    dvc_logger.getChild("dvc.cli").addFilter(_AfterStop())
+
+
+_dvc_run: list = []  # DVC's own `_run`, once patch_dvc swapped it
 
 
 class _AfterStop:
-    """A logging filter: nothing once the build was stopped."""
+    """A logging filter: nothing once the build was stopped (everything with -v)."""
 
     def filter(self, record) -> bool:
-        return _state.signum is None
+        from pipeline.engine import narrate
+
+        return not (_state.building and _state.signum is not None) or narrate.verbose()
 
 
 @contextlib.contextmanager
