@@ -57,27 +57,33 @@ def stage_writing(repo: Path) -> bool:
     return worker and any(n.startswith(f".{STAGE}.tmp-") for n in temp_outputs(repo))
 
 
-def start(repo: Path, cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=venv_env())
+def start(repo: Path, cmd: list[str], logs: Path) -> subprocess.Popen:
+    """The command with its output in files (a pipe nobody reads until the end could fill and block it)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / "out", "w") as out, open(logs / "err", "w") as err:
+        proc = subprocess.Popen(cmd, cwd=repo, stdout=out, stderr=err, env=venv_env())
+    proc.logs = logs
+    return proc
 
 
 def stop_while_writing(repo: Path, proc: subprocess.Popen, sig: int) -> tuple[str, str, float]:
     """Send `sig` to `proc` once verify_parity writes; (stdout, stderr, seconds until no process of the build is left)."""
     deadline = time.monotonic() + 600
     while not stage_writing(repo):
-        assert proc.poll() is None, "the build ended before verify_parity ran: " + proc.stderr.read()
+        assert proc.poll() is None, "the build ended before verify_parity ran: " + (proc.logs / "err").read_text()
         assert time.monotonic() < deadline, "verify_parity never started"
         time.sleep(0.05)
     proc.send_signal(sig)
     sent = time.monotonic()
-    out, err = proc.communicate(timeout=120)  # EOF once every holder of its pipes (the stage too) is gone
+    proc.wait(timeout=120)
     left = build_processes(repo)
     while left and time.monotonic() - sent < GONE_WITHIN:
         time.sleep(0.1)
         left = build_processes(repo)
+    gone = time.monotonic() - sent
+    out, err = (proc.logs / "out").read_text(), (proc.logs / "err").read_text()
     assert left == [], f"left running {GONE_WITHIN} s after {signal.Signals(sig).name}: {left}\n{err}"
-    return out, err, time.monotonic() - sent
+    return out, err, gone
 
 
 def assert_nothing_half_written(repo: Path) -> None:
@@ -109,11 +115,11 @@ def stop_repo(built_repo):
 
 @pytest.mark.parametrize("sig, tokens", [(signal.SIGTERM, 20), (signal.SIGINT, 21), (signal.SIGHUP, 22)],
                          ids=["sigterm", "sigint", "sighup"])
-def test_a_signal_to_the_build_stops_its_stage_and_a_rerun_completes(stop_repo, sig, tokens):
+def test_a_signal_to_the_build_stops_its_stage_and_a_rerun_completes(stop_repo, tmp_path, sig, tokens):
     repo = stop_repo
     extra = (f"parity.decode_tokens={tokens}",)
     t0 = time.monotonic()
-    proc = start(repo, [sys.executable, "-m", "pipeline", *ARGS, *extra])
+    proc = start(repo, [sys.executable, "-m", "pipeline", *ARGS, *extra], tmp_path)
     out, err, gone = stop_while_writing(repo, proc, sig)
     assert proc.returncode == 128 + sig, err
     name = signal.Signals(sig).name
@@ -129,11 +135,11 @@ def test_a_signal_to_the_build_stops_its_stage_and_a_rerun_completes(stop_repo, 
           f"(the stopped run {stopped:.0f} s)")
 
 
-def test_a_killed_build_stops_its_stage_by_itself(stop_repo):
+def test_a_killed_build_stops_its_stage_by_itself(stop_repo, tmp_path):
     """SIGKILL of the driver: nobody forwards anything; the stage sees its parent gone."""
     repo = stop_repo
     extra = ("parity.decode_tokens=23",)
-    proc = start(repo, [sys.executable, "-m", "pipeline", *ARGS, *extra])
+    proc = start(repo, [sys.executable, "-m", "pipeline", *ARGS, *extra], tmp_path)
     out, err, gone = stop_while_writing(repo, proc, signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL
     assert f"error: {STAGE} [{BUILD}]: stopped: its parent process is gone" in err, err
@@ -144,7 +150,7 @@ def test_a_killed_build_stops_its_stage_by_itself(stop_repo):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
-def test_dvc_repro_stopped_stops_its_stage(stop_repo, sig):
+def test_dvc_repro_stopped_stops_its_stage(stop_repo, tmp_path, sig):
     """Plain `dvc repro` of the build's stage: DVC dies of the signal (its own default),
     and the stage, its parent gone, stops and removes its temporary output."""
     repo = stop_repo
@@ -157,7 +163,7 @@ def test_dvc_repro_stopped_stops_its_stage(stop_repo, sig):
     cfg["parity"]["decode_tokens"] = 28 if sig == signal.SIGTERM else 29
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     try:
-        proc = start(repo, [sys.executable, "-m", "dvc", "repro", "--single-item", f"{BUILD}--{STAGE}"])
+        proc = start(repo, [sys.executable, "-m", "dvc", "repro", "--single-item", f"{BUILD}--{STAGE}"], tmp_path)
         out, err, gone = stop_while_writing(repo, proc, sig)
         assert proc.returncode == -sig
         assert f"error: {STAGE} [{BUILD}]: stopped: its parent process is gone" in err, err
@@ -185,7 +191,7 @@ def test_a_stopped_sweep_stops_its_workers_builds(stop_repo, tmp_path, sig, toke
     args = ("-m", "device=x86_avx512", f"build.name={BUILD},{other}", *TINY_MODEL, *FAST_RUN,
             f"parity.decode_tokens={tokens}")
     sweep_dir = tmp_path / "sweep"
-    proc = start(repo, [sys.executable, "-m", "pipeline", *args, f"hydra.sweep.dir={sweep_dir}"])
+    proc = start(repo, [sys.executable, "-m", "pipeline", *args, f"hydra.sweep.dir={sweep_dir}"], tmp_path / "logs")
     out, err, gone = stop_while_writing(repo, proc, sig)
     assert temp_outputs(repo) == [] and not list((repo / "artifacts" / other).glob(".*")), err
     results = {r["build"]: r for r in sweep_results(sweep_dir)}
