@@ -165,38 +165,47 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(cfg, sort_keys=False), end="")
         return 0
     name = cfg["build"]["name"]
-    from pipeline.engine import locks
+    from pipeline.engine import locks, stopping
 
     note = context_note(cfg)
 
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     try:
-        # One run of a build at a time (a second waits, then finds it built);
-        # registry rewrites are serialized across builds (pipeline/engine/locks.py).
-        with locks.hold(name, say=say):
-            is_new = not (ROOT / BUILDS / f"{name}.yaml").exists()
-            with locks.hold(locks.REGISTRY, say=say):
-                path = register(cfg)
-            print(f"build {name}: {path.relative_to(ROOT)} -> {ARTIFACTS}/{name}/", file=sys.stderr)
-            if note:
-                print(f"build {name}: {note}", file=sys.stderr)
-            rc = build(name, cfg, say)
-            if rc != 0:
-                if is_new:
-                    # A build that never succeeded is not left in the registry, where
-                    # every later plain `dvc repro` would trip over it.
-                    from pipeline.engine import dvcgen
-
+        # SIGTERM, SIGINT or SIGHUP stop the running stage, then the build (pipeline/engine/stopping.py).
+        with stopping.stoppable():
+            # One run of a build at a time (a second waits, then finds it built);
+            # registry rewrites are serialized across builds (pipeline/engine/locks.py).
+            with locks.hold(name, say=say):
+                is_new, path = not (ROOT / BUILDS / f"{name}.yaml").exists(), None
+                try:
                     with locks.hold(locks.REGISTRY, say=say):
-                        path.unlink()
-                        dvcgen.write()
-                print(
-                    f"error: build {name} failed (the stage's error is above); nothing failed was cached"
-                    + ("; the new build was not registered" if is_new else ""),
-                    file=sys.stderr,
-                )
-                return rc
+                        path = register(cfg)
+                    print(f"build {name}: {path.relative_to(ROOT)} -> {ARTIFACTS}/{name}/", file=sys.stderr)
+                    if note:
+                        print(f"build {name}: {note}", file=sys.stderr)
+                    rc = build(name, cfg, say)
+                except stopping.Stopped:
+                    rc = 1
+                if rc != 0:
+                    if is_new and path is not None:
+                        # A build that never succeeded is not left in the registry, where
+                        # every later plain `dvc repro` would trip over it.
+                        from pipeline.engine import dvcgen
+
+                        with locks.hold(locks.REGISTRY, say=say):
+                            path.unlink(missing_ok=True)
+                            dvcgen.write()
+                    unregistered = "; the new build was not registered" if is_new and path is not None else ""
+                    if stopping.requested():
+                        print(stopping.line(f"build {name}") + unregistered, file=sys.stderr)
+                        return 128 + stopping.requested()
+                    print(f"error: build {name} failed (the stage's error is above); nothing failed was cached"
+                          + unregistered, file=sys.stderr)
+                    return rc
     except locks.LockError as e:
+        if stopping.requested():  # interrupted while waiting for a lock: nothing of the build ran
+            print(stopping.line(f"build {name}"), file=sys.stderr)
+            return 128 + stopping.requested()
         print(f"error: {e}", file=sys.stderr)
         return 1
     summary(name)

@@ -80,6 +80,21 @@ def sleeps(ctx):
     time.sleep(120)  # the signal ends it long before: a loaded host can take tens of seconds to start the child
 
 
+def sleeps_with_a_grandchild(ctx):
+    """A stage that started a subprocess of its own (a converter, a server) and then runs on."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    (ctx.out / "grandchild.pid").write_text(str(child.pid))
+    (ctx.out / "half.bin").write_bytes(b"x" * 100)
+    time.sleep(120)
+
+
+def ignores_sigterm(ctx):
+    """A stage whose code swallows the stop (a library catching every exception, a native call)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    (ctx.out / "half.bin").write_bytes(b"x" * 100)
+    time.sleep(120)
+
+
 def supervised(tmp_path, monkeypatch, fn: str) -> int:
     """Run the fake stage `fn` the way dvc.yaml's command does: supervised, in a child."""
     module = fake_stage(monkeypatch, tmp_path, globals()[fn])
@@ -246,3 +261,112 @@ def test_the_build_summary_shows_each_stages_time_and_peak(tmp_path, monkeypatch
     assert "12.3" in rows["model"] and "700 MiB" in rows["model"], rows["model"]
     assert "61.0" in rows["benchmark"] and "2,048 MiB" in rows["benchmark"] and "350 MiB" in rows["benchmark"]
     assert "1.5" in rows["calibrate"] and rows["calibrate"].count(" - ") >= 2, rows["calibrate"]
+
+
+# The supervisor in a process of its own, under a "driver" process, as DVC runs it.
+SUPERVISOR = """
+import sys
+sys.path.insert(0, {root!r})
+from pathlib import Path
+import pytest
+from pipeline.engine import run_stage
+from tests import test_stage_cost as t
+from tests.test_faults import fake_stage
+mp = pytest.MonkeyPatch()
+fake_stage(mp, Path({tmp!r}), getattr(t, {fn!r}))
+mp.setattr(run_stage, "stage_params", lambda *a: (t.SETTINGS, None))
+code = t.CHILD.format(root={root!r}, tmp={tmp!r}, fn={fn!r})
+sys.exit(run_stage.supervise(t.ARGV, child=[sys.executable, "-c", code]))
+"""
+DRIVER = "import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', sys.argv[1]]))"
+
+
+def writing(parent: Path, name: str = "half.bin") -> Path | None:
+    """The stage's temp folder once `name` is in it."""
+    for n in leftovers(parent):
+        if n.startswith(f".{STAGE}.tmp-") and (parent / n / name).exists():
+            return parent / n
+    return None
+
+
+def wait_for(predicate, seconds: float = 100):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("how", ["sigterm", "driver_sigkilled"])
+def test_a_stopped_stage_leaves_no_process_and_no_temp_folder(tmp_path, how):
+    """SIGTERM to the stage's command, or its parent SIGKILLed (nobody forwards anything): the
+    stage, the subprocess it started and its temp folder are all gone within seconds."""
+    import psutil
+
+    code = SUPERVISOR.format(root=str(ROOT), tmp=str(tmp_path), fn="sleeps_with_a_grandchild")
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, code], stderr=subprocess.PIPE, text=True)
+    parent = tmp_path / "artifacts" / "b"
+    tmp = wait_for(lambda: writing(parent, "grandchild.pid"))
+    grandchild = int(wait_for(lambda: (tmp / "grandchild.pid").read_text()))
+    tree = [driver.pid, *(p.pid for p in psutil.Process(driver.pid).children(recursive=True))]
+    assert grandchild in tree and len(tree) == 4, tree  # driver, supervisor, stage, its subprocess
+    t0 = time.monotonic()
+    if how == "sigterm":
+        os.kill(tree[1], signal.SIGTERM)  # the supervisor: what DVC runs
+    else:
+        driver.kill()
+    err = driver.communicate(timeout=60)[1]  # EOF: every holder of the pipe is gone
+    wait_for(lambda: not any(alive(p) for p in tree[1:]), 10)
+    gone = time.monotonic() - t0
+    assert "Traceback" not in err, err
+    lines = [l for l in err.splitlines() if l.strip()]
+    if how == "sigterm":
+        assert driver.returncode == 128 + signal.SIGTERM
+        assert lines == [f"error: {STAGE} [b]: stopped by SIGTERM; nothing was written"], err
+    else:
+        assert lines == [f"error: {STAGE} [b]: stopped: its parent process is gone (the build was stopped "
+                         f"or killed); nothing was written"], err
+    assert leftovers(parent) == []
+    assert gone < 8, gone
+    print(f"{how}: the stage, its subprocess and its temp folder gone in {gone:.2f} s")
+
+
+def test_a_stage_that_ignores_the_stop_is_killed_after_the_grace(tmp_path, monkeypatch, capfd):
+    """The stop's grace (run_stage.STOP_GRACE_SECONDS), then SIGKILL: the stage ends anyway."""
+    monkeypatch.setattr(run_stage, "STOP_GRACE_SECONDS", 1.0)
+    parent = tmp_path / "artifacts" / "b"
+    sent = []
+
+    def send_when_running():
+        wait_for(lambda: writing(parent))
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=send_when_running, daemon=True).start()
+    assert supervised(tmp_path, monkeypatch, "ignores_sigterm") == 128 + signal.SIGTERM
+    took = time.monotonic() - sent[0]
+    assert 1.0 <= took < 10, took
+    assert error_lines(capfd) == [f"error: {STAGE} [b]: stopped by SIGTERM; nothing was written"]
+    assert leftovers(parent) == []
+
+
+def test_a_stage_whose_parent_is_already_gone_does_not_start(tmp_path, monkeypatch, capfd):
+    """The parent died while the command was starting (before its watch was on): nothing runs."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    monkeypatch.setattr(run_stage, "_parents_watched", lambda: {dead.pid: None})
+    assert supervised(tmp_path, monkeypatch, "allocate_and_write") == 128 + signal.SIGTERM
+    assert error_lines(capfd) == [f"error: {STAGE} [b]: not started: its parent process is gone "
+                                  f"(the build was stopped or killed)"]
+    assert leftovers(tmp_path / "artifacts" / "b") == []

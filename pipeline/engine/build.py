@@ -141,11 +141,14 @@ def _repro(refs: list[str], say) -> int:
     # For DVC's CLI and, with a cache remote, its Python API in this process alike:
     # dvc.yaml's commands say `python`: made this interpreter (the venv's) without
     # writing a machine-specific path into the cache key; dvc.lock written by
-    # rename; one line per stage (pipeline/engine/narrate.py).
+    # rename; a stop reaches the running stage; one line per stage (pipeline/engine/narrate.py).
     bindir = str(Path(sys.executable).parent)
     if os.environ.get("PATH", "").split(os.pathsep)[0] != bindir:
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     atomic_dvc_files()
+    from pipeline.engine import stopping
+
+    stopping.patch_dvc()  # a stop signal reaches the running stage (pipeline/engine/stopping.py)
     if not narrate.verbose():
         narrate.quiet_dvc()
     return cache_remote.repro(refs, _run_dvc, say)

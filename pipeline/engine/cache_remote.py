@@ -75,7 +75,10 @@ def _repro_pulling(ref: str, name: str) -> int:
         with Repo(remote=name, _wait_for_lock=True) as repo:
             repo.reproduce(ref, single_item=True, pull=True)
     except DvcException as e:
-        cause = f": {e.__cause__}" if e.__cause__ else ""
-        print(f"ERROR: {e}{cause}", file=sys.stderr, flush=True)
+        from pipeline.engine import stopping
+
+        if not stopping.requested():  # a stopped stage: its line and the build's say so
+            cause = f": {e.__cause__}" if e.__cause__ else ""
+            print(f"ERROR: {e}{cause}", file=sys.stderr, flush=True)
         return 1
     return 0

@@ -381,8 +381,14 @@ def main(argv: list[str] | None = None) -> int:
     except MemoryError:
         print(f"error: {label}: out of memory", file=sys.stderr)
         return 1
+    # Under supervision the supervisor says it, knowing why (a signal, or the build gone).
+    except _Stopped as e:
+        if not _supervised:
+            _say(f"error: {label}: stopped by {_signal_name(e.signum)}; nothing was written")
+        return 128 + e.signum
     except KeyboardInterrupt:
-        print(f"error: {label}: interrupted; nothing was written", file=sys.stderr)
+        if not _supervised:
+            _say(f"error: {label}: interrupted; nothing was written")
         return 130
     except Exception as e:  # a bug: keep the traceback, but out of the way
         return _internal_error(label, args.stage, e)
@@ -569,6 +575,13 @@ def supervise(argv: list[str] | None = None, child: list[str] | None = None) -> 
     once, forwarded from here, not twice; it dies with this process (PDEATHSIG),
     so killing the command never leaves a stage running. Exit codes pass through;
     a child killed by a signal is reported here in one line.
+
+    Stopping (docs/design.md, "Stopping a build"): the first SIGINT, SIGTERM or
+    SIGHUP, or this process's parent going away (DVC or the build's driver killed),
+    is sent to the child's whole process group (the stage and whatever it started);
+    what is left of the group STOP_GRACE_SECONDS later is SIGKILLed, as is anything
+    of the group still running once the child has exited, and the child's temporary
+    output is removed. Later signals change nothing: the stage is already stopping.
     """
     args, label = _parse(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -578,45 +591,74 @@ def supervise(argv: list[str] | None = None, child: list[str] | None = None) -> 
 
     def forward(sig, _frame):
         forwarded.append(sig)
-        try:
-            if started:
-                os.kill(started[0].pid, sig)
-        except ProcessLookupError:
-            pass
+        if len(forwarded) == 1 and started:
+            _signal_group(started[0].pid, sig)
 
     # The handlers go on before the child starts: a signal this process ignores (SIGINT under `cmd &`
     # in a non-interactive shell, or nohup) would otherwise be ignored by the child too, which then
     # never sees the Ctrl-C forwarded to it; a caught one is reset to the default in the child.
     before = {s: signal.signal(s, forward) for s in FORWARDED}
+    parents = _parents_watched()
+    orphaned = False
     try:
+        if _parent_gone(parents):  # it died while this process was starting: run nothing
+            _say(f"error: {label}: not started: its parent process is gone (the build was stopped or killed)")
+            return 128 + signal.SIGTERM
         proc = subprocess.Popen(cmd, process_group=0)
         started.append(proc)
         if forwarded:  # a signal that came while it was starting
-            os.kill(proc.pid, forwarded[-1])
+            _signal_group(proc.pid, forwarded[0])
         try:
             watch = os.pidfd_open(proc.pid)  # wakes the moment the child exits
         except (AttributeError, OSError):
             watch = None
-        sampled = 0
+        sampled, deadline = 0, None
         try:
             while True:
                 pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
                 if pid:
                     break
+                if not forwarded and _parent_gone(parents):
+                    orphaned = True
+                    forward(signal.SIGTERM, None)
+                if forwarded and deadline is None:
+                    deadline = time.monotonic() + STOP_GRACE_SECONDS
+                elif deadline is not None and time.monotonic() > deadline:
+                    _signal_group(proc.pid, signal.SIGKILL)  # it had its chance to clean up
+                    deadline = float("inf")
                 sampled = max(sampled, _tree_rss(proc.pid))
-                if watch is not None:
+                # Wakes when the child exits or a watched parent does, else after the sample period.
+                waits = [fd for fd in [watch, *parents.values()] if fd is not None]
+                if waits:
                     import select
 
-                    select.select([watch], [], [], SAMPLE_SECONDS)
+                    select.select(waits, [], [], SAMPLE_SECONDS)
                 else:
                     time.sleep(SAMPLE_SECONDS)
         finally:
             if watch is not None:
                 os.close(watch)
     finally:
+        _close(parents)
         for s, handler in before.items():
             signal.signal(s, handler)
+    # Nothing the stage started outlives it: a converter or server it spawned into its group,
+    # which a signal to the child alone (or the child's SIGKILL) left running.
+    _signal_group(proc.pid, signal.SIGKILL)
     rc = proc.returncode = os.waitstatus_to_exitcode(status)
+    if forwarded:
+        _remove_child_leftovers(args.stage, args.build, args.model, proc.pid)
+        sig = forwarded[0]
+        if rc == 0 or (rc > 0 and rc != 128 + sig):
+            return rc  # it had finished when the signal came, or failed and said why
+        if orphaned:
+            _say(f"error: {label}: stopped: its parent process is gone (the build was stopped or killed); "
+                 f"nothing was written")
+        elif sig == signal.SIGINT:
+            _say(f"error: {label}: interrupted; nothing was written")
+        else:
+            _say(f"error: {label}: stopped by {_signal_name(sig)}; nothing was written")
+        return 128 + sig
     if rc >= 0:
         return rc
     sig = -rc
@@ -631,12 +673,95 @@ def supervise(argv: list[str] | None = None, child: list[str] | None = None) -> 
         print(f"error: {label}: killed by the kernel (SIGKILL, most likely out of memory) at {reached} "
               f"resident ({_memory_limit()}){_bound_by(args.stage, args.build, args.model)}", file=sys.stderr)
         return 1
-    if sig in forwarded:
-        print(f"error: {label}: stopped by {_signal_name(sig)}; nothing was written", file=sys.stderr)
-        return 128 + sig
     print(f"error: {label}: the stage's process died of {_signal_name(sig)} at {reached} resident "
           f"(a crash in native code: torch, onnxruntime, llama.cpp or a converter); nothing was written", file=sys.stderr)
     return 1
+
+
+# A stopped stage's time to clean up (its `finally`s: a vLLM server it started, its temp
+# folder) before what is left of it is SIGKILLed: "within a few seconds" of the stop.
+STOP_GRACE_SECONDS = 5.0
+_SHELLS = {"sh", "dash", "bash", "zsh", "fish", "ksh"}
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # none of the group is left
+
+
+def _parents_watched() -> dict[int, int | None]:
+    """{pid: pidfd or None} of the processes whose end stops the stage: the parent (DVC,
+    in `python -m pipeline` or its own CLI), and the grandparent where the parent is the
+    shell DVC runs a stage's command through (`$SHELL -c CMD`; bash and dash exec the
+    command, a shell that does not would outlive the build and keep the stage running).
+
+    A pidfd, not PR_SET_PDEATHSIG: the kernel sends that when the parent *thread* that
+    started this process ends, which under a launcher running DVC in a worker thread
+    would stop a stage whose build goes on; a pidfd becomes readable when the process
+    exits. Where pidfd_open is missing, getppid() is polled instead (_parent_gone)."""
+    watched = {}
+    pid = os.getppid()
+    for _ in range(2):
+        if pid <= 1:
+            break
+        try:
+            watched[pid] = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            watched[pid] = None
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            break
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        if name not in _SHELLS:
+            break
+        pid = int(stat.rpartition(")")[2].split()[1])
+    return watched
+
+
+def _parent_gone(watched: dict[int, int | None]) -> bool:
+    if watched and os.getppid() not in watched:
+        return True  # re-parented: the parent exited
+    import select
+
+    fds = [fd for fd in watched.values() if fd is not None]
+    if fds and select.select(fds, [], [], 0)[0]:
+        return True
+    return any(fd is None and not _alive(pid) for pid, fd in watched.items())
+
+
+def _close(watched: dict[int, int | None]) -> None:
+    for fd in watched.values():
+        if fd is not None:
+            os.close(fd)
+
+
+def _say(line: str) -> None:
+    """A stop's line on stderr; a reader that went with the build is no reason to fail."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP in the stage's process: an interrupt, so that its `finally`s and
+    `with`s run (the temp folder removed, a vLLM server it started stopped) where the
+    default action would end it on the spot."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+_supervised = False  # this process is a supervised child (_as_child)
+
+
+def _stopped(signum, _frame):
+    raise _Stopped(signum)
 
 
 def _as_child(parent: int, argv: list[str]) -> int:
@@ -649,6 +774,10 @@ def _as_child(parent: int, argv: list[str]) -> int:
         pass
     if os.getppid() != parent:  # the supervisor died before prctl took effect
         return 1
+    global _supervised
+    _supervised = True
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _stopped)
     return main(argv)
 
 

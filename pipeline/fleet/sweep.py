@@ -39,6 +39,7 @@ from pipeline.engine.layout import BUILDS, ROOT, output_dir
 
 DEFAULT_LAUNCHER = "local"  # conf/hydra/launcher/local.yaml (joblib)
 RESULT_FILE = "edgekiln-result.json"
+STOP_FILE = "edgekiln-stopped"  # in the sweep's folder, once the sweep was stopped
 
 
 def _is_hydra_override(arg: str) -> bool:
@@ -78,7 +79,7 @@ def plan(overrides: list[str]) -> list[tuple[list[str], dict]]:
     return jobs
 
 
-def job(cfg, *, root: str, cache_remote: str | None) -> dict:
+def job(cfg, *, root: str, cache_remote: str | None, launcher_pid: int | None = None) -> dict:
     """One sweep job, in whatever worker the launcher chose: build one registered build.
 
     Never raises: the launcher would turn an exception into a lost job for the
@@ -105,16 +106,40 @@ def job(cfg, *, root: str, cache_remote: str | None) -> dict:
         resolved = validate(cfg, overrides)
         name = resolved["build"]["name"]
         result["build"] = name
-        from pipeline.engine import locks
+        from pipeline.engine import locks, stopping
         from pipeline.engine.build import build, register
 
         say = lambda line: print(f"[{name}] {line}", file=sys.stderr, flush=True)  # noqa: E731
-        with locks.hold(name, say=say):
-            # A no-op where the sweep registered it (same checkout); a worker with
-            # its own checkout (Ray, Slurm) registers it there.
-            with locks.hold(locks.REGISTRY, say=say):
-                register(resolved)
-            rc = build(name, resolved, say)
+        stop_file = out_dir.parent / STOP_FILE  # written by the launcher's handler (stopping_workers)
+        not_started = dict(status="stopped", detail="the sweep was stopped before this build started")
+        if stopping.job_stopped(stop_file):
+            result.update(not_started)
+            return result
+        if os.getpid() != launcher_pid:
+            # A worker whose launcher was SIGKILLed stops its build; the launcher's signals stop it
+            # too. Not the launcher itself (one job at a time runs in its process): its own parent
+            # (a shell that started it with nohup) may go and leave it running.
+            stopping.watch_parent()
+        try:
+            with stopping.stoppable(worker=True):
+                if stopping.job_stopped(stop_file):
+                    result.update(not_started)
+                    return result
+                with locks.hold(name, say=say):
+                    # A no-op where the sweep registered it (same checkout); a worker with
+                    # its own checkout (Ray, Slurm) registers it there.
+                    with locks.hold(locks.REGISTRY, say=say):
+                        register(resolved)
+                    rc = build(name, resolved, say)
+        except (stopping.Stopped, locks.LockError):
+            if not stopping.requested():
+                raise
+            rc = 128 + stopping.requested()
+        if stopping.requested():
+            line = stopping.line(f"build {name}")
+            say(line)
+            result.update(status="stopped", rc=rc, detail=line.partition(": ")[2].partition(": ")[2])
+            return result
         ray = sys.modules.get("ray")
         if ray is not None and ray.is_initialized():  # which Ray node ran it
             result["ray_node"] = ray.get_runtime_context().get_node_id()
@@ -198,6 +223,11 @@ def main(args: list[str]) -> int:
         return 2
     if not any(a.lstrip("+").startswith("hydra/launcher=") for a in hydra_args):
         hydra_args.append(f"hydra/launcher={DEFAULT_LAUNCHER}")
+    local = _launcher(hydra_args) == "joblib (local)"
+    if local and not any(a.lstrip("+").startswith("hydra.launcher.n_jobs=") for a in hydra_args):
+        # One worker per core, but no more than there are jobs: a worker that never gets one
+        # only idles (loky keeps it 5 minutes), and outlives a launcher that was SIGKILLed.
+        hydra_args.append(f"hydra.launcher.n_jobs={min(os.cpu_count() or 1, len(jobs))}")
     if not any(a.lstrip("+").startswith("hydra.sweep.dir=") for a in hydra_args):
         stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
         hydra_args.append(f"hydra.sweep.dir={Path(os.environ.get('TMPDIR', '/tmp')) / 'edgekiln-multirun' / stamp}")
@@ -222,14 +252,18 @@ def main(args: list[str]) -> int:
     # Workers (loky processes, a local Ray instance's) import this checkout's
     # code, not whatever `pipeline` the venv's editable install points at.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    task = functools.partial(job, root=str(ROOT), cache_remote=cache_remote.remote())
+    task = functools.partial(job, root=str(ROOT), cache_remote=cache_remote.remote(), launcher_pid=os.getpid())
     sweep_dir = Path(next(a for a in hydra_args if a.startswith("hydra.sweep.dir=")).split("=", 1)[1])
     results: list[dict | None] = [None] * len(jobs)
     launch_error = None
+    from pipeline.engine import stopping
+
     try:
-        for ret in _launch(build_args + hydra_args, task):
-            value = ret.return_value
-            results[ret.hydra_cfg.hydra.job.num] = value
+        # SIGTERM, SIGINT or SIGHUP stop every worker's build; their results still come back.
+        with stopping.stopping_workers(sweep_dir / STOP_FILE):
+            for ret in _launch(build_args + hydra_args, task):
+                value = ret.return_value
+                results[ret.hydra_cfg.hydra.job.num] = value
     except Exception as e:  # noqa: BLE001 - a launcher failure (a worker killed, Ray down): summarized below
         text = str(e).strip().splitlines()
         launch_error = f"{e.__class__.__name__}: {text[0] if text else ''}"
@@ -250,6 +284,11 @@ def main(args: list[str]) -> int:
             dvcgen.write()
         say(f"unregistered the new builds that did not succeed: {', '.join(failed_new)} (re-run the sweep to finish them)")
     print_summary(rows)
+    if stopping.requested():
+        stopped = [f"{r['build']} ({r['detail']})" for r in rows if r["status"] == "stopped" and r.get("rc")]
+        print(f"error: sweep: stopped by {stopping.signal_name(stopping.requested())}"
+              + (f": {', '.join(stopped)}" if stopped else ""), file=sys.stderr)
+        return 128 + stopping.requested()
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -198,6 +199,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # A vLLM build's server runs in a session of its own: SIGTERM and SIGHUP (a service manager,
+    # a closed terminal) unwind through `with server:`, which stops it, as Ctrl-C does; their
+    # default would end this process and leave vLLM running.
+    from pipeline.engine.stopping import Stopped, signal_name
+
+    def stop(signum, _frame):
+        raise Stopped(signum)
+
+    before = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         if _runtime(args.build) == "vllm-cpu":
             res = _generate_vllm(args)
@@ -213,9 +223,15 @@ def main(argv: list[str] | None = None) -> int:
     except GenerateError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except Stopped as e:
+        print(f"\nerror: generate {args.build}: stopped by {signal_name(e.signum)}", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
     print()
     pre = res["prompt_tokens"] / res["prefill_s"] if res["prefill_s"] > 0 else float("inf")
     # the tokens decode_s covers: all new ones here; over HTTP, those after the first
