@@ -397,8 +397,8 @@ def test_a_device_with_no_path_for_a_family_is_refused_in_one_line(monkeypatch):
     assert weight_path.select(spec, "speed", {"model_type": "gemma3_text"})["path"] == "w4a16_tinygemm"
     # a Qwen2 falls back only where its window slides some layers (Qwen2.5 ships use_sliding_window false)
     amx = devices.spec_sheet("xeon_amx")
-    qwen = {"model_type": "qwen2", "num_hidden_layers": 4, "sliding_window": 8,
-            "layer_types": ["full_attention"] * 2 + ["sliding_attention"] * 2}
+    qwen = {"model_type": "qwen2", "num_hidden_layers": 4, "sliding_window": 8, "use_sliding_window": True,
+            "layer_types": ["full_attention"] * 2 + ["sliding_attention"] * 2}  # a windowed config.json as written
     assert weight_path.select(amx, "speed", qwen)["path"] == "w4a16_tinygemm"
     assert weight_path.select(amx, "speed", {**qwen, "sliding_window": None})["path"] == "w4a8_gptq_vllm"
 
@@ -561,3 +561,17 @@ def test_the_phone_graphs_of_every_family_stay_close_to_its_export(builds, famil
     # (Qwen2), top-1 0.92 to 1.00
     assert snr_db(export, w8) > 22.0, snr_db(export, w8)
     assert top1(export, w8) >= 0.9
+
+
+def test_a_released_qwen25_config_without_layer_types_runs_on_vllm():
+    # Qwen2.5-0.5B's config.json as released: no layer_types, sliding_window 32768 with use_sliding_window
+    # false (the selector read it raw and raised "config.layer_types has 0 entries", failing every xeon_amx
+    # pack of a real Qwen2.5)
+    from pipeline.quant import weight_path
+
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": 24,
+           "hidden_size": 896, "num_attention_heads": 14, "num_key_value_heads": 2, "intermediate_size": 4864,
+           "vocab_size": 151936, "sliding_window": 32768, "use_sliding_window": False, "max_window_layers": 21,
+           "max_position_embeddings": 32768, "rope_theta": 1000000.0, "tie_word_embeddings": True}
+    assert weight_path.gap("w4a8_gptq_vllm", cfg) is None
+    assert weight_path.gap("w4a8_gptq_vllm", {**cfg, "use_sliding_window": True}) is not None

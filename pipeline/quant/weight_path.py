@@ -39,11 +39,11 @@ def _as_dict(device) -> dict[str, Any]:
 
 
 def _some_layers_slide(cfg) -> bool:
-    from types import SimpleNamespace
+    # through the family's config class, as vLLM reads config.json (kv_budget.sliding_layers): a released
+    # Qwen2.5 config.json has no layer_types map and an unused sliding_window, which the class turns into none
+    from pipeline.sources.kv_budget import sliding_layers
 
-    from pipeline.sources import families
-
-    slides, _ = families.sliding_layers(SimpleNamespace(**cfg))
+    slides, _ = sliding_layers(cfg) or ([], 0)
     return any(slides) and not all(slides)
 
 
