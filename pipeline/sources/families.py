@@ -154,6 +154,16 @@ def of_gguf_arch(arch: str) -> Family:
                       + f"; GGUF sources read: {', '.join(sorted(sources))}")
 
 
+def hf_config(text: dict):
+    """A config.json dict of a family of the table as transformers reads it (its config class), which is
+    what every runtime reads (transformers, vLLM): where Qwen2's unused window becomes None, a Gemma 2
+    config.json without layer_types gets its pattern and a Phi-3's rope_scaling becomes rope_parameters.
+    Raises what transformers' config validation raises."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[text["model_type"]].from_dict(dict(text))
+
+
 def sliding_layers(cfg) -> tuple[list[bool], int]:
     """(per layer: does it slide, the window) as the family's forward masks; window 0: none slides.
 

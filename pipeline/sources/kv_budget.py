@@ -69,9 +69,7 @@ def sliding_layers(text: dict) -> tuple[list[bool], int] | None:
     model_type = text.get("model_type")
     if model_type not in families.FAMILIES:
         return None
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    cfg = CONFIG_MAPPING[model_type].from_dict(dict(text))
+    cfg = families.hf_config(text)
     try:
         return families.sliding_layers(cfg)
     except families.FamilyError as e:

@@ -156,10 +156,8 @@ def _rope_limit(text: dict, folder: Path) -> int:
     scaling = text.get("rope_parameters") or text.get("rope_scaling") or {}
     if "longrope" not in json.dumps(scaling):
         return 0  # only LongRoPE has a limit: no transformers import for the others
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
     try:
-        cfg = CONFIG_MAPPING[text["model_type"]].from_dict(dict(text))
+        cfg = families.hf_config(text)
     except Exception as e:  # transformers' config validation raises several types
         raise FactsError(f"{folder / 'config.json'}: transformers cannot read it: "
                          f"{str(e).strip().splitlines()[0]}") from None
