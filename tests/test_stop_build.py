@@ -60,8 +60,12 @@ def stage_writing(repo: Path) -> bool:
 def start(repo: Path, cmd: list[str], logs: Path) -> subprocess.Popen:
     """The command with its output in files (a pipe nobody reads until the end could fill and block it)."""
     logs.mkdir(parents=True, exist_ok=True)
+    # DVC runs a stage's command through $SHELL -c: /bin/sh (dash on Debian, and CI's $SHELL) keeps
+    # itself as the stage's parent instead of exec'ing the command, and dies at once of a SIGTERM or
+    # SIGHUP sent to it, which once let the build's last line come before the stage's: the harder case.
+    env = venv_env() | {"SHELL": "/bin/sh"}
     with open(logs / "out", "w") as out, open(logs / "err", "w") as err:
-        proc = subprocess.Popen(cmd, cwd=repo, stdout=out, stderr=err, env=venv_env())
+        proc = subprocess.Popen(cmd, cwd=repo, stdout=out, stderr=err, env=env)
     proc.logs = logs
     return proc
 

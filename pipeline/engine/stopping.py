@@ -113,16 +113,19 @@ def _on_signal(signum, _frame):
 
 def _signal_stage(pid: int, signum: int) -> None:
     """The signal to the stage's command, `pid` (run_stage's supervisor, which stops the
-    stage's whole process group); where the shell DVC runs the command through did not
-    exec it, `pid` is that shell, which would keep a SIGINT to itself until the stage
-    ended: to the shell's children too."""
+    stage's whole process group). Where the shell DVC runs the command through did not
+    exec it, `pid` is that shell: the signal goes to the shell's children (the supervisor)
+    and not to the shell, which would keep a SIGINT to itself until the stage ended and
+    die at once of a SIGTERM or SIGHUP, so that DVC saw the stage end, and the build
+    printed its last line, while the supervisor was still stopping the stage (its own
+    line then came after the build's). The shell ends when its child does."""
     from pipeline.engine.run_stage import _SHELLS, _children
 
     targets = [pid]
     try:
         with open(f"/proc/{pid}/comm") as f:
             if f.read().strip() in _SHELLS:
-                targets += _children(pid)
+                targets = _children(pid) or [pid]
     except OSError:
         pass
     for target in targets:
