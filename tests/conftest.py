@@ -40,6 +40,23 @@ FAST_RUN = [
 ]
 
 
+# CI runs one or two of each family of variants (signals, model families) within its time;
+# EDGEKILN_TEST_ALL=1 runs every one (each a real build or a vLLM start: a minute or more).
+TEST_ALL = bool(os.environ.get("EDGEKILN_TEST_ALL"))
+
+
+def variants(values, in_ci, what: str, ids=None) -> list:
+    """`values` for a parametrize, those not in `in_ci` skipped (saying what each is and how to run it)
+    unless EDGEKILN_TEST_ALL=1. `ids`: the test ids of `values`, where they are not their str();
+    a tuple value fills a parametrize of several names."""
+    ids = list(ids) if ids is not None else [str(v) for v in values]
+    skip = [] if TEST_ALL else [pytest.mark.skip(reason=f"{what.format(i)}: EDGEKILN_TEST_ALL=1 runs it")
+                                for i in ids]
+    return [pytest.param(*(v if isinstance(v, tuple) else (v,)), id=i,
+                         marks=() if TEST_ALL or i in in_ci else skip[n])
+            for n, (v, i) in enumerate(zip(values, ids))]
+
+
 def git(cwd: Path, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
 
