@@ -253,3 +253,34 @@ def test_a_config_whose_kv_cannot_be_sized_is_one_line(tmp_path):
         build(["model=hf", f"model.path={d}"])
     msg = str(e.value)
     assert "\n" not in msg and "model.path" in msg and "KV cache" in msg, msg
+
+
+# Mistral-7B-v0.1's: a 4096-token window on every layer, 32768 positions (v0.2 on: no window)
+MISTRAL_V01 = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "num_hidden_layers": 32,
+               "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096, "intermediate_size": 14336,
+               "sliding_window": 4096, "max_position_embeddings": 32768, "rope_theta": 10000.0, "vocab_size": 32000}
+
+
+def test_llamacpp_runs_a_mistral_without_its_window_so_its_context_ends_there(tmp_path):
+    """llama.cpp writes Mistral as llama and applies no window (tests/test_family_paths.py measures it: past
+    the window, another model): on its devices the window ends the context and nothing slides in parity; a
+    runtime that applies the window passes it as before."""
+    d = _checkpoint(tmp_path, "mistral", MISTRAL_V01)
+    ort = build(["model=hf", f"model.path={d}", "device=x86_avx512"])
+    assert ort["export"]["context_length"] == 8192 and ort["parity"]["decode_tokens"] > 4096  # twice the window
+    cpp = build(["model=hf", f"model.path={d}", "device=x86_llamacpp"])
+    assert cpp["export"]["context_length"] == 4096 and cpp["parity"]["decode_tokens"] == 80
+    assert "and its 4096-token window, which llama.cpp does not apply" in context_note(cpp)
+    narrow = _checkpoint(tmp_path, "mistral-2k", {**MISTRAL_V01, "sliding_window": 2048})
+    assert context_note(build(["model=hf", f"model.path={narrow}", "device=x86_llamacpp"])).startswith(
+        "context 2048: llama.cpp applies no sliding window to MistralForCausalLM: its 2048-token window ends "
+        "the context")
+    with pytest.raises(ConfigError) as e:
+        build(["model=hf", f"model.path={d}", "device=x86_llamacpp", "export.context_length=8192"])
+    msg = str(e.value)
+    assert "\n" not in msg and "export.context_length=8192" in msg and "4096-token sliding window" in msg
+    assert "llama.cpp does not apply" in msg and "at most 4096" in msg and "x86_avx512" in msg
+    # v0.2 on: no window, nothing to bound
+    free = _checkpoint(tmp_path, "mistral02", {**MISTRAL_V01, "sliding_window": None})
+    assert build(["model=hf", f"model.path={free}", "device=x86_llamacpp"])["export"]["context_length"] == 4096
+    assert "window" not in context_note(build(["model=hf", f"model.path={free}", "device=x86_llamacpp"]))

@@ -241,7 +241,7 @@ def _model_defaults(c: dict, where, refuse: bool):
     if not unset and not refuse:
         return None
     try:
-        facts = model_facts.of(c["model"])
+        facts = _facts(c)
         derived = model_facts.derive(facts, *_device_memory(c))
     except model_facts.FactsError as e:
         named = re.match(r"(model\.train\.\w+)=", str(e))  # the embedded model's own setting, named by the error
@@ -254,6 +254,13 @@ def _model_defaults(c: dict, where, refuse: bool):
     if "calibrate.min_samples" in unset:  # null: every window asked for
         c["calibrate"]["min_samples"] = c["calibrate"]["samples"]
     return facts if refuse else None
+
+
+def _facts(c: dict):
+    """The checkpoint's facts as the device's runtime computes the model (model_facts.on_runtime)."""
+    from pipeline.sources import model_facts
+
+    return model_facts.on_runtime(model_facts.of(c["model"]), (c.get("device") or {}).get("runtime"))
 
 
 def _device_memory(c: dict) -> tuple[float, str, str]:
@@ -274,7 +281,7 @@ def context_note(c: dict) -> str | None:
     from pipeline.sources import model_facts
 
     try:
-        facts = model_facts.of(c["model"])
+        facts = _facts(c)
     except model_facts.FactsError:
         return None
     context, why = model_facts.default_context(facts, *_device_memory(c))

@@ -404,6 +404,30 @@ def embedding_blocks(table: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarr
     return (pack_q8_0 if bits == 8 else pack_q4_0)(codes, scales), dequant(codes, scales, bits)
 
 
+def _window_pattern(reader, hf_dir: Path, arch: str) -> list[bool] | None:
+    """Per layer, does it slide: for a family whose pattern llama.cpp reads from the file but whose
+    converter does not write it (families.GGUF_WINDOW_PATTERN: Gemma 3, which llama.cpp otherwise takes
+    as every 6th layer full; measured on a 1-in-2 checkpoint, 26.1 dB without the key, 32.3 with it,
+    llama.cpp against the model of the file's codes). None where the file has it or the family needs none."""
+    import gguf
+
+    from pipeline.sources import families
+
+    if _field(reader, gguf.Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=arch)) is not None:
+        return None
+    text = json.loads((hf_dir / "config.json").read_text())
+    text = text.get("text_config") or text
+    try:
+        cfg = families.hf_config(text)
+        fam = families.of_config(cfg)
+    except (families.FamilyError, KeyError, ValueError):
+        return None
+    if fam.gguf_window != families.GGUF_WINDOW_PATTERN:
+        return None
+    slides, _ = families.sliding_layers(cfg)
+    return slides
+
+
 def write_q4_0(converted_gguf, hf_dir, quant_dir, out_file, *, others: str = "auto") -> dict[str, Any]:
     """A new GGUF at `out_file`: `converted_gguf` with our quantized linears as Q4_0.
 
@@ -468,6 +492,9 @@ def write_q4_0(converted_gguf, hf_dir, quant_dir, out_file, *, others: str = "au
                 _copy_field(writer, field)
         if _field(reader, gguf.Keys.General.QUANTIZATION_VERSION) is None:
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        pattern = _window_pattern(reader, Path(hf_dir), arch)
+        if pattern is not None:
+            writer.add_sliding_window_pattern(pattern)
 
         types: dict[str, int] = {}
         for t in reader.tensors:

@@ -30,6 +30,16 @@ SLIDING_EVERY_LAYER = "every_layer"  # config.sliding_window, when set, binds ev
 SLIDING_NONE = "none"  # no window (Llama, Granite)
 SLIDING = (SLIDING_LAYER_TYPES, SLIDING_EVERY_LAYER, SLIDING_NONE)
 
+# How llama.cpp (0.3.36's, the runtime of the llama.cpp device classes) applies a family's window, measured
+# by running each family's GGUF (tests/test_family_paths.py, llama.cpp against the model of the file's codes):
+GGUF_WINDOW_NATIVE = "native"  # as transformers does, from what its converter writes (Gemma 2, Phi-3), or none
+GGUF_WINDOW_PATTERN = "pattern"  # llama.cpp reads {arch}.attention.sliding_window_pattern, which its converter
+# does not write: without it Gemma 3 takes every 6th layer as full (26 dB on a 1-in-2 checkpoint, 33 with it);
+# the pack stage writes the checkpoint's own layer_types there
+GGUF_WINDOW_NONE = "none"  # no window at all (Mistral, written as llama; Qwen2's converter writes none): the
+# file is the model only within the window (41.6 dB inside, 2.1 past it on Mistral), so a llama.cpp build's
+# positions end at the window (model_facts.on_runtime)
+
 # Rotary variants whose inverse frequencies are fixed at init, so the static graphs read HF's own buffers.
 # "longrope" is fixed only up to `original_max_position_embeddings` (transformers' modeling_rope_utils.py
 # `longrope_frequency_update`: the long factor takes over past it); `rope_limit` checks a context against it.
@@ -49,6 +59,7 @@ class Family:
     fused_gate_up: str | None = None  # one projection for gate|up (its module name under mlp), gate first
     nope_key: str | None = None  # a config list, per layer, of 1 = rotary / 0 = no rotary (NoPE)
     multipliers: tuple[str, ...] = ()  # scalar config multipliers the forward applies (see MULTIPLIERS)
+    gguf_window: str = GGUF_WINDOW_NATIVE  # how llama.cpp applies its window (GGUF_WINDOW_*)
     gguf_source: bool = True  # a GGUF of it is read as a source: transformers' GGUF loader reads it
     # (transformers 5.x modeling_gguf_pytorch_utils GGUF_SUPPORTED_ARCHITECTURES has no smollm3 or granite)
     notes: tuple[str, ...] = field(default=(), compare=False)  # each deviation's source line in transformers
@@ -78,11 +89,11 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", "LlamaForCausalLM", "llama",
            notes=("the base decoder; rope_type llama3 scales inv_freq at init "
                   "(modeling_rope_utils._compute_llama3_parameters): a static table the graphs read",)),
-    Family("mistral", "MistralForCausalLM", "llama", sliding=SLIDING_EVERY_LAYER,
+    Family("mistral", "MistralForCausalLM", "llama", sliding=SLIDING_EVERY_LAYER, gguf_window=GGUF_WINDOW_NONE,
            notes=("sliding_window, when set, masks every layer and there is no layer_types map "
                   "(MistralModel.forward: create_sliding_window_causal_mask for all layers); llama.cpp "
                   "writes it as llama",)),
-    Family("qwen2", "Qwen2ForCausalLM", "qwen2", sliding=SLIDING_LAYER_TYPES,
+    Family("qwen2", "Qwen2ForCausalLM", "qwen2", sliding=SLIDING_LAYER_TYPES, gguf_window=GGUF_WINDOW_NONE,
            notes=("q/k/v projections with bias=True, o_proj without (Qwen2Attention.__init__)",
                   "config.sliding_window is None unless use_sliding_window (Qwen2Config.__post_init__): the "
                   "4096 or 32768 in a Qwen2.5 config.json is not a window",)),
@@ -95,7 +106,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                   "(softcap=self.attn_logit_softcapping)", "final_logit_softcapping on the logits",
                   "scaling = query_pre_attn_scalar ** -0.5", "alternating sliding / full layer_types")),
     Family("gemma3_text", "Gemma3ForCausalLM", "gemma3", sliding=SLIDING_LAYER_TYPES, norm_offset=True,
-           sandwich_norms=True, qk_norm=True,
+           sandwich_norms=True, qk_norm=True, gguf_window=GGUF_WINDOW_PATTERN,
            notes=("as Gemma 2, plus q_norm / k_norm, one rotary table per layer type; its attention stores "
                   "attn_logit_softcapping but never applies it",)),
     Family("phi3", "Phi3ForCausalLM", "phi3", sliding=SLIDING_EVERY_LAYER, fused_qkv="qkv_proj",

@@ -123,6 +123,12 @@ def _as_llama_cpp_runs(config, arch: str, meta: dict, gguf_file: Path):
         # llama.cpp scales attention by 1/sqrt(key_length) (every Gemma 2 and 3 but the 27B,
         # not a target here), so the checkpoint says what llama.cpp runs.
         config.query_pre_attn_scalar = int(get("attention.key_length"))
+    if arch == "gemma3":
+        # llama.cpp takes every 6th layer as full unless the file has a pattern (the pack stage writes the
+        # checkpoint's: gguf_q4._window_pattern); Gemma3Config's default pattern is the same every 6th.
+        pattern = get("attention.sliding_window_pattern")
+        if isinstance(pattern, list) and len(pattern) == config.num_hidden_layers:
+            config.layer_types = ["sliding_attention" if p else "full_attention" for p in pattern]
     if arch == "gemma2":
         # Gemma2Config's defaults (50, 30) are the releases', but the file's own values are what
         # llama.cpp applies (measured: softcaps 5 and 3 came back as 50 and 30).

@@ -87,6 +87,10 @@ class ModelFacts:
     source: str = "embedded"  # model.source: the embedded model keeps its quick defaults
     family: str = ""  # its family's architecture (the messages name it)
     rope_limit: int = 0  # the last context its static rotary tables are exact for (LongRoPE); 0: any
+    # the last context the device's runtime computes the model at, where it applies none of the model's
+    # window (on_runtime: llama.cpp and a Mistral); 0: any. The runtime's name says why.
+    window_limit: int = 0
+    window_runtime: str = ""
     # what the KV planner reads (geometry and which layers slide), None where the file does not say
     kv_config: dict | None = field(default=None, compare=False, hash=False)
 
@@ -98,6 +102,22 @@ def of(model: dict) -> ModelFacts:
         # A window no sequence can fill never binds: the model attends fully.
         return replace(facts, sliding_window=0)
     return facts
+
+
+def on_runtime(facts: ModelFacts, runtime: str | None) -> ModelFacts:
+    """The facts as the device's runtime (device.runtime) computes the model. llama.cpp applies no window
+    to a family whose GGUF it runs without one (families.GGUF_WINDOW_NONE: Mistral, written as llama;
+    Qwen2): the file is the model only within the window, so there the window is the last context the
+    build may have (window_limit) and no layer slides (parity has no window to pass). Unchanged elsewhere."""
+    if runtime != "llama.cpp" or not facts.sliding_window or not facts.family:
+        return facts
+    try:
+        fam = families.of_architecture(facts.family)
+    except families.FamilyError:
+        return facts
+    if fam.gguf_window != families.GGUF_WINDOW_NONE:
+        return facts
+    return replace(facts, sliding_window=0, window_limit=facts.sliding_window, window_runtime=runtime)
 
 
 def _read(model: dict) -> ModelFacts:
@@ -231,10 +251,12 @@ class _Chained:
 
 # GGUF value types (the spec's numbering) -> struct format; 8 string, 9 array.
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_BOOL = 7
 
 
 def gguf_metadata(parts: list[Path], wanted: tuple[str, ...] = ()) -> dict:
-    """The GGUF header's key/values (arrays skipped), stopping once `wanted` are read.
+    """The GGUF header's key/values (arrays skipped, but for per-layer flag lists), stopping once `wanted`
+    are read.
 
     Written by hand because gguf's GGUFReader maps and parses the whole file,
     tensors and the 262k-token vocabulary included: 7.7 s for Gemma 3 270M on
@@ -262,6 +284,8 @@ def gguf_metadata(parts: list[Path], wanted: tuple[str, ...] = ()) -> dict:
             if item == 8:
                 for _ in range(count):
                     f.read(take("Q"))
+            elif item == _BOOL and count <= 4096:  # a per-layer flag list: sliding_window_pattern
+                return [bool(take("?")) for _ in range(count)]
             elif item in _SCALARS:
                 f.read(struct.calcsize("<" + _SCALARS[item]) * count)
             else:
@@ -365,6 +389,12 @@ def default_context(facts: ModelFacts, memory_gib: float = 0.0, device: str = ""
             context, why = facts.rope_limit, f"LongRoPE's short factor ends at {facts.rope_limit} positions"
         else:
             bounds.append(f"LongRoPE's {facts.rope_limit} short-factor positions")
+    if facts.window_limit:
+        if facts.window_limit < context:
+            context, why = facts.window_limit, (f"{facts.window_runtime} applies no sliding window to "
+                                                f"{family}: its {facts.window_limit}-token window ends the context")
+        else:
+            bounds.append(f"its {facts.window_limit}-token window, which {facts.window_runtime} does not apply")
     kv = kv_bytes(facts, context)
     if kv is not None and memory_gib > 0:
         allowed = KV_MEMORY_SHARE * memory_gib * 2**30
@@ -424,6 +454,12 @@ def refusals(facts: ModelFacts, cfg: dict, prompts_upper: int, memory_gib: float
                     f"export.context_length={ctx} passes the {facts.rope_limit} positions of {facts.name}'s LongRoPE "
                     f"short factor, the one table a static graph holds; set it to at most {facts.rope_limit} "
                     f"(or null: {derived['export.context_length']})"))
+    if facts.window_limit and ctx > facts.window_limit:
+        out.append(("export.context_length",
+                    f"export.context_length={ctx} passes {facts.name}'s {facts.window_limit}-token sliding window, "
+                    f"which {facts.window_runtime} does not apply (it would attend past it: another model); set it "
+                    f"to at most {facts.window_limit} (or null: {derived['export.context_length']}), or build for "
+                    f"a device whose runtime applies the window (x86_avx512)"))
     if w and ctx <= w:
         out.append(("export.context_length",
                     f"export.context_length={ctx} does not pass {facts.name}'s {w}-token sliding window, so its "
