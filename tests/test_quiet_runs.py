@@ -130,6 +130,29 @@ def test_a_progress_bar_names_its_stage_and_ends_complete(capsys):
     assert "[calibrate] layers" in err and "3/3" in err and "loss 1.5" in err
 
 
+def test_a_bar_in_a_log_file_says_how_far_it_is_every_so_often(capsys, monkeypatch):
+    """Where stderr is not a terminal (a log file, CI, `nohup`), rich drew the bar only when it ended:
+    a 20-minute calibration said nothing for 20 minutes. Plain lines: a start, one at most every
+    EDGEKILN_PROGRESS_SECONDS with the count and the time left, and the end."""
+    from pipeline.engine.context import StageContext
+
+    ctx = StageContext.__new__(StageContext)
+    ctx.stage = "calibrate"
+    monkeypatch.setenv("EDGEKILN_PROGRESS_SECONDS", "0")
+    with ctx.progress(4, "calibration, 2 layers x 2 samples") as bar:
+        for _ in range(4):
+            bar.advance()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "[calibrate] calibration, 2 layers x 2 samples: started, 4 to do"
+    assert [l.split(": ", 1)[1].split(",")[0] for l in lines[1:]] == ["1/4", "2/4", "3/4", "4/4", "4/4"]
+    assert "left" in lines[1] and lines[-1].endswith(", done")
+    monkeypatch.setenv("EDGEKILN_PROGRESS_SECONDS", "3600")  # within the interval: the start and the end only
+    with ctx.progress(100, "steps") as bar:
+        for _ in range(100):
+            bar.advance()
+    assert len(capsys.readouterr().err.splitlines()) == 2
+
+
 @pytest.mark.parametrize("large", [False, True])
 def test_large_inputs_and_outputs_are_hashed_under_a_bar(tmp_path, monkeypatch, capsys, large):
     """Re-hashing a stage's inputs against their manifests and hashing its output into its own

@@ -60,6 +60,11 @@ def progress_bar(stage: str, total: int | None, description: str) -> "_Bar":
         TimeRemainingColumn,
     )
 
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        # A log file, CI's or a pipe (DVC's `dvc exp run` output, `nohup`): rich draws nothing there
+        # until the bar ends, so a 20-minute stage said nothing for 20 minutes. Plain lines instead.
+        return _Lines(stage, total, description)
     # Literal text: as rich markup, "[calibrate]" would be taken for a style and vanish,
     # and a brace in the description for a format field.
     label = f"[{stage}] {description}".replace("{", "{{").replace("}", "}}")
@@ -71,7 +76,7 @@ def progress_bar(stage: str, total: int | None, description: str) -> "_Bar":
             TimeElapsedColumn(),
             TimeRemainingColumn(),
             TextColumn("{task.fields[info]}"),
-            console=Console(stderr=True),
+            console=console,
             transient=False,
         ),
         total,
@@ -101,3 +106,59 @@ class _Bar:
             done = max(1, int(self._progress.tasks[0].completed))
             self._progress.update(self._task, total=done, completed=done)
         return self._progress.__exit__(*exc)
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m}:{s:02d}"
+
+
+class _Lines:
+    """The bar's plain-text form where stderr is not a terminal: a line when the work starts, one at most
+    every EDGEKILN_PROGRESS_SECONDS (30) with its count, elapsed and the time left at its rate so far,
+    and one when it ends."""
+
+    def __init__(self, stage: str, total: int | None, description: str):
+        import os
+
+        self._label = f"[{stage}] {description}"
+        self._total = total
+        self._every = float(os.environ.get("EDGEKILN_PROGRESS_SECONDS") or 30)
+        self._done = 0
+        self._info = ""
+
+    def _line(self, end: str = "") -> None:
+        import time
+
+        elapsed = time.monotonic() - self._t0
+        count = f"{self._done}/{self._total}" if self._total else f"{self._done}"
+        left = ""
+        if self._total and 0 < self._done < self._total and not end:
+            left = f", ~{_clock(elapsed * (self._total - self._done) / self._done)} left"
+        info = f" {self._info}" if self._info else ""
+        print(f"{self._label}: {count}, {_clock(elapsed)}{left}{end}{info}", file=sys.stderr, flush=True)
+        self._last = time.monotonic()
+
+    def __enter__(self):
+        import time
+
+        self._t0 = self._last = time.monotonic()
+        print(f"{self._label}: started" + (f", {self._total} to do" if self._total else ""),
+              file=sys.stderr, flush=True)
+        return self
+
+    def advance(self, n: int = 1, **fields: Any) -> None:
+        import time
+
+        self._done += n
+        if fields:
+            self._info = " ".join(f"{k} {v}" for k, v in fields.items())
+        if time.monotonic() - self._last >= self._every:
+            self._line()
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            if self._total is None:  # work of unknown size, done: shown as such (the bar's rule)
+                self._total = self._done = max(1, self._done)
+            self._line(", done")
+        return False
