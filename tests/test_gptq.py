@@ -222,10 +222,27 @@ def test_calibrate_hessians_for_every_linear(tiny_untied, calibrated):
     assert result["metrics"]["samples"] == 16 and len(info["data_sha256"]) == 64
 
 
+@pytest.mark.parametrize("k", [5, 2048, 2500])
+def test_the_second_moment_is_x_transposed_x_symmetric_by_construction(monkeypatch, k):
+    """add_second_moment computes the upper block triangle in float32 and mirrors it: the same as x^T x in
+    float64 to float32's rounding, symmetric, whatever K is against its block."""
+    from stages import calibrate
+
+    monkeypatch.setattr(calibrate, "SYMMETRIC_BLOCK", 1024)
+    torch.manual_seed(0)
+    acc = torch.zeros(k, k)
+    xs = [torch.randn(64, k) * torch.rand(k) for _ in range(3)]
+    for x in xs:
+        calibrate.add_second_moment(acc, x)
+    want = sum(x.double().T @ x.double() for x in xs)
+    assert float((acc - acc.T).abs().max() / acc.abs().max()) < 1e-6  # the blocks off the diagonal: mirrored
+    assert float((acc.double() - want).abs().max() / want.abs().max()) < 1e-5
+
+
 def test_layer_by_layer_calibration_is_the_whole_model_forwards(tiny_untied, calibrated):
     """The stage runs one decoder layer at a time over every batch (pipeline/quant/layerwise.py); the same
     windows through the whole model's forward, batch after batch, hooks on every linear, give the same
-    second moments (to float64 rounding: the order of the sums is the same) and so the same GPTQ codes."""
+    second moments (the same sums in the same order: bit for bit) and so the same GPTQ codes."""
     import numpy as np
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -241,9 +258,9 @@ def test_layer_by_layer_calibration_is_the_whole_model_forwards(tiny_untied, cal
     linears = calibrate.decoder_linears(model)
     whole: dict[str, torch.Tensor] = {}
 
-    def add(key, x):
-        x2 = x.detach().reshape(-1, x.shape[-1]).double()
-        whole[key] = whole.get(key, torch.zeros(x2.shape[1], x2.shape[1], dtype=torch.float64)).addmm_(x2.T, x2)
+    def add(key, x):  # the stage's own sum, in the whole model's order
+        x2 = x.detach().reshape(-1, x.shape[-1])
+        calibrate.add_second_moment(whole.setdefault(key, torch.zeros(x2.shape[1], x2.shape[1])), x2)
 
     keys = {info["layers"][n]["hessian"] for n in info["layers"]}
     handles = [m.register_forward_pre_hook(lambda _m, a, _n=n: add(_n, a[0]))
