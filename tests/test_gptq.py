@@ -917,3 +917,20 @@ def test_calibrate_on_a_users_chat_file_through_the_chat_template(tiny_untied, t
     assert hashlib.sha256(windows[picks].numpy().astype("<i4").tobytes()).hexdigest() == info["data_sha256"]
     with pytest.raises(StageError, match="no chat template"):
         calibrate.run(ctx("calibrate", tmp_path / "c2", cfg, {"untie_head": tiny_untied}))
+
+
+def test_the_inverse_hessian_factor_is_gptqs_three_step_recipe():
+    """Cholesky of the reversed H and one triangular inverse give the same upper factor of H^-1 as GPTQ's
+    Cholesky -> cholesky_inverse -> upper Cholesky, with one cubic step fewer."""
+    from pipeline.quant import gptq
+
+    torch.manual_seed(0)
+    k = 300
+    x = torch.randn(200, k, dtype=torch.float64) * torch.rand(k, dtype=torch.float64)  # rank < K: the damping binds
+    h = x.T @ x
+    u = gptq._inverse_hessian_factor(h, 0.01, "w")
+    damped = h + 0.01 * torch.diagonal(h).mean() * torch.eye(k, dtype=torch.float64)
+    want = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(damped)), upper=True)
+    assert torch.equal(u, u.triu()) and bool((torch.diagonal(u) > 0).all())
+    assert float((u - want).abs().max() / want.abs().max()) < 1e-12
+    assert float((u.T @ u - torch.linalg.inv(damped)).abs().max() / torch.linalg.inv(damped).abs().max()) < 1e-10

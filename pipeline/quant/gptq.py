@@ -257,7 +257,13 @@ def rtn_quantize(w: torch.Tensor, h: torch.Tensor | None = None, *, group_size: 
 
 
 def _inverse_hessian_factor(h: torch.Tensor, damp: float, name: str) -> torch.Tensor:
-    """Upper Cholesky factor of (H + damp*mean(diag) I)^-1, float64."""
+    """Upper Cholesky factor U of (H + damp*mean(diag) I)^-1 (U^T U = H^-1), float64.
+
+    GPTQ's recipe takes three cubic steps: Cholesky of H, its inverse (cholesky_inverse), and the upper
+    Cholesky of that. Here two: with J the index reversal, J H J = L' L'^T gives H^-1 = U^T U for
+    U = J L'^-1 J, upper triangular with a positive diagonal, so the same factor (to 1e-14 relative,
+    tests). On K = 8960 (the Qwen2.5-1.5B geometry's down_proj, 28 of them) 35.2 -> 22.7 s each on the
+    2-core AVX-512 builder; cholesky_inverse alone was 30 s."""
     mean_diag = torch.diagonal(h).mean().item()
     if not math.isfinite(mean_diag) or mean_diag <= 0:
         raise QuantError(f"{name}: the Hessian's diagonal is empty or not finite (mean {mean_diag})")
@@ -265,8 +271,8 @@ def _inverse_hessian_factor(h: torch.Tensor, damp: float, name: str) -> torch.Te
     lam = damp
     for _ in range(5):
         try:
-            lower = torch.linalg.cholesky(h + (lam * mean_diag) * eye)
-            return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
+            lower = torch.linalg.cholesky((h + (lam * mean_diag) * eye).flip(0, 1))
+            return torch.linalg.solve_triangular(lower, eye, upper=False).flip(0, 1)
         except torch.linalg.LinAlgError:
             lam = lam * 10 if lam > 0 else 1e-4
     raise QuantError(f"{name}: the Hessian is not positive definite even with dampening {lam / 10:g}")
