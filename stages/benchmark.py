@@ -238,6 +238,7 @@ def run(ctx) -> dict:
     else:
         notes.append(genai_skip)
     headline = packed_arm or "onnx_fp32"
+    on_disk = {a: weights_mb(path) for a, path in arms.items()}  # before the baselines' folders are removed
     runs: dict[str, list[dict]] = {a: [] for a in arms}
     if vllm_runs is not None:
         runs = {VLLM_ARM: vllm_runs, **runs}
@@ -316,6 +317,7 @@ def run(ctx) -> dict:
         "notes": notes,
         "arms": figures,
         "arm_descriptions": {a: _describe(a) for a in runs},
+        "weights_mb": on_disk,
         "memory": memory,
         "context": {a: {str(p): v for p, v in c.items()} for a, c in context.items()},
         "prefill_mode": {a: rs[0]["prefill_mode"] for a, rs in runs.items()},
@@ -498,6 +500,21 @@ def _npu(ctx, b, device, host, sel) -> dict:
     for k, v in summary.items():
         ctx.log(f"{k}: {v}")
     return {"metrics": metrics, "summary": summary, "on_target": False}
+
+
+WEIGHT_FILES = (".onnx", ".data", ".gguf", ".safetensors", ".bin")
+
+
+def weights_mb(path) -> float | None:
+    """MB (1e6 bytes) an arm reads its weights from: a file (a GGUF), or a folder's graph and weight files
+    (the packed graph and its external data; genai's model.onnx and .data); None where nothing is there."""
+    path = Path(path)
+    if path.is_file():
+        return round(path.stat().st_size / 1e6, 1)
+    if path.is_dir():
+        files = [f for f in path.rglob("*") if f.is_file() and f.name.endswith(WEIGHT_FILES)]
+        return round(sum(f.stat().st_size for f in files) / 1e6, 1) if files else None
+    return None
 
 
 def _describe(arm: str) -> str:

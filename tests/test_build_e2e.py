@@ -52,6 +52,10 @@ def test_first_build_runs_every_stage_and_prints_parity_and_speed(built_repo):
     bench = manifest(repo, "benchmark")["result"]["metrics"]
     assert bench["decode_tok_s"] > 0 and bench["peak_rss_mib"] > 0
     report = json.loads((repo / "artifacts" / BUILD / "benchmark" / "report.json").read_text())
+    # every arm's weights on disk, the packed artifact's the pack stage's own bytes (graph + external data)
+    pack = manifest(repo, "pack")["result"]["metrics"]
+    assert report["weights_mb"][report["artifact_arm"]] == round(pack["bytes"] / 1e6, 1), (report["weights_mb"], pack)
+    assert report["weights_mb"]["onnx_fp32"] > report["weights_mb"][report["artifact_arm"]]
     pages_used = report["settings"]["huge_pages"]
     from pipeline.runtimes import pages
 
