@@ -261,7 +261,8 @@ def write_bundle(out: Path, *, model_dir: Path, io: dict, target: dict, ctx_bins
         "verified": False,
         "why": "nothing here runs Genie or a phone: the files are checked against Qualcomm's published schema only",
         "files": [f for f in FILES if (out / f).is_file()],
-        "run": f"from this folder on the phone: genie-t2t-run -c {CONFIG} -p PROMPT (docs/phone.md, 'Genie')",
+        "run": (f"on the phone, from this folder with ../compile_qnn beside it: genie-t2t-run -c {CONFIG} -p PROMPT "
+                "(docs/phone.md, \"Genie\"); it does not load as it stands: see missing"),
         "checked": ("every key and type of Qualcomm's published genie_config.json and htp_backend_ext_config.json "
                     "(quic/ai-hub-apps tutorials/llm_on_genie, quic/ai-hub-models create_genie_config) and the "
                     "values derived from the build: tests/test_genie_bundle.py"),
