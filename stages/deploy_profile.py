@@ -394,7 +394,7 @@ def _genie(ctx, comp_dir, info: dict, io: dict) -> dict:
         entry = genie.write_bundle(
             ctx.out, model_dir=ctx.inputs["untie_head"], io=io, target=info["target"],
             ctx_bins=[f"../compile_qnn/{c['dir']}/{b}" for b in c["binaries"]],
-            graph_names=genie.context_graph_names(comp_dir / c["dir"] / c["context_model"]))
+            graphs=genie.context_graphs(comp_dir / c["dir"] / c["context_model"]))
     except genie.GenieError as err:
         raise StageError(f"deploy_profile: Genie bundle: {err}") from None
     ctx.log(f"Genie bundle: {', '.join(entry['files'])} for {info['target']['soc_model']}; UNVERIFIED (no Genie "

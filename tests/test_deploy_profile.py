@@ -239,23 +239,25 @@ PHONE_QNN = {"deployed": "w8a16", "precisions": ["w8a16", "fp16"], "qnn_sdk": "2
                               "bytes": 10} for p in ("w8a16", "fp16")}}
 
 
-def epcontext_model(graph: str = "QNNExecutionProvider_QNN_0_0") -> bytes:
-    """A compiled model_ctx.onnx as onnxruntime-qnn writes it: one EPContext node pointing at its .bin."""
+def epcontext_model(graph: str = "QNNExecutionProvider_QNN_0_0", spill_fill: int = 0) -> bytes:
+    """A compiled model_ctx.onnx as onnxruntime-qnn 2.7.0 writes it: one EPContext node pointing at its .bin
+    (its attributes as that version writes them, read from a real compile)."""
     from onnx import TensorProto, helper
 
     node = helper.make_node("EPContext", ["x"], ["y"], name=graph, domain="com.microsoft", embed_mode=0,
-                            ep_cache_context="model_ctx_qnn.bin", partition_name=graph, source="QNN")
+                            main_context=1, ep_cache_context="model_ctx_qnn.bin", partition_name=graph,
+                            max_size=spill_fill, source="QNNExecutionProvider")
     g = helper.make_graph([node], "ctx", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21),
                                                helper.make_opsetid("com.microsoft", 1)]).SerializeToString()
 
 
-def phone_compiled(io=PHONE_IO, qnn=PHONE_QNN) -> dict:
+def phone_compiled(io=PHONE_IO, qnn=PHONE_QNN, spill_fill: int = 0) -> dict:
     """A compile_qnn folder's files: io.json, qnn.json and the deployed precision's compiled model."""
     c = qnn["compiled"][qnn["deployed"]]
     return {"io.json": json.dumps(io), "qnn.json": json.dumps(qnn),
-            f"{c['dir']}/{c['context_model']}": epcontext_model()}
+            f"{c['dir']}/{c['context_model']}": epcontext_model(spill_fill=spill_fill)}
 
 
 def test_a_phone_profile_names_the_binary_its_io_kv_layout_and_sdk(tmp_path):

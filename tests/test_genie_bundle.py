@@ -104,9 +104,9 @@ def check_schema(doc: dict, schema: dict) -> dict:
     return got
 
 
-def _bundle(tmp_path, config=LLAMA, io=IO, qnn_info=PHONE_QNN, device="galaxy_s25"):
+def _bundle(tmp_path, config=LLAMA, io=IO, qnn_info=PHONE_QNN, device="galaxy_s25", spill_fill=0):
     out, result = run(tmp_path, "qnn_graph", device={"name": device, "threads": 4},
-                      compiled=phone_compiled(io, qnn_info),
+                      compiled=phone_compiled(io, qnn_info, spill_fill),
                       untie_files={"config.json": json.dumps(config), **tokenizer_files()})
     return out, result
 
@@ -145,13 +145,22 @@ def test_the_profile_says_the_bundle_is_unverified_and_what_genie_lacks(tmp_path
     out, result = _bundle(tmp_path)
     for entry in (json.loads((out / "qnn.json").read_text())["genie"], json.loads((out / "profile.json").read_text())["genie"]):
         assert entry["verified"] is False and "no" in entry["why"] and "tests/test_genie_bundle.py" in entry["checked"]
-        assert entry["graphs"] == ["QNNExecutionProvider_QNN_0_0"]  # read from the compiled model_ctx.onnx
+        # read from the compiled model_ctx.onnx
+        assert entry["graphs"] == [{"name": "QNNExecutionProvider_QNN_0_0", "spill_fill_bytes": 0}]
         missing = "\n".join(entry["missing"])
         assert "token_ar1_cl256_1_of_1" in missing and "QNNExecutionProvider_QNN_0_0" in missing  # graph names
         assert "no prompt processor" in missing and "past_key_{l}_in" in missing and "position_ids_cos" in missing
         assert "ring of 15 slots" in missing  # the sliding layer's KV
         assert "embed/model.onnx" in missing  # the token embedding off the binary
         assert "float32" in missing  # I/O types
+
+
+def test_the_spill_fill_buffer_is_the_one_the_binary_was_compiled_with(tmp_path):
+    """onnxruntime-qnn records a binary's spill-fill buffer in its EPContext node (max_size): Genie is told
+    that size, 0 where none was compiled (our compile's default)."""
+    out, _ = _bundle(tmp_path, spill_fill=1 << 20)
+    cfg = json.loads((out / "genie_config.json").read_text())
+    assert cfg["dialog"]["engine"]["backend"]["QnnHtp"]["spill-fill-bufsize"] == 1 << 20
 
 
 def test_soc_model_and_dsp_arch_per_device_are_qualcomms_published_ones(tmp_path):
@@ -226,5 +235,9 @@ def test_the_phone_builds_bundle_lists_its_binaries_in_order_and_ships_its_token
         assert bundled.encode(text).ids == list(ours(text)["input_ids"]), text
 
     entry = json.loads((prof / "qnn.json").read_text())["genie"]
-    assert entry["verified"] is False and entry["graphs"] and len(entry["missing"]) >= 5
+    assert entry["verified"] is False and len(entry["missing"]) >= 5
+    # one graph, named by onnxruntime-qnn (not Genie's token_ar1_cl64_1_of_1), no spill-fill buffer compiled
+    assert [g["name"].startswith("QNNExecutionProvider") for g in entry["graphs"]] == [True]
+    assert entry["graphs"][0]["name"] in entry["missing"][0] and "token_ar1_cl64_1_of_1" in entry["missing"][0]
+    assert cfg["dialog"]["engine"]["backend"]["QnnHtp"]["spill-fill-bufsize"] == 0
     assert "Genie bundle" in first.stderr + first.stdout and "UNVERIFIED" in first.stderr + first.stdout

@@ -44,9 +44,6 @@ PUBLISHED_SOC = {"SM8550": (43, "v73"), "SM8650": (57, "v75"), "SM8750": (69, "v
 # Snapdragons), polling on, weights memory-mapped (the tutorial turns mmap off only on Windows laptops).
 # None was measured here: there is no phone.
 N_THREADS, CPU_MASK, POLL, USE_MMAP = 3, "0xe0", True, True
-# 0: our context binaries are compiled without onnxruntime-qnn's enable_htp_spill_fill_buffer, so they
-# carry no spill-fill buffer for Genie to size (the published configs also write 0).
-SPILL_FILL_BUFSIZE = 0
 # Greedy by default: `python -m pipeline generate` decodes greedily unless given a temperature, and the
 # parity stage measured greedy agreement. The other values are the published configs' sampling settings,
 # used only when greedy is set false.
@@ -172,7 +169,7 @@ def positional_encoding(config: dict, head_dim: int) -> tuple[dict, list[str]]:
 
 
 def genie_config(*, context: int, vocab: int, tokens: dict, kv_dim: int, ctx_bins: list[str],
-                 encoding: dict) -> dict:
+                 encoding: dict, spill_fill: int) -> dict:
     """genie_config.json (the dialog schema of Qualcomm's published configs)."""
     eos = tokens["eos"]
     return {"dialog": {
@@ -188,7 +185,7 @@ def genie_config(*, context: int, vocab: int, tokens: dict, kv_dim: int, ctx_bin
             "backend": {
                 "version": 1,
                 "type": "QnnHtp",
-                "QnnHtp": {"version": 1, "use-mmap": USE_MMAP, "spill-fill-bufsize": SPILL_FILL_BUFSIZE,
+                "QnnHtp": {"version": 1, "use-mmap": USE_MMAP, "spill-fill-bufsize": int(spill_fill),
                            "mmap-budget": 0, "poll": POLL, "cpu-mask": CPU_MASK, "kv-dim": int(kv_dim),
                            "allow-async-init": False},
                 "extensions": HTP_CONFIG,
@@ -199,17 +196,21 @@ def genie_config(*, context: int, vocab: int, tokens: dict, kv_dim: int, ctx_bin
     }}
 
 
-def context_graph_names(ctx_model: Path) -> list[str]:
-    """The graphs of a compiled model_ctx.onnx as onnxruntime-qnn named them (its EPContext nodes)."""
+def context_graphs(ctx_model: Path) -> list[dict]:
+    """The graphs of a compiled model_ctx.onnx, one EPContext node each: the name onnxruntime-qnn gave the
+    graph in the binary (`partition_name`), and its spill-fill buffer's size (`max_size`, which
+    onnxruntime-qnn records as the largest spill-fill buffer of the binary; 0 unless it was compiled with
+    enable_htp_spill_fill_buffer)."""
     import onnx
 
     m = onnx.load(str(ctx_model), load_external_data=False)
-    names = []
+    graphs = []
     for node in m.graph.node:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         name = attrs.get("partition_name") or node.name
-        names.append(name.decode() if isinstance(name, bytes) else str(name))
-    return names
+        graphs.append({"name": name.decode() if isinstance(name, bytes) else str(name),
+                       "spill_fill_bytes": int(attrs.get("max_size", 0))})
+    return graphs
 
 
 def missing(io: dict, graph_names: list[str], *, tokenizer: bool, extra: list[str]) -> list[str]:
@@ -244,14 +245,15 @@ def missing(io: dict, graph_names: list[str], *, tokenizer: bool, extra: list[st
 
 
 def write_bundle(out: Path, *, model_dir: Path, io: dict, target: dict, ctx_bins: list[str],
-                 graph_names: list[str]) -> dict:
+                 graphs: list[dict]) -> dict:
     """Write the three files into `out` (ctx-bins as given, relative to `out`); the profile's `genie` entry."""
     tokens = special_tokens(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     encoding, rope_gaps = positional_encoding(config, int(io["head_dim"]))
     logits = next(o for o in io["outputs"] if o["name"] == "logits")
     cfg = genie_config(context=int(io["context_length"]), vocab=int(logits["shape"][-1]), tokens=tokens,
-                       kv_dim=int(io["head_dim"]), ctx_bins=ctx_bins, encoding=encoding)
+                       kv_dim=int(io["head_dim"]), ctx_bins=ctx_bins, encoding=encoding,
+                       spill_fill=max((g["spill_fill_bytes"] for g in graphs), default=0))
     (out / CONFIG).write_text(json.dumps(cfg, indent=4) + "\n")
     (out / HTP_CONFIG).write_text(json.dumps(htp_config(target), indent=4) + "\n")
     has_tokenizer = (model_dir / TOKENIZER).is_file()
@@ -267,7 +269,7 @@ def write_bundle(out: Path, *, model_dir: Path, io: dict, target: dict, ctx_bins
                     "(quic/ai-hub-apps tutorials/llm_on_genie, quic/ai-hub-models create_genie_config) and the "
                     "values derived from the build: tests/test_genie_bundle.py"),
         "ctx_bins": list(ctx_bins),
-        "graphs": graph_names,
+        "graphs": graphs,
         "tokens": tokens,
-        "missing": missing(io, graph_names, tokenizer=has_tokenizer, extra=rope_gaps),
+        "missing": missing(io, [g["name"] for g in graphs], tokenizer=has_tokenizer, extra=rope_gaps),
     }
