@@ -26,7 +26,11 @@ Per weight path (pack's weight_path.json):
   other compiled precisions, the QNN EP's provider and session options (CPU
   fallback disabled), every input and output with shape and dtype, the KV
   layout per layer type with the ring-slot rule, the runtime it is for and
-  the QNN SDK version the binaries need.
+  the QNN SDK version the binaries need. Beside it, Qualcomm Genie's bundle:
+  `genie_config.json`, `htp_backend_ext_config.json` and `tokenizer.json`
+  (pipeline/runtimes/genie.py), with a `genie` entry (in qnn.json and
+  profile.json) that is `verified: false` and lists what Genie needs that our
+  binary lacks (graph names, a prompt graph, its I/O and KV conventions).
 - gguf_q4_0 (llama.cpp devices): `llama.cpp.json`: the GGUF file, threads
   (the device config's), context and batch sizes, the KV cache type, and the
   same settings as `llama-cli` / `llama-server` arguments and as
@@ -43,7 +47,7 @@ import yaml
 
 READS = ("device", "export", "host")
 INPUTS = ("untie_head", "pack", "compile_qnn")
-TOOLCHAIN = ("pyyaml", "onnxruntime")
+TOOLCHAIN = ("pyyaml", "onnxruntime", "onnx", "tokenizers")
 MEMORY_KEYS = ("export.context_length",)  # the settings that size its memory (named when the kernel kills it)
 SWEEP_PROMPT, SWEEP_DECODE, SWEEP_ROUNDS = 32, 48, 5
 # MatMulNBits accuracy levels measured beside the deployed one: 1 (fp32 math; 2
@@ -370,11 +374,33 @@ def _qnn(ctx, comp_dir) -> dict:
         },
         "context_length": io["context_length"],
         "tokenizer": "../compile_qnn/tokenizer.json",
+        "genie": _genie(ctx, comp_dir, info, io),
     }
     (ctx.out / "qnn.json").write_text(json.dumps(profile, indent=2) + "\n")
     ctx.log(f"QNN profile: {info['deployed']} context binary for {t['soc_model']} (HTP {t['htp_arch']}), "
             f"QNN SDK {info['qnn_sdk']}, {len(io['layers'])} KV layers ({len(sliding)} ring)")
-    return {"runtime": "onnxruntime-qnn", "files": ["qnn.json"], "qnn": profile}
+    return {"runtime": "onnxruntime-qnn", "files": ["qnn.json", *profile["genie"]["files"]], "qnn": profile,
+            "genie": profile["genie"]}
+
+
+def _genie(ctx, comp_dir, info: dict, io: dict) -> dict:
+    """Qualcomm Genie's bundle beside qnn.json (pipeline/runtimes/genie.py), written as far as our binary
+    allows; `missing` says what Genie needs that it lacks. Unverified: no Genie or phone runs here."""
+    from pipeline.engine.context import StageError
+    from pipeline.runtimes import genie
+
+    c = info["compiled"][info["deployed"]]
+    try:
+        entry = genie.write_bundle(
+            ctx.out, model_dir=ctx.inputs["untie_head"], io=io, target=info["target"],
+            ctx_bins=[f"../compile_qnn/{c['dir']}/{b}" for b in c["binaries"]],
+            graphs=genie.context_graphs(comp_dir / c["dir"] / c["context_model"]))
+    except genie.GenieError as err:
+        raise StageError(f"deploy_profile: Genie bundle: {err}") from None
+    ctx.log(f"Genie bundle: {', '.join(entry['files'])} for {info['target']['soc_model']}; UNVERIFIED (no Genie "
+            f"or phone here), {len(entry['missing'])} things Genie needs that our binary lacks, listed in "
+            "qnn.json genie.missing (graph names, a prompt graph, its I/O and KV conventions)")
+    return entry
 
 
 def run(ctx) -> dict:

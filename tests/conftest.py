@@ -156,6 +156,21 @@ def built_repo(tmp_path_factory):
     return repo, proc
 
 
+# The tiny phone build of tests/test_qnn.py's end-to-end test: 32 HTP steps a prompt (the tiny model's runs
+# are longer, so both HTP parts, cold and past the window, run).
+PHONE_ARGS = ["device=galaxy_s25", *TINY_MODEL, *FAST_RUN, "parity.qnn_prompts=2", "parity.qnn_steps=32"]
+
+
+@pytest.fixture(scope="session")
+def phone_build(tmp_path_factory):
+    """One repository copy with the tiny galaxy_s25 build done (needs onnxruntime-qnn: only tests that
+    check for it ask), shared by the phone tests: (repo, the first run's process)."""
+    repo = repo_copy(tmp_path_factory.mktemp("phone") / "repo")
+    proc = run_cli(repo, *PHONE_ARGS)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return repo, proc
+
+
 def report_line(config, line: str) -> None:
     """A line in pytest's own output (not captured), e.g. how many faults were tried."""
     tr = config.pluginmanager.get_plugin("terminalreporter")

@@ -13,7 +13,7 @@ from stages import deploy_profile
 from tests.conftest import StepClock
 
 CONFIG = {"num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-          "hidden_size": 256, "sliding_window": 64,
+          "hidden_size": 256, "sliding_window": 64, "bos_token_id": 2, "eos_token_id": 1,
           "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
 
 
@@ -21,13 +21,18 @@ HOST = {"device_class": "x86_avx512", "cpu_model": "test cpu", "arch": "x86_64",
         "physical_cores": 2}
 
 
-def run(tmp_path, path, extra_files=None, device=None, host=None, compiled=None):
+def run(tmp_path, path, extra_files=None, device=None, host=None, compiled=None, untie_files=None):
+    """deploy_profile on faked inputs: `extra_files` in pack, `compiled` in compile_qnn (a path -> text or
+    bytes), `untie_files` in untie_head beside CONFIG's config.json (which they may replace)."""
     untie, pack, out, comp = tmp_path / "untie", tmp_path / "pack", tmp_path / "out", tmp_path / "compile_qnn"
     for d in (untie, pack, out, comp):
         d.mkdir(exist_ok=True)
-    for name, text in (compiled or {}).items():
-        (comp / name).write_text(text)
+    for name, data in (compiled or {}).items():
+        (comp / name).parent.mkdir(parents=True, exist_ok=True)
+        (comp / name).write_bytes(data if isinstance(data, bytes) else data.encode())
     (untie / "config.json").write_text(json.dumps(CONFIG))
+    for name, text in (untie_files or {}).items():
+        (untie / name).write_text(text)
     (pack / "weight_path.json").write_text(json.dumps({"path": path, "runtime": "x", "verified": True}))
     for name, text in (extra_files or {}).items():
         (pack / name).write_text(text)
@@ -223,7 +228,7 @@ def test_paths_without_a_runtime_profile_write_only_the_profile(tmp_path):
     assert result["files"] == []
 
 
-PHONE_IO = {"context_length": 256, "inputs": [{"name": "input_ids", "shape": [1, 1], "dtype": "int64"},
+PHONE_IO = {"context_length": 256, "head_dim": 64, "inputs": [{"name": "input_ids", "shape": [1, 1], "dtype": "int64"},
                                               {"name": "past_key_0", "shape": [1, 2, 63, 64], "dtype": "float32"}],
             "outputs": [{"name": "logits", "shape": [1, 1, 2048], "dtype": "float32"}],
             "layers": [{"index": 0, "type": "sliding_attention", "cache_len": 63, "slot_rule": "position mod 63"},
@@ -234,10 +239,31 @@ PHONE_QNN = {"deployed": "w8a16", "precisions": ["w8a16", "fp16"], "qnn_sdk": "2
                               "bytes": 10} for p in ("w8a16", "fp16")}}
 
 
+def epcontext_model(graph: str = "QNNExecutionProvider_QNN_0_0", spill_fill: int = 0) -> bytes:
+    """A compiled model_ctx.onnx as onnxruntime-qnn 2.7.0 writes it: one EPContext node pointing at its .bin
+    (its attributes as that version writes them, read from a real compile)."""
+    from onnx import TensorProto, helper
+
+    node = helper.make_node("EPContext", ["x"], ["y"], name=graph, domain="com.microsoft", embed_mode=0,
+                            main_context=1, ep_cache_context="model_ctx_qnn.bin", partition_name=graph,
+                            max_size=spill_fill, source="QNNExecutionProvider")
+    g = helper.make_graph([node], "ctx", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21),
+                                               helper.make_opsetid("com.microsoft", 1)]).SerializeToString()
+
+
+def phone_compiled(io=PHONE_IO, qnn=PHONE_QNN, spill_fill: int = 0) -> dict:
+    """A compile_qnn folder's files: io.json, qnn.json and the deployed precision's compiled model."""
+    c = qnn["compiled"][qnn["deployed"]]
+    return {"io.json": json.dumps(io), "qnn.json": json.dumps(qnn),
+            f"{c['dir']}/{c['context_model']}": epcontext_model(spill_fill=spill_fill)}
+
+
 def test_a_phone_profile_names_the_binary_its_io_kv_layout_and_sdk(tmp_path):
-    out, result = run(tmp_path, "qnn_graph", device={"name": "galaxy_s25", "threads": 4},
-                      compiled={"io.json": json.dumps(PHONE_IO), "qnn.json": json.dumps(PHONE_QNN)})
-    assert result["files"] == ["qnn.json"] and result["runtime"] == "onnxruntime-qnn"
+    out, result = run(tmp_path, "qnn_graph", device={"name": "galaxy_s25", "threads": 4}, compiled=phone_compiled())
+    assert result["files"] == ["qnn.json", "genie_config.json", "htp_backend_ext_config.json"]  # no tokenizer.json
+    assert result["runtime"] == "onnxruntime-qnn"
     p = json.loads((out / "qnn.json").read_text())
     assert p["context_binary"] == {"model": "../compile_qnn/w8a16/model_ctx.onnx",
                                    "binaries": ["../compile_qnn/w8a16/model_ctx_qnn.bin"], "bytes": 10}

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from pipeline.graphs import qnn
 from pipeline.engine.context import StageContext, StageError
-from tests.conftest import FAST_RUN, TINY_MODEL, ran_stages, repo_copy, run_cli
+from tests.conftest import PHONE_ARGS, ran_stages, run_cli
 
 needs_qnn = pytest.mark.skipif(qnn.missing() is not None, reason=f"QNN toolchain absent: {qnn.missing()}")
 S25 = {"soc_model": "SM8750", "htp_arch": "v79", "soc_id": 69}
@@ -135,12 +135,9 @@ def test_expected_device_latency_is_the_s25_table_labelled_as_such():
 @pytest.mark.slow
 @pytest.mark.optional
 @needs_qnn
-def test_phone_build_end_to_end_compiles_once_and_verifies_on_the_htp(tmp_path):
-    repo = repo_copy(tmp_path / "repo")
-    # 32 HTP steps a prompt: the tiny model's runs are longer, so both HTP parts (cold, past the window) run
-    args = ["device=galaxy_s25", *TINY_MODEL, *FAST_RUN, "parity.qnn_prompts=2", "parity.qnn_steps=32"]
-    first = run_cli(repo, *args)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+def test_phone_build_end_to_end_compiles_once_and_verifies_on_the_htp(phone_build):
+    repo, first = phone_build
+    args = PHONE_ARGS
     build = repo / "artifacts" / "galaxy_s25-embedded-speed"
     info = json.loads((build / "compile_qnn" / "qnn.json").read_text())
     assert info["target"] == {"soc_model": "SM8750", "htp_arch": "v79", "soc_id": 69, "device": "galaxy_s25"}

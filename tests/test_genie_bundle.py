@@ -1,0 +1,243 @@
+"""The phone build's Genie bundle (pipeline/runtimes/genie.py, written by deploy_profile):
+genie_config.json, htp_backend_ext_config.json and tokenizer.json, checked against the
+schema Qualcomm publishes. Nothing here runs Genie or a phone: what Genie needs that
+our binaries lack is listed in the profile's `genie.missing`, and tested to be there.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.graphs import qnn
+from pipeline.runtimes import genie
+from tests.test_deploy_profile import PHONE_QNN, phone_compiled, run
+
+# Every key of Qualcomm's published configs, with its JSON type, learned from quic/ai-hub-apps v0.20.0
+# tutorials/llm_on_genie/configs/genie/llama_v3_2_1b_instruct.json (the form with positional-encoding, which
+# quic/ai-hub-models v0.46.1 utils/llm_helpers.py create_genie_config also writes) and
+# configs/htp/htp_backend_ext_config.json.template. "greedy" is in the SDK's documented dialog schema
+# (QAIRT docs, Genie dialog JSON configuration: sampler.greedy boolean), not in the templates.
+NUMBER = (int, float)
+GENIE_SCHEMA = {
+    "dialog.version": int, "dialog.type": str,
+    "dialog.context.version": int, "dialog.context.size": int, "dialog.context.n-vocab": int,
+    "dialog.context.bos-token": int, "dialog.context.eos-token": (int, list),
+    "dialog.sampler.version": int, "dialog.sampler.seed": int, "dialog.sampler.temp": NUMBER,
+    "dialog.sampler.top-k": int, "dialog.sampler.top-p": NUMBER,
+    "dialog.tokenizer.version": int, "dialog.tokenizer.path": str,
+    "dialog.engine.version": int, "dialog.engine.n-threads": int,
+    "dialog.engine.backend.version": int, "dialog.engine.backend.type": str,
+    "dialog.engine.backend.extensions": str,
+    **{f"dialog.engine.backend.QnnHtp.{k}": t for k, t in {
+        "version": int, "use-mmap": bool, "spill-fill-bufsize": int, "mmap-budget": int, "poll": bool,
+        "cpu-mask": str, "kv-dim": int, "allow-async-init": bool}.items()},
+    "dialog.engine.model.version": int, "dialog.engine.model.type": str,
+    "dialog.engine.model.binary.version": int, "dialog.engine.model.binary.ctx-bins": list,
+    "dialog.engine.model.positional-encoding.type": str, "dialog.engine.model.positional-encoding.rope-dim": int,
+    "dialog.engine.model.positional-encoding.rope-theta": NUMBER,
+}
+DOCUMENTED = {"dialog.sampler.greedy": bool}
+ROPE_SCALING = {f"dialog.engine.model.positional-encoding.rope-scaling.{k}": t for k, t in {
+    "rope-type": str, "factor": NUMBER, "low-freq-factor": NUMBER, "high-freq-factor": NUMBER,
+    "original-max-position-embeddings": int}.items()}
+HTP_SCHEMA = {
+    "devices[].soc_model": int, "devices[].dsp_arch": str, "devices[].cores[].core_id": int,
+    "devices[].cores[].perf_profile": str, "devices[].cores[].rpc_control_latency": int,
+    "memory.mem_type": str, "context.weight_sharing_enabled": bool,
+}
+
+# A Llama 3.2-shaped model (its rope: llama3 scaling, theta 500000), tiny
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 6, "hidden_size": 64,
+         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "num_hidden_layers": 2,
+         "bos_token_id": 2, "eos_token_id": 1,
+         "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+VOCAB = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<eot>": 3, "a": 4, "b": 5}
+IO = {"context_length": 256, "head_dim": 32, "vocab_size": 6,
+      "inputs": [{"name": "inputs_embeds", "shape": [1, 1, 64], "dtype": "float32"},
+                 {"name": "position", "shape": [1], "dtype": "int64"},
+                 {"name": "past_key_0", "shape": [1, 1, 15, 32], "dtype": "float32"}],
+      "outputs": [{"name": "logits", "shape": [1, 1, 6], "dtype": "float32"},
+                  {"name": "new_key_0", "shape": [1, 1, 1, 32], "dtype": "float32"}],
+      "layers": [{"index": 0, "type": "sliding_attention", "cache_len": 15, "slot_rule": "position mod 15"},
+                 {"index": 1, "type": "full_attention", "cache_len": 256, "slot_rule": "position"}],
+      "embedding": {"model": "embed/model.onnx", "bits": 8, "block_size": 32}}
+
+
+def tokenizer_files() -> dict[str, str]:
+    """An HF tokenizer folder's files (tokenizer.json, tokenizer_config.json) and a generation config
+    whose second EOS is an end-of-turn token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return {"tokenizer.json": tok.to_str(),
+            "tokenizer_config.json": json.dumps({"bos_token": "<bos>", "eos_token": {"content": "<eos>"}}),
+            "generation_config.json": json.dumps({"eos_token_id": [1, 3]})}
+
+
+def flat(obj, prefix="") -> dict:
+    """Leaf paths of a JSON object: dicts joined with '.', a list of objects as '[]'."""
+    out = {}
+    for k, v in obj.items():
+        path = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flat(v, path + "."))
+        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            for x in v:
+                out.update(flat(x, path + "[]."))
+        else:
+            out[path] = v
+    return out
+
+
+def check_schema(doc: dict, schema: dict) -> dict:
+    got = flat(doc)
+    assert set(got) == set(schema), (sorted(set(schema) - set(got)), sorted(set(got) - set(schema)))
+    for path, want in schema.items():
+        types = want if isinstance(want, tuple) else (want,)
+        # JSON has no bool-is-an-int: a boolean key must hold true/false, an integer key no boolean
+        ok = type(got[path]) is bool if bool in types else (type(got[path]) is not bool and isinstance(got[path], types))
+        assert ok, (path, got[path], want)
+    return got
+
+
+def _bundle(tmp_path, config=LLAMA, io=IO, qnn_info=PHONE_QNN, device="galaxy_s25", spill_fill=0):
+    out, result = run(tmp_path, "qnn_graph", device={"name": device, "threads": 4},
+                      compiled=phone_compiled(io, qnn_info, spill_fill),
+                      untie_files={"config.json": json.dumps(config), **tokenizer_files()})
+    return out, result
+
+
+def test_the_bundle_carries_every_key_of_qualcomms_configs_with_the_models_values(tmp_path):
+    out, result = _bundle(tmp_path)
+    assert result["files"] == ["qnn.json", "genie_config.json", "htp_backend_ext_config.json", "tokenizer.json"]
+    cfg = check_schema(json.loads((out / "genie_config.json").read_text()), {**GENIE_SCHEMA, **DOCUMENTED,
+                                                                              **ROPE_SCALING})
+    d = "dialog."
+    assert cfg[d + "context.size"] == 256 and cfg[d + "context.n-vocab"] == 6  # the build's context, the logits' width
+    # BOS / EOS: the tokenizer config's tokens looked up in tokenizer.json, then the generation config's stops
+    assert cfg[d + "context.bos-token"] == VOCAB["<bos>"] and cfg[d + "context.eos-token"] == [1, 3]
+    assert cfg[d + "sampler.greedy"] is True and cfg[d + "tokenizer.path"] == "tokenizer.json"
+    assert cfg[d + "engine.backend.type"] == "QnnHtp" and cfg[d + "engine.backend.extensions"] == "htp_backend_ext_config.json"
+    htp = d + "engine.backend.QnnHtp."
+    assert cfg[htp + "kv-dim"] == 32 and cfg[htp + "spill-fill-bufsize"] == 0 and cfg[htp + "use-mmap"] is True
+    assert cfg[d + "engine.model.type"] == "binary"
+    # the deployed precision's binaries, in compile_qnn's order, relative to the profile folder
+    assert cfg[d + "engine.model.binary.ctx-bins"] == ["../compile_qnn/w8a16/model_ctx_qnn.bin"]
+    pe = d + "engine.model.positional-encoding."
+    assert cfg[pe + "type"] == "rope" and cfg[pe + "rope-dim"] == 16 and cfg[pe + "rope-theta"] == 500000
+    assert cfg[pe + "rope-scaling.rope-type"] == "llama3" and cfg[pe + "rope-scaling.factor"] == 32.0
+    assert cfg[pe + "rope-scaling.original-max-position-embeddings"] == 8192
+
+    htp_cfg = check_schema(json.loads((out / "htp_backend_ext_config.json").read_text()), HTP_SCHEMA)
+    assert htp_cfg["devices[].soc_model"] == 69 and htp_cfg["devices[].dsp_arch"] == "v79"  # SM8750
+    assert htp_cfg["context.weight_sharing_enabled"] is False  # one graph a binary: nothing to share
+
+    from tokenizers import Tokenizer
+
+    assert Tokenizer.from_file(str(out / "tokenizer.json")).encode("a b a").ids == [4, 5, 4]
+
+
+def test_the_profile_says_the_bundle_is_unverified_and_what_genie_lacks(tmp_path):
+    out, result = _bundle(tmp_path)
+    for entry in (json.loads((out / "qnn.json").read_text())["genie"], json.loads((out / "profile.json").read_text())["genie"]):
+        assert entry["verified"] is False and "no" in entry["why"] and "tests/test_genie_bundle.py" in entry["checked"]
+        # read from the compiled model_ctx.onnx
+        assert entry["graphs"] == [{"name": "QNNExecutionProvider_QNN_0_0", "spill_fill_bytes": 0}]
+        missing = "\n".join(entry["missing"])
+        assert "token_ar1_cl256_1_of_1" in missing and "QNNExecutionProvider_QNN_0_0" in missing  # graph names
+        assert "no prompt processor" in missing and "past_key_{l}_in" in missing and "position_ids_cos" in missing
+        assert "ring of 15 slots" in missing  # the sliding layer's KV
+        assert "embed/model.onnx" in missing  # the token embedding off the binary
+        assert "float32" in missing  # I/O types
+
+
+def test_the_spill_fill_buffer_is_the_one_the_binary_was_compiled_with(tmp_path):
+    """onnxruntime-qnn records a binary's spill-fill buffer in its EPContext node (max_size): Genie is told
+    that size, 0 where none was compiled (our compile's default)."""
+    out, _ = _bundle(tmp_path, spill_fill=1 << 20)
+    cfg = json.loads((out / "genie_config.json").read_text())
+    assert cfg["dialog"]["engine"]["backend"]["QnnHtp"]["spill-fill-bufsize"] == 1 << 20
+
+
+def test_soc_model_and_dsp_arch_per_device_are_qualcomms_published_ones(tmp_path):
+    s24 = {**PHONE_QNN, "target": {"soc_model": "SM8650", "htp_arch": "v75", "soc_id": 57, "device": "galaxy_s24"}}
+    out, _ = _bundle(tmp_path, qnn_info=s24, device="galaxy_s24")
+    dev = json.loads((out / "htp_backend_ext_config.json").read_text())["devices"][0]
+    assert (dev["soc_model"], dev["dsp_arch"]) == (57, "v75")
+    with pytest.raises(genie.GenieError, match="Qualcomm publishes 69 / v79"):
+        genie.htp_config({"soc_model": "SM8750", "htp_arch": "v75", "soc_id": 69})
+    # the device configs agree with the published table
+    from omegaconf import OmegaConf
+
+    from tests.conftest import ROOT
+
+    for name in ("galaxy_s24", "galaxy_s25"):
+        q = OmegaConf.load(ROOT / "conf" / "device" / f"{name}.yaml").qnn
+        assert genie.PUBLISHED_SOC[q.soc_model] == (q.soc_id, q.htp_arch)
+
+
+def test_a_model_with_a_rotary_base_per_layer_type_says_which_one_genie_gets(tmp_path):
+    gemma = {**{k: v for k, v in LLAMA.items() if k != "rope_parameters"}, "model_type": "gemma3_text",
+             "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}}
+    enc, gaps = genie.positional_encoding(gemma, 32)
+    assert enc == {"type": "rope", "rope-dim": 16, "rope-theta": 1000000} and "rope-scaling" not in enc
+    assert len(gaps) == 1 and "one rope-theta" in gaps[0]
+    # a partial rotary (Phi-4-mini rotates 3/4 of each head) and a scaling Genie's configs do not show
+    phi = {"head_dim": 128, "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+           "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}}
+    enc, gaps = genie.positional_encoding(phi, 128)
+    assert enc["rope-dim"] == 48 and "rope-scaling" not in enc and "'longrope'" in gaps[0]
+
+
+def test_a_tokenizer_without_bos_writes_minus_one_and_no_eos_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert genie.special_tokens(tmp_path) == {"bos": -1, "eos": [7], "source": genie.special_tokens(tmp_path)["source"]}
+    (tmp_path / "config.json").write_text(json.dumps({}))
+    with pytest.raises(genie.GenieError, match="no EOS token"):
+        genie.special_tokens(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.optional
+@pytest.mark.skipif(qnn.missing() is not None, reason=f"QNN toolchain absent: {qnn.missing()}")
+def test_the_phone_builds_bundle_lists_its_binaries_in_order_and_ships_its_tokenizer(phone_build):
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    repo, first = phone_build
+    build = repo / "artifacts" / "galaxy_s25-embedded-speed"
+    prof = build / "deploy_profile"
+    for name in genie.FILES:
+        assert (prof / name).is_file(), name
+    cfg = json.loads((prof / "genie_config.json").read_text())
+    check_schema(cfg, {**GENIE_SCHEMA, **DOCUMENTED})  # the embedded model's rope has no scaling
+    check_schema(json.loads((prof / "htp_backend_ext_config.json").read_text()), HTP_SCHEMA)
+    info = json.loads((build / "compile_qnn" / "qnn.json").read_text())
+    deployed = info["compiled"][info["deployed"]]
+    bins = cfg["dialog"]["engine"]["model"]["binary"]["ctx-bins"]
+    assert [(prof / b).resolve() for b in bins] == [(build / "compile_qnn" / deployed["dir"] / b).resolve()
+                                                     for b in deployed["binaries"]]
+    assert all((prof / b).is_file() for b in bins)
+    io = json.loads((build / "compile_qnn" / "io.json").read_text())
+    ctx = cfg["dialog"]["context"]
+    assert ctx["size"] == io["context_length"] == 64 and ctx["n-vocab"] == 512
+    assert ctx["bos-token"] == io["bos_token_id"] and ctx["eos-token"] in (io["eos_token_id"], io["eos_token_id"][0])
+
+    # tokenizer.json as Genie reads it (the tokenizers library) gives the build's own tokenizer's ids
+    ours = AutoTokenizer.from_pretrained(str(build / "untie_head"), local_files_only=True)  # as `generate` loads it
+    bundled = Tokenizer.from_file(str(prof / "tokenizer.json"))
+    for text in ("def read_file(path):\n    return open(path).read()", "x = [1, 2, 3]  # ünïcode"):
+        assert bundled.encode(text).ids == list(ours(text)["input_ids"]), text
+
+    entry = json.loads((prof / "qnn.json").read_text())["genie"]
+    assert entry["verified"] is False and len(entry["missing"]) >= 5
+    # one graph, named by onnxruntime-qnn (not Genie's token_ar1_cl64_1_of_1), no spill-fill buffer compiled
+    assert [g["name"].startswith("QNNExecutionProvider") for g in entry["graphs"]] == [True]
+    assert entry["graphs"][0]["name"] in entry["missing"][0] and "token_ar1_cl64_1_of_1" in entry["missing"][0]
+    assert cfg["dialog"]["engine"]["backend"]["QnnHtp"]["spill-fill-bufsize"] == 0
+    assert "Genie bundle" in first.stderr + first.stdout and "UNVERIFIED" in first.stderr + first.stdout
