@@ -607,3 +607,48 @@ def test_a_released_qwen25_config_without_layer_types_runs_on_vllm():
            "max_position_embeddings": 32768, "rope_theta": 1000000.0, "tie_word_embeddings": True}
     assert weight_path.gap("w4a8_gptq_vllm", cfg) is None
     assert weight_path.gap("w4a8_gptq_vllm", {**cfg, "use_sliding_window": True}) is not None
+
+
+def _qnn_missing() -> str | None:
+    from pipeline.graphs import qnn
+
+    return qnn.missing()
+
+
+# A compile and an HTP-emulated decode of each precision: ~20-40 s a family; CI runs the three that depart
+# most from the families the phone path was shaped on (Gemma 3 and the embedded Llama-like model).
+HTP_IN_CI = ("qwen2", "gemma2", "phi3")
+
+
+@pytest.mark.slow
+@pytest.mark.optional
+@pytest.mark.parametrize("family", variants(FAMILIES, HTP_IN_CI, "the HTP binaries of {}"))
+def test_every_familys_phone_binaries_compile_and_run_on_the_htp(builds, family, tmp_path):
+    """The compile_qnn stage on each family's pack: both precisions compile for the S25's HTP with nothing
+    left on the CPU (qnn.compile_context refuses that), and the binaries, run on onnxruntime-qnn's HTP
+    backend (an x86 emulation of the phone's numerics), decode as the export does."""
+    reason = _qnn_missing()
+    if reason:
+        pytest.skip(f"onnxruntime-qnn: {reason}")
+    from pipeline.graphs import qnn
+    from pipeline.runtimes.onnx import OnnxDecoder
+    from stages import compile_qnn
+
+    _, pdir, _ = builds.pack(family, "galaxy_s25")
+    spec = devices.spec_sheet("galaxy_s25")
+    comp = tmp_path / "compile_qnn"
+    info = compile_qnn.run(ctx("compile_qnn", comp, {"device": spec}, {"pack": pdir}))
+    assert set(info["compiled"]) == {"w8a16", "fp16"} and all(c["bytes"] > 0 for c in info["compiled"].values())
+    export = decode(OnnxDecoder(builds.export(family)))
+    got = {}
+    for precision in ("fp16", "w8a16"):
+        session = qnn.htp_session(comp / precision / qnn.CONTEXT_MODEL, info["target"], precision)
+        got[precision] = decode(OnnxDecoder(comp, session=session))
+    # measured 2026-12-05 on the HTP emulation (random weights, 24 tokens past every window), fp16 / w8a16 dB:
+    # 37.6 / 28.9 (Gemma 3) to 59.1 / 52.2 (Qwen2), top-1 0.92-1.00 (docs/families.md)
+    fp16, w8 = snr_db(export, got["fp16"]), snr_db(export, got["w8a16"])
+    assert fp16 > 30.0 and top1(export, got["fp16"]) >= 0.9, (fp16, top1(export, got["fp16"]))
+    assert w8 > 20.0 and top1(export, got["w8a16"]) >= 0.85, (w8, top1(export, got["w8a16"]))
+    print(f"{family}: HTP fp16 {fp16:.1f} dB (top-1 {top1(export, got['fp16']):.2f}), "
+          f"w8a16 {w8:.1f} dB (top-1 {top1(export, got['w8a16']):.2f})")
+
