@@ -24,9 +24,10 @@ from pipeline.runtimes.contract import ContextFull  # noqa: E402
 from pipeline.runtimes.reference import TorchReference
 from pipeline.graphs.decode_graph import snr_db
 from pipeline.runtimes.gqa import GqaDecoder  # noqa: E402
-from pipeline.graphs.gqa_graph import GqaGraphError, build_gqa_graph
+from pipeline.graphs.gqa_graph import GqaGraphError, build_gqa_graph, genai_config, write_genai_config
 from pipeline.runtimes.tinygemm import GptqReference
 from pipeline.quant.codes import read_quant  # noqa: E402
+from tests.conftest import needs_genai  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW = 8
@@ -570,10 +571,15 @@ def test_graph_layout_and_io(ckpts):
     # sliding and full layers read different rope caches (rope_theta 1e4 vs 1e6)
     cos_in = [n.input[7] for n in g.node if n.op_type == "GroupQueryAttention"]
     assert cos_in[:3] == ["cos_sliding_attention"] * 3 and cos_in[3] == "cos_full_attention"
-    assert [i.name for i in g.input][:3] == ["input_ids", "seqlens_k", "total_sequence_length"]
+    # onnxruntime-genai's inputs (the default io_layout): GQA's lengths computed from attention_mask
+    assert [i.name for i in g.input][:3] == ["input_ids", "attention_mask", "past_key_values.0.key"]
     shapes = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in g.input}
-    assert shapes["input_ids"] == [1, "S"] and shapes["past_key_3"] == [1, 1, MAX_LEN, 32]
-    assert [v.name for v in g.output][0] == "logits"
+    assert shapes["input_ids"] == [1, "sequence_length"] and shapes["attention_mask"] == [1, "total_sequence_length"]
+    assert shapes["past_key_values.3.value"] == [1, 1, "kv_cache_length", 32]  # genai sizes the rows
+    assert shapes["past_key_values.0.key"] == [1, 1, "window_cache_length", 32]
+    out_shapes = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in g.output}
+    assert [v.name for v in g.output][:2] == ["logits", "present.0.key"] and out_shapes["logits"] == [1, 1, VOCAB]
+    assert [layer["cache_len"] for layer in io["layers"]] == [WINDOW + 16] * 3 + [MAX_LEN]
     assert io["family"] == "gemma3_text" and io["max_len"] == MAX_LEN and io["vocab_size"] == VOCAB
     assert [layer["local_window_size"] for layer in io["layers"]] == [WINDOW] * 3 + [-1]
     assert [layer["rope_theta"] for layer in io["layers"]] == [10000.0] * 3 + [1000000.0]
@@ -582,6 +588,87 @@ def test_graph_layout_and_io(ckpts):
     _, layers = read_quant(ck["quant"])
     used = [n for r in facts["matmulnbits"].values() for n in r["layers"]]
     assert sorted(used) == sorted(layers)
+
+
+def test_the_two_io_layouts_compute_the_same(ckpts):
+    """genai's layout (attention_mask in, the lengths computed in the graph) and the project's (seqlens_k /
+    total_sequence_length fed) give bit-identical logits, stepping past the window buffers' compaction and
+    in a prefill; the project's layout keeps its names and static rows."""
+    ck = ckpts("gemma3")
+    ids = _seq(44, seed=6)
+    old_dir = _graph(ck, 4, "_edgekiln", io_layout="edgekiln")
+    new, old = GqaDecoder(_graph(ck, 4), threads=1), GqaDecoder(old_dir, threads=1)
+    assert new.io_layout == "genai" and old.io_layout == "edgekiln"
+    assert np.array_equal(_steps(new, ids), _steps(old, ids))
+    new.reset(), old.reset()
+    assert np.array_equal(new.prefill(ids[:30]), old.prefill(ids[:30]))
+    assert np.array_equal(new.step(5), old.step(5)) and new.kv_bytes() == old.kv_bytes()
+    g = onnx.load(str(old_dir / "model.onnx"), load_external_data=False).graph
+    assert [i.name for i in g.input][:4] == ["input_ids", "seqlens_k", "total_sequence_length", "past_key_0"]
+    shapes = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in g.input}
+    assert shapes["past_key_0"] == [1, 1, WINDOW + 16, 32] and shapes["past_key_3"] == [1, 1, MAX_LEN, 32]
+    with pytest.raises(GqaGraphError, match="io_layout"):
+        genai_config(json.loads((old_dir / "io.json").read_text()))
+
+
+def test_genai_config_states_the_graph(ckpts):
+    """genai_config.json: genai's `decoder` type, its default I/O names, the KV geometry, the window
+    buffers (window + slack rows, the sliding layers listed: what io.json's cache_len says), the buffer
+    shared by past and present, and the checkpoint's special tokens."""
+    ck = ckpts("gemma3")
+    out = _graph(ck, 4)
+    cfg = json.loads(write_genai_config(out, threads=2).read_text())
+    io = json.loads((out / "io.json").read_text())
+    m, d = cfg["model"], cfg["model"]["decoder"]
+    assert m["type"] == "decoder" and m["context_length"] == MAX_LEN and m["vocab_size"] == VOCAB
+    assert (m["bos_token_id"], m["eos_token_id"], m["pad_token_id"]) == (1, 2, 0)
+    assert d["filename"] == "model.onnx" and d["session_options"]["intra_op_num_threads"] == 2
+    assert (d["num_hidden_layers"], d["num_key_value_heads"], d["head_size"]) == (4, 1, 32)
+    assert d["inputs"]["past_key_names"] == "past_key_values.%d.key" and d["outputs"]["logits"] == "logits"
+    sw = d["sliding_window"]
+    assert sw["layers"] == [0, 1, 2] and sw["slide_key_value_cache"] is False
+    assert [sw["window_size"] + sw["cache_slack"] if i in sw["layers"] else cfg["search"]["max_length"]
+            for i in range(4)] == [layer["cache_len"] for layer in io["layers"]]
+    assert cfg["search"]["past_present_share_buffer"] is True and cfg["search"]["do_sample"] is False
+    # no window buffer (window_cache_slack=None): every layer at max_length, no sliding_window section
+    whole = json.loads(write_genai_config(_graph(ck, 4, "_nowin", window_cache_slack=None)).read_text())
+    assert "sliding_window" not in whole["model"]["decoder"]
+
+
+@needs_genai
+def test_onnxruntime_genai_runs_the_graph_as_gqa_decoder_does(ckpts):
+    """onnxruntime-genai loads the folder (its own KV buffers, attention_mask, window buffers) and computes
+    GqaDecoder's logits bit for bit, token by token past the window buffers' compaction; its own greedy
+    loop after a prefill gives GqaDecoder's tokens."""
+    import onnxruntime_genai as og
+
+    ck = ckpts("gemma3")
+    out = _graph(ck, 4)
+    write_genai_config(out, threads=1)
+    ids = _seq(44, seed=6)
+    dec = GqaDecoder(out, threads=1)
+    want = _steps(dec, ids)
+    model = og.Model(str(out))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=MAX_LEN, do_sample=False)
+    gen = og.Generator(model, params)
+    got = []
+    for t in ids:
+        gen.append_tokens(np.asarray([t], np.int32))
+        got.append(np.asarray(gen.get_logits(), np.float32).reshape(-1))
+    assert np.array_equal(want, np.stack(got))
+    gen = og.Generator(model, params)
+    gen.append_tokens(np.asarray(ids[:5], np.int32))
+    while not gen.is_done():
+        gen.generate_next_token()
+    tokens = [int(t) for t in gen.get_sequence(0)][5:]
+    dec.reset()
+    logits, mine = dec.prefill(ids[:5]), []
+    for _ in tokens:
+        mine.append(int(np.argmax(logits)))
+        if len(mine) < len(tokens):
+            logits = dec.step(mine[-1])
+    assert tokens == mine
 
 
 def test_refusals(ckpts, tmp_path):

@@ -18,17 +18,24 @@ readable option.
 
 The graph (`build_gqa_graph`):
 
-- inputs: `input_ids` int64 [1, S] (S dynamic: the same graph serves prefill,
-  S = prompt length, and decode, S = 1), `seqlens_k` int32 [1] (tokens in the
-  cache after this call, minus 1), `total_sequence_length` int32 scalar (the
-  same + 1), then `past_key_i` / `past_value_i` float32 BNSH
-  [1, n_kv, cache_len_i, head_dim]: cache_len = max_len, or W + slack rows for
-  a sliding layer whose window binds (`window_cache_slack`).
-- outputs: `logits` float32 [1, vocab] of the LAST position only, then
-  `present_key_i` / `present_value_i` (bound by the runtime to the past
-  buffers). Past the last GroupQueryAttention (which needs every row's K/V)
-  the last layer runs on the last row only (`last_layer_rows`), so prefill
-  never computes the other rows' o_proj, MLP, final norm or vocab projection.
+- inputs (`io_layout` "genai", the default: what onnxruntime-genai feeds a
+  decoder, so the folder loads as an onnxruntime-genai model with the
+  genai_config.json `genai_config` writes): `input_ids` int64 [1, S] (S
+  dynamic: the same graph serves prefill, S = prompt length, and decode, S =
+  1), `attention_mask` int64 [1, T] (ones, T the tokens cached after this
+  call), from which the graph computes GQA's `seqlens_k` int32 [1] (T - 1)
+  and `total_sequence_length` int32 scalar (T) (`_mask_lengths`), then
+  `past_key_values.i.key` / `.value` (kv_dtype) BNSH [1, n_kv, rows, head_dim]:
+  rows = max_len, or W + slack for a sliding layer whose window binds
+  (`window_cache_slack`), symbolic in the graph (genai sizes them; io.json
+  says cache_len). `io_layout` "edgekiln", the layout before: `seqlens_k` and
+  `total_sequence_length` fed, `past_key_i` / `past_value_i` of static rows.
+- outputs: `logits` float32 [1, 1, vocab] ([1, vocab]: edgekiln) of the LAST
+  position only, then `present.i.key` / `.value` (`present_key_i`: edgekiln),
+  bound by the runtime to the past buffers. Past the last GroupQueryAttention
+  (which needs every row's K/V) the last layer runs on the last row only
+  (`last_layer_rows`), so prefill never computes the other rows' o_proj, MLP,
+  final norm or vocab projection.
 - per layer (defaults): [Skip]RMSNorm -> MatMulNBits(q|k|v) -> Split(q|k, v)
   -> Reshape -> one RMSNormalization over [1, S, n_heads + n_kv, head_dim]
   with a stacked per-head gamma (q_norm / k_norm: ORT's CPU GQA refuses its
@@ -116,8 +123,20 @@ DEFAULT_OPTIONS = {
     "kv_dtype": "float16",     # the KV cache (and the attention's rope caches) in fp16, as llama.cpp's default
                                # f16 cache: half the KV bytes; q/k/v are cast in and the attention cast out
                                # (measured no slower on Gemma 3 270M: docs/small-artifacts.md)
+    "io_layout": "genai",      # the graph's inputs and outputs: "genai", as onnxruntime-genai feeds a decoder
+                               # (genai_config.json beside it: `genai_config`), or "edgekiln", the layout
+                               # before it (seqlens_k / total_sequence_length fed, past_key_i, [1, V] logits)
 }
 KV_DTYPES = ("float16", "float32")
+IO_LAYOUTS = ("genai", "edgekiln")
+# The KV inputs and outputs of each layout, %d the layer. "genai": onnxruntime-genai's default names (its
+# Config::Defaults: past_key_values.%d.key in, present.%d.key out), so its config needs no name map.
+KV_NAMES = {
+    "genai": {"past_key": "past_key_values.%d.key", "past_value": "past_key_values.%d.value",
+              "present_key": "present.%d.key", "present_value": "present.%d.value"},
+    "edgekiln": {"past_key": "past_key_%d", "past_value": "past_value_%d",
+                 "present_key": "present_key_%d", "present_value": "present_value_%d"},
+}
 
 
 class GqaGraphError(DecodeGraphError):
@@ -447,6 +466,103 @@ def _linear(g, x, prefix, names, layers, out, acc, fuse, records, bias_of=lambda
     return outs
 
 
+def _mask_lengths(g: _G) -> None:
+    """`seqlens_k` and `total_sequence_length`, GroupQueryAttention's length inputs, from the
+    attention_mask onnxruntime-genai feeds (genai's io_layout).
+
+    Why in the graph: onnxruntime-genai feeds a decoder `input_ids` and `attention_mask` [1, tokens so
+    far] (ones: one stream, no padding; one longer each step, its DefaultPositionInputs), never GQA's
+    own lengths; its builder derives them inside the graph, as here: seqlens_k = sum(mask) - 1 (int32
+    [1]: the tokens cached after this call, minus 1), total_sequence_length = the mask's length (int32
+    scalar). Four small integer ops a call; the mask is [1, T] int64."""
+    from onnx import TensorProto
+
+    one = g.const_i64([1])
+    s = g.node("ReduceSum", ["attention_mask", one], ["mask.sum"], "mask_sum", keepdims=0)  # [1]
+    s = g.node("Sub", [s, one], ["mask.sum_minus_1"], "mask_sum_minus_1")
+    g.node("Cast", [s], ["seqlens_k"], "seqlens_k", to=TensorProto.INT32)
+    shape = g.node("Shape", ["attention_mask"], ["mask.shape"], "mask_shape")
+    t = g.node("Gather", [shape, g.const_i64(1)], ["mask.length"], "mask_length", axis=0)  # a scalar
+    g.node("Cast", [t], ["total_sequence_length"], "total_sequence_length", to=TensorProto.INT32)
+
+
+GENAI_CONFIG = "genai_config.json"
+
+
+def genai_config(io: dict, threads: int | None = None, generation: dict | None = None) -> dict:
+    """onnxruntime-genai's genai_config.json for a genai-layout graph, from its io.json.
+
+    Written by hand, not by genai's builder: the builder's `config_only` option reads a Hugging Face
+    checkpoint, not this graph, and turns past_present_share_buffer off, which this graph needs on
+    (its GroupQueryAttention writes the new rows into the buffer it is given). The decoder is genai's
+    generic `decoder` type; the I/O names are genai's defaults, so none are mapped. KV: genai allocates
+    `num_key_value_heads` x `head_size` per layer, `search.max_length` rows (the graph's positions:
+    `context_length`), and, for the layers listed in `decoder.sliding_window.layers`, window_size +
+    cache_slack rows (slide_key_value_cache false: its GroupQueryAttention path, which evicts inside
+    the op, sliding_window_cache=1): exactly io.json's cache_len. `threads`: the device's intra-op
+    threads (genai's default is every core); `generation`: generation_config.json's sampling settings.
+    """
+    if io.get("io_layout") != "genai":
+        raise GqaGraphError(f"io.json io_layout {io.get('io_layout')!r}: onnxruntime-genai needs a graph "
+                            f"built with io_layout='genai'")
+    windowed = [layer for layer in io["layers"] if layer["window_cache"]]
+    sizes = {layer["local_window_size"] for layer in windowed}
+    slacks = {layer["cache_len"] - layer["local_window_size"] for layer in windowed}
+    if len(sizes) > 1 or len(slacks) > 1:  # genai's config holds one window and one slack
+        raise GqaGraphError(f"window buffers of {sorted(sizes)} windows and {sorted(slacks)} slack rows: "
+                            f"onnxruntime-genai's sliding_window holds one of each")
+    eos = list(io.get("eos_token_id") or [])
+    if not eos:
+        raise GqaGraphError("the checkpoint names no eos_token_id: onnxruntime-genai needs one to stop")
+    pad = io.get("pad_token_id")
+    session = {"log_id": "onnxruntime-genai", "provider_options": [], "inter_op_num_threads": 1,
+               # GqaDecoder's default (the arena kept a long prefill's workspace for good: gqa.py)
+               "enable_cpu_mem_arena": False}
+    if threads:
+        session["intra_op_num_threads"] = int(threads)
+    decoder = {
+        "filename": "model.onnx",
+        "session_options": session,
+        "head_size": int(io["head_dim"]),
+        "hidden_size": int(io["hidden_size"]),
+        "num_attention_heads": int(io["n_heads"]),
+        "num_hidden_layers": int(io["n_layers"]),
+        "num_key_value_heads": int(io["n_kv_heads"]),
+        "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
+                   "past_key_names": io["kv_names"]["past_key"], "past_value_names": io["kv_names"]["past_value"]},
+        "outputs": {"logits": "logits", "present_key_names": io["kv_names"]["present_key"],
+                    "present_value_names": io["kv_names"]["present_value"]},
+    }
+    if windowed:
+        decoder["sliding_window"] = {"window_size": sizes.pop(), "cache_slack": slacks.pop(),
+                                     "slide_key_value_cache": False, "slide_inputs": False,
+                                     "layers": [int(layer["index"]) for layer in windowed]}
+    gen = generation or {}
+    search = {"max_length": int(io["max_len"]), "past_present_share_buffer": True, "num_beams": 1,
+              "do_sample": bool(gen.get("do_sample", False))}
+    for key in ("temperature", "top_k", "top_p", "repetition_penalty"):
+        if gen.get(key) is not None:
+            search[key] = gen[key]
+    model = {"type": "decoder", "context_length": int(io["max_len"]), "vocab_size": int(io["vocab_size"]),
+             "eos_token_id": eos if len(eos) > 1 else eos[0], "pad_token_id": int(eos[0] if pad is None else pad),
+             "decoder": decoder}
+    if io.get("bos_token_id") is not None:
+        model["bos_token_id"] = int(io["bos_token_id"])
+    return {"model": model, "search": search}
+
+
+def write_genai_config(graph_dir, threads: int | None = None) -> Path:
+    """genai_config.json beside a genai-layout graph (`genai_config`), from its io.json and the
+    generation_config.json beside it, if any; the path written."""
+    graph_dir = Path(graph_dir)
+    io = json.loads((graph_dir / "io.json").read_text())
+    gen_path = graph_dir / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+    path = graph_dir / GENAI_CONFIG
+    path.write_text(json.dumps(genai_config(io, threads, gen), indent=2) + "\n")
+    return path
+
+
 # --------------------------------------------------------------------------
 # The embedding
 # --------------------------------------------------------------------------
@@ -571,6 +687,8 @@ def build_gqa_graph(untied_dir, quant_dir, out_dir, max_len: int, accuracy_level
         raise GqaGraphError(f"max_len must be >= 1, got {max_len}")
     if opts["kv_dtype"] not in KV_DTYPES:
         raise GqaGraphError(f"kv_dtype must be one of {KV_DTYPES}, got {opts['kv_dtype']!r}")
+    if opts["io_layout"] not in IO_LAYOUTS:
+        raise GqaGraphError(f"io_layout must be one of {IO_LAYOUTS}, got {opts['io_layout']!r}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     g = _G(out_dir / _SPILL)
@@ -635,7 +753,11 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
         return (1.0 + v).astype(np.float32) if fam.norm_offset else v
 
     records: dict[str, Any] = {}
-    S = "S"
+    genai = opts["io_layout"] == "genai"
+    kv_names = KV_NAMES[opts["io_layout"]]
+    S = "sequence_length" if genai else "S"
+    if genai:
+        _mask_lengths(g)
     # Embedding (scaled in the weight dtype, as HF's Gemma3TextScaledWordEmbedding does).
     emb = base.embed_tokens
     scale = _embed_scale_fp32(emb, cfg)
@@ -771,16 +893,18 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
         if kv16:  # GQA takes one type T for q/k/v, the caches and its output
             q, k, v = (g.node("Cast", [t], [f"{t}16"], f"{t}16", to=TensorProto.FLOAT16) for t in (q, k, v))
         a = g.node("GroupQueryAttention",
-                   [q, k, v, f"past_key_{i}", f"past_value_{i}", "seqlens_k", "total_sequence_length"]
+                   [q, k, v, kv_names["past_key"] % i, kv_names["past_value"] % i, "seqlens_k", "total_sequence_length"]
                    + ([f"cos_{key}", f"sin_{key}"] if rotary[i] else []),
-                   [f"{pre}.attn16" if kv16 else f"{pre}.attn", f"present_key_{i}", f"present_value_{i}"],
+                   [f"{pre}.attn16" if kv16 else f"{pre}.attn", kv_names["present_key"] % i, kv_names["present_value"] % i],
                    f"{pre}.gqa", domain=MS, **gqa_attrs)[0]
         if kv16:
             a = g.node("Cast", [a], [f"{pre}.attn"], f"{pre}.attn32", to=TensorProto.FLOAT)
         if last and opts["last_layer_rows"] == "last":
             # Only the last position's logits leave the graph: past the last GQA (whose K/V every row
             # feeds), the last layer runs one row.
-            idx = g.const_i64(-1)  # a scalar index: [1, S, X] -> [1, X]
+            # a scalar index: [1, S, X] -> [1, X]; genai's layout keeps the axis, [1, 1, X]: onnxruntime-genai
+            # reads logits of a static length 1 as the last position's only (its Model::IsPruned)
+            idx = g.const_i64([-1] if genai else -1)
             a = g.node("Gather", [a, idx], [f"{pre}.attn_last"], f"{pre}.attn_last", axis=1)
             h = g.node("Gather", [h, idx], [f"{pre}.res_last"], f"{pre}.res_last", axis=1)
         o = linear(g, a, f"{pre}.self_attn.o_proj", [f"{pre}.self_attn.o_proj"], layers, f"{pre}.o", acc,
@@ -828,7 +952,8 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
 
     xf, _ = norm_into(x_pending, h, g.init("model.norm.gamma", gamma(base.norm)), "model.norm")
     if opts["last_layer_rows"] != "last":
-        xf = g.node("Gather", [xf, g.const_i64(-1)], ["final_last"], "final_last", axis=1)  # [1, H]
+        xf = g.node("Gather", [xf, g.const_i64([-1] if genai else -1)], ["final_last"], "final_last",
+                    axis=1)  # [1, H] ([1, 1, H]: genai)
     final_cap = getattr(cfg, "final_logit_softcapping", None)
     post = [n for n, on in (("scaling", "logits_scaling" in mult), ("softcap", bool(final_cap))) if on]
     logits = linear(g, xf, "lm_head", ["lm_head"], layers, "logits_raw" if post else "logits", acc, True, records,
@@ -843,13 +968,25 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
         g.node("Mul", [t, c], ["logits"], "softcap_mul")
 
     vi = helper.make_tensor_value_info
-    inputs = [vi("input_ids", TensorProto.INT64, [1, S]), vi("seqlens_k", TensorProto.INT32, [1]),
-              vi("total_sequence_length", TensorProto.INT32, [])]
-    outputs = [vi("logits", TensorProto.FLOAT, [1, cfg.vocab_size])]
+    if genai:
+        inputs = [vi("input_ids", TensorProto.INT64, [1, S]),
+                  vi("attention_mask", TensorProto.INT64, [1, "total_sequence_length"])]
+        outputs = [vi("logits", TensorProto.FLOAT, [1, 1, cfg.vocab_size])]
+    else:
+        inputs = [vi("input_ids", TensorProto.INT64, [1, S]), vi("seqlens_k", TensorProto.INT32, [1]),
+                  vi("total_sequence_length", TensorProto.INT32, [])]
+        outputs = [vi("logits", TensorProto.FLOAT, [1, cfg.vocab_size])]
     for i in range(n_layers):
-        kv_shape = [1, nkv, plan[i]["cache_len"], hd]
-        inputs += [vi(f"past_key_{i}", kv_proto, kv_shape), vi(f"past_value_{i}", kv_proto, kv_shape)]
-        outputs += [vi(f"present_key_{i}", kv_proto, kv_shape), vi(f"present_value_{i}", kv_proto, kv_shape)]
+        # genai's layout leaves the buffer's rows symbolic: onnxruntime-genai allocates them from its
+        # search.max_length (full layers) and window + cache_slack (its sliding_window.layers); a
+        # distinct name for the window buffers, as its builder gives them, so no shape inference
+        # equates the two. The project's layout states io.json's rows.
+        rows = (("window_cache_length" if plan[i]["window_cache"] else "kv_cache_length") if genai
+                else plan[i]["cache_len"])
+        kv_shape = [1, nkv, rows, hd]
+        inputs += [vi(kv_names["past_key"] % i, kv_proto, kv_shape), vi(kv_names["past_value"] % i, kv_proto, kv_shape)]
+        outputs += [vi(kv_names["present_key"] % i, kv_proto, kv_shape),
+                    vi(kv_names["present_value"] % i, kv_proto, kv_shape)]
     # the initializers are in g's spill file (model.onnx gets them in this order: `_write_model`)
     graph = helper.make_graph(g.nodes, f"{family}_gqa", inputs, outputs, [])
     onnx_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
@@ -881,6 +1018,8 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
 
     io = {
         "format": IO_FORMAT,
+        "io_layout": opts["io_layout"],
+        "kv_names": kv_names,
         "family": family,
         "inputs": [_io(v) for v in inputs],
         "outputs": [_io(v) for v in outputs],
@@ -902,6 +1041,7 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
         "options": opts,
         "bos_token_id": _first_id(getattr(cfg, "bos_token_id", None), getattr(gen_cfg, "bos_token_id", None)),
         "eos_token_id": _id_list(getattr(cfg, "eos_token_id", None), getattr(gen_cfg, "eos_token_id", None)),
+        "pad_token_id": _first_id(getattr(cfg, "pad_token_id", None), getattr(gen_cfg, "pad_token_id", None)),
         "external_data": external,
         "opset": OPSET,
     }

@@ -9,7 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pipeline.graphs.gqa_graph import IO_FORMAT, GqaGraphError
+from pipeline.graphs.gqa_graph import IO_FORMAT, KV_NAMES, GqaGraphError
 from pipeline.runtimes.contract import ContextFull, Runtime
 from pipeline.runtimes.onnx import session_options
 from pipeline.runtimes.pages import anon_mappings, collapse_to_huge_pages, page_out_file, release_heap
@@ -25,10 +25,13 @@ class GqaDecoder(Runtime):
 
     KV: one preallocated OrtValue (io.json's kv_dtype) per past/present pair, bound as both
     (GQA writes the new rows in place; a window_cache layer's buffer is W +
-    slack rows and the op compacts it itself). Decode: input_ids / seqlens_k /
-    total_sequence_length / logits are numpy-backed OrtValues bound once; a
-    step writes three numbers and runs. `step` and `prefill` return a copy of
-    the logits (the bound buffer is overwritten by the next call).
+    slack rows and the op compacts it itself). Decode: input_ids / logits (and,
+    in the edgekiln io_layout, seqlens_k / total_sequence_length) are
+    numpy-backed OrtValues bound once; a step writes the token and runs. The
+    genai io_layout's attention_mask [1, T] is a view of one preallocated row
+    of max_len ones, bound at each call with its length (one bind, no copy).
+    `step` and `prefill` return a copy of the logits (the bound buffer is
+    overwritten by the next call).
 
     Session: intra_op `threads`, inter_op 1, sequential, spinning on (ORT's
     default: decode measured 1.26x (~100M) to 1.43x (5M) faster than with
@@ -63,6 +66,12 @@ class GqaDecoder(Runtime):
         self.max_len = self.context_length = int(self.io["max_len"])
         self.vocab_size = int(self.io["vocab_size"])
         self.n_layers = int(self.io["n_layers"])
+        # io.json before io_layout: the edgekiln layout
+        self.io_layout = self.io.get("io_layout", "edgekiln")
+        self._names = self.io.get("kv_names") or KV_NAMES["edgekiln"]
+        self._mask = np.ones((1, self.max_len), np.int64) if self.io_layout == "genai" else None
+        logits_shape = next(v["shape"] for v in self.io["outputs"] if v["name"] == "logits")
+        self._logits_shape = tuple(int(d) for d in logits_shape)  # [1, V] or genai's [1, 1, V]
         self._kv = []
         self.kv_dtype = np.dtype(self.io.get("kv_dtype", "float32"))  # io.json before kv_dtype: fp32
         for layer in self.io["layers"]:
@@ -73,7 +82,7 @@ class GqaDecoder(Runtime):
         self._ids = np.zeros((1, 1), np.int64)
         self._seqlens = np.zeros((1,), np.int32)
         self._total = np.zeros((), np.int32)
-        self._logits = np.zeros((1, self.vocab_size), np.float32)
+        self._logits = np.zeros(self._logits_shape, np.float32)
         self._step_binding, self._step_values = self._binding(self._ids, self._seqlens, self._total, self._logits)
         self.position = 0
         data = self.dir / "model.onnx.data"
@@ -86,19 +95,27 @@ class GqaDecoder(Runtime):
         ort = self._ort
         b = self.session.io_binding()
         keep = []
-        for name, arr in (("input_ids", ids), ("seqlens_k", seqlens), ("total_sequence_length", total)):
+        fed = [("input_ids", ids)] + ([] if self._mask is not None else
+                                      [("seqlens_k", seqlens), ("total_sequence_length", total)])
+        for name, arr in fed:
             v = ort.OrtValue.ortvalue_from_numpy(arr)
             keep.append(v)
             b.bind_ortvalue_input(name, v)
         lv = ort.OrtValue.ortvalue_from_numpy(logits)
         keep.append(lv)
         b.bind_ortvalue_output("logits", lv)
+        n = self._names
         for i, (k, v) in enumerate(self._kv):
-            b.bind_ortvalue_input(f"past_key_{i}", k)
-            b.bind_ortvalue_input(f"past_value_{i}", v)
-            b.bind_ortvalue_output(f"present_key_{i}", k)
-            b.bind_ortvalue_output(f"present_value_{i}", v)
+            b.bind_ortvalue_input(n["past_key"] % i, k)
+            b.bind_ortvalue_input(n["past_value"] % i, v)
+            b.bind_ortvalue_output(n["present_key"] % i, k)
+            b.bind_ortvalue_output(n["present_value"] % i, v)
         return b, keep
+
+    def _bind_mask(self, b, total: int) -> None:
+        """genai's layout: attention_mask [1, total], the first `total` of the ones row (no copy)."""
+        if self._mask is not None:
+            b.bind_input("attention_mask", "cpu", 0, np.int64, [1, total], self._mask.ctypes.data)
 
     def reset(self) -> None:
         # GQA never reads rows at or past seqlens_k + 1, so stale K/V need not be cleared.
@@ -115,9 +132,10 @@ class GqaDecoder(Runtime):
         self._ids[0, 0] = token_id
         self._seqlens[0] = p
         self._total[()] = p + 1
+        self._bind_mask(self._step_binding, p + 1)
         self.session.run_with_iobinding(self._step_binding)
         self.position = p + 1
-        return self._logits[0].copy()
+        return self._logits.reshape(-1).copy()
 
     def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
         """All of `token_ids` in one run (S = len); logits of the last one."""
@@ -131,13 +149,14 @@ class GqaDecoder(Runtime):
         p = self.position
         seqlens = np.asarray([p + n - 1], np.int32)
         total = np.asarray(p + n, np.int32)
-        logits = np.zeros((1, self.vocab_size), np.float32)
+        logits = np.zeros(self._logits_shape, np.float32)
         b, _keep = self._binding(ids, seqlens, total, logits)
+        self._bind_mask(b, p + n)
         self.session.run_with_iobinding(b)
         self.position = p + n
         if n >= _TRIM_AFTER_ROWS:
             release_heap()  # the prefill's freed workspace leaves the resident set (pages.release_heap)
-        return logits[0]
+        return logits.reshape(-1)
 
     def kv_bytes(self) -> int:
         return int(sum(self.kv_dtype.itemsize * (np.prod(k.shape()) + np.prod(v.shape())) for k, v in self._kv))
