@@ -10,7 +10,10 @@ Per weight path (pack's weight_path.json):
   vLLM's CUDA build, serving the checkpoint in bf16 with the GPU's rules
   (16-token blocks, stated); marked unverified: no GPU ran it here.
 - w4_ort_matmulnbits: `onnxruntime.json`: the session options, the graph, its
-  I/O and each layer's KV buffer. Threads and spinning are chosen by a short
+  I/O and each layer's KV buffer, and (a graph built with pack.ort_io_layout=genai,
+  the default) the onnxruntime-genai route: `../pack` is an onnxruntime-genai
+  model as it is (its genai_config.json), and the one command that generates
+  from it with nothing of this project installed. Threads and spinning are chosen by a short
   measured sweep when this host is the target device (pipeline/measure/tune.py; the
   candidates' spreads and the host fingerprint are recorded), else taken from
   the device config, saying so. On the target it also times 4 KiB
@@ -255,6 +258,7 @@ def _onnxruntime(ctx, device, host, pack_dir) -> dict:
         "outputs": io["outputs"],
         "kv_layout": io["layers"],
         "context_length": io["max_len"],
+        **_genai_route(pack_dir, io, int(chosen["intra_op_num_threads"])),
         "tuning": evidence,
     }
     (ctx.out / "onnxruntime.json").write_text(json.dumps(session, indent=2) + "\n")
@@ -265,6 +269,39 @@ def _onnxruntime(ctx, device, host, pack_dir) -> dict:
     else:
         ctx.log(evidence["reason"])
     return {"runtime": "onnxruntime", "files": ["onnxruntime.json"], "session": session}
+
+
+# The genai route's one command, run from this folder (a pulled bundle keeps pack/ beside it): the prompt
+# in, greedy (the config's search settings) up to the graph's positions, the text out. {threads}: an
+# overlay where the sweep chose other threads than the device config's, which genai_config.json holds.
+GENAI_COMMAND = (
+    "python -c \"import sys, onnxruntime_genai as og; c = og.Config('../pack'){overlay}; m = og.Model(c); "
+    "t = og.Tokenizer(m); p = og.GeneratorParams(m); g = og.Generator(m, p); g.append_tokens(t.encode(sys.argv[1])); "
+    "[g.generate_next_token() for _ in range({max_len}) if not g.is_done()]; print(t.decode(g.get_sequence(0)))\" "
+    "'def read_file(path):'")
+
+
+def _genai_route(pack_dir, io: dict, threads: int) -> dict:
+    """The profile's onnxruntime-genai route: the pack folder as an onnxruntime-genai model (a graph
+    built with pack.ort_io_layout=genai), its config, and the one command that generates from it."""
+    if io.get("io_layout") != "genai" or not (pack_dir / "genai_config.json").is_file():
+        return {"onnxruntime_genai": None, "onnxruntime_genai_why": "the graph was built with pack.ort_io_layout="
+                f"{io.get('io_layout', 'edgekiln')}: GqaDecoder only (genai needs pack.ort_io_layout=genai)"}
+    genai = json.loads((pack_dir / "genai_config.json").read_text())
+    built = genai["model"]["decoder"]["session_options"].get("intra_op_num_threads")
+    overlay = "" if built == threads else (
+        "; c.overlay('{\\\"model\\\": {\\\"decoder\\\": {\\\"session_options\\\": "
+        f"{{\\\"intra_op_num_threads\\\": {threads}}}}}}}}}')")
+    return {"onnxruntime_genai": {
+        "model": "../pack",
+        "config": "../pack/genai_config.json",
+        "package": "onnxruntime-genai (pip install onnxruntime-genai; 0.18 checked), nothing of this project",
+        "api": "og.Model('../pack'), og.Tokenizer(model), og.Generator(model, og.GeneratorParams(model))",
+        "threads": threads,
+        "command": GENAI_COMMAND.format(overlay=overlay, max_len=int(io["max_len"])),
+        "kv": "genai allocates the KV buffers itself from genai_config.json (max_length rows; window + "
+              "cache_slack rows for its sliding_window.layers) and shares them between past and present",
+    }}
 
 
 def _pages_setting(evidence: dict) -> dict:

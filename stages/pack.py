@@ -23,7 +23,9 @@ The weight path is chosen by `pipeline.quant.weight_path.select(device, priority
   GatherBlockQuantized over the head's own weight (one copy); an untied one's
   a GatherBlockQuantized of its table's 8- or 4-bit codes, or its fp32 table,
   as the quantize stage measured and chose (quant.json "embedding"). Config and tokenizer copied from the export
-  artifact; runs in `pipeline.runtimes.gqa.GqaDecoder`.
+  artifact; runs in `pipeline.runtimes.gqa.GqaDecoder`. With `pack.ort_io_layout: genai` (the default) the
+  graph takes onnxruntime-genai's inputs and `genai_config.json` (the device's threads) lies beside it:
+  the folder is an onnxruntime-genai model as it is (`og.Model(folder)`); `edgekiln`: the layout before.
 - qnn_graph (phone NPU): `float/model.onnx` (+ its external data), the export made QNN-ready
   (pipeline/graphs/npu_rewrite.py: sanitized, rotary tables, fused RMSNorm; checked
   against the export on a decode past the window), and per QDQ precision in
@@ -169,8 +171,9 @@ def _write_tinygemm(ctx, meta, layers, src: Path, prefill: str, threshold: int) 
             "layout": doc["layout"], "bytes": _bytes([out / TINYGEMM_TENSORS, out / "model.safetensors"])}
 
 
-def _write_ort(ctx, untied: Path, export_dir: Path, quant_dir: Path, accuracy_level: int) -> dict:
-    from pipeline.graphs.gqa_graph import GqaGraphError, build_gqa_graph
+def _write_ort(ctx, untied: Path, export_dir: Path, quant_dir: Path, accuracy_level: int, io_layout: str,
+               threads: int) -> dict:
+    from pipeline.graphs.gqa_graph import GENAI_CONFIG, GqaGraphError, build_gqa_graph, write_genai_config
     from pipeline.quant.codes import PackError
 
     io_path = export_dir / "io.json"
@@ -179,13 +182,23 @@ def _write_ort(ctx, untied: Path, export_dir: Path, quant_dir: Path, accuracy_le
     max_len = int(json.loads(io_path.read_text())["context_length"])
     with ctx.progress(None, f"GroupQueryAttention + MatMulNBits graph, {max_len} positions"):
         try:
-            facts = build_gqa_graph(untied, quant_dir, Path(ctx.out), max_len=max_len, accuracy_level=accuracy_level)
+            facts = build_gqa_graph(untied, quant_dir, Path(ctx.out), max_len=max_len, accuracy_level=accuracy_level,
+                                    io_layout=io_layout)
         except (GqaGraphError, PackError) as err:
             raise StageError(f"pack: {err}") from None
+    # the tokenizer (tokenizer.json, its config with the special tokens, the chat template) travels with
+    # the graph: GqaDecoder's callers and onnxruntime-genai's og.Tokenizer read it from this folder
     copied = copy_side_files(export_dir, Path(ctx.out))
+    genai = None
+    if io_layout == "genai":
+        try:
+            write_genai_config(Path(ctx.out), threads=threads)
+        except GqaGraphError as err:
+            raise StageError(f"pack: {err}") from None
+        genai = GENAI_CONFIG
     files = [p for p in Path(ctx.out).glob("model.onnx*")]
-    return {"graph": "edgekiln-gqa/1", "max_len": max_len, "bytes": sum(p.stat().st_size for p in files),
-            "ops": facts.get("ops"), "side_files": copied,
+    return {"graph": "edgekiln-gqa/1", "io_layout": io_layout, "genai_config": genai, "max_len": max_len,
+            "bytes": sum(p.stat().st_size for p in files), "ops": facts.get("ops"), "side_files": copied,
             "facts": {k: v for k, v in facts.items() if k not in ("records", "ops")}}
 
 
@@ -530,6 +543,8 @@ def run(ctx: StageContext) -> dict:
     level = int(cfg.ort_accuracy_level)
     if level not in (0, 1, 2, 3, 4):
         raise StageError(f"pack.ort_accuracy_level must be 0..4, got {level}")
+    if str(cfg.ort_io_layout) not in ("genai", "edgekiln"):
+        raise StageError(f"pack.ort_io_layout must be genai or edgekiln, got {cfg.ort_io_layout!r}")
     threshold = int(cfg.prefill_threshold)
     if threshold < 1:
         raise StageError(f"pack.prefill_threshold must be >= 1, got {threshold}")
@@ -573,7 +588,8 @@ def run(ctx: StageContext) -> dict:
     elif sel["path"] == "w4a16_tinygemm":
         detail = _write_tinygemm(ctx, meta, layers, src, prefill, threshold)
     elif sel["path"] == "w4_ort_matmulnbits":
-        detail = _write_ort(ctx, src, Path(ctx.inputs["export"]), quant_dir, level)
+        detail = _write_ort(ctx, src, Path(ctx.inputs["export"]), quant_dir, level, str(cfg.ort_io_layout),
+                            int(device["threads"]))
     elif sel["path"] == "gguf_q4_0":
         detail = _write_gguf(ctx, src, quant_dir, meta, layers)
     else:  # pragma: no cover - select() returns only the paths above

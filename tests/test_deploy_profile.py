@@ -119,6 +119,38 @@ def test_a_cross_built_onnxruntime_profile_takes_the_device_threads(tmp_path):
     assert session["huge_pages"] is None  # the target's pages are not known on the builder
 
 
+def test_a_genai_layout_graph_gets_the_onnxruntime_genai_route_and_its_command(tmp_path):
+    """pack.ort_io_layout=genai: the profile names ../pack as an onnxruntime-genai model and the one command
+    that generates from it, overlaying the threads where they are not the genai_config's; the project's
+    own layout says why there is no such route."""
+    import ast
+    import shlex
+
+    genai_cfg = {"model": {"decoder": {"session_options": {"intra_op_num_threads": 2}}}}
+    out, _ = run(tmp_path, "w4_ort_matmulnbits", {"io.json": json.dumps({**IO, "io_layout": "genai"}),
+                                                   "genai_config.json": json.dumps(genai_cfg)},
+                 device={"name": "x86_avx2", "threads": 4})
+    route = json.loads((out / "onnxruntime.json").read_text())["onnxruntime_genai"]
+    assert route["model"] == "../pack" and route["config"] == "../pack/genai_config.json" and route["threads"] == 4
+    argv = shlex.split(route["command"])
+    assert argv[:2] == ["python", "-c"] and argv[3] == "def read_file(path):"
+    code = argv[2]
+    ast.parse(code)  # one valid program, as the shell hands it to python
+    assert "og.Config('../pack')" in code and "range(256)" in code
+    overlay = code.split("c.overlay('")[1].split("')")[0]
+    assert json.loads(overlay) == {"model": {"decoder": {"session_options": {"intra_op_num_threads": 4}}}}
+    (tmp_path / "same").mkdir()
+    same, _ = run(tmp_path / "same", "w4_ort_matmulnbits", {"io.json": json.dumps({**IO, "io_layout": "genai"}),
+                                                             "genai_config.json": json.dumps(genai_cfg)},
+                  device={"name": "x86_avx2", "threads": 2})
+    assert "overlay" not in json.loads((same / "onnxruntime.json").read_text())["onnxruntime_genai"]["command"]
+    (tmp_path / "old").mkdir()
+    old, _ = run(tmp_path / "old", "w4_ort_matmulnbits", {"io.json": json.dumps(IO)}, device={"name": "x86_avx2",
+                                                                                            "threads": 4})
+    session = json.loads((old / "onnxruntime.json").read_text())
+    assert session["onnxruntime_genai"] is None and "pack.ort_io_layout=genai" in session["onnxruntime_genai_why"]
+
+
 def _matmulnbits_graph(level: int) -> bytes:
     """A graph with one MatMulNBits node at `level` (its attributes are all the level sweep reads)."""
     import onnx
