@@ -470,20 +470,19 @@ def _mask_lengths(g: _G) -> None:
     """`seqlens_k` and `total_sequence_length`, GroupQueryAttention's length inputs, from the
     attention_mask onnxruntime-genai feeds (genai's io_layout).
 
-    Why in the graph: onnxruntime-genai feeds a decoder `input_ids` and `attention_mask` [1, tokens so
-    far] (ones: one stream, no padding; one longer each step, its DefaultPositionInputs), never GQA's
-    own lengths; its builder derives them inside the graph, as here: seqlens_k = sum(mask) - 1 (int32
-    [1]: the tokens cached after this call, minus 1), total_sequence_length = the mask's length (int32
-    scalar). Four small integer ops a call; the mask is [1, T] int64."""
+    Why in the graph: onnxruntime-genai feeds a decoder `input_ids` and `attention_mask` [1, T] (T the
+    tokens cached after this call; one longer each step: its DefaultPositionInputs), never GQA's own
+    lengths. Its builder sums the mask (seqlens_k = sum - 1), which a padded batch needs; this graph
+    takes one stream, whose mask genai fills with ones (nothing to pad), so T is the mask's length and
+    no op reads its data: total_sequence_length = T (int32 scalar), seqlens_k = T - 1 (int32 [1]).
+    """
     from onnx import TensorProto
 
-    one = g.const_i64([1])
-    s = g.node("ReduceSum", ["attention_mask", one], ["mask.sum"], "mask_sum", keepdims=0)  # [1]
-    s = g.node("Sub", [s, one], ["mask.sum_minus_1"], "mask_sum_minus_1")
-    g.node("Cast", [s], ["seqlens_k"], "seqlens_k", to=TensorProto.INT32)
-    shape = g.node("Shape", ["attention_mask"], ["mask.shape"], "mask_shape")
-    t = g.node("Gather", [shape, g.const_i64(1)], ["mask.length"], "mask_length", axis=0)  # a scalar
-    g.node("Cast", [t], ["total_sequence_length"], "total_sequence_length", to=TensorProto.INT32)
+    t = g.node("Shape", ["attention_mask"], ["mask.length"], "mask_length", start=1, end=2)  # int64 [1]
+    t = g.node("Cast", [t], ["mask.length32"], "mask_length32", to=TensorProto.INT32)
+    one = g.init("one_i32", np.asarray([1], np.int32))
+    g.node("Sub", [t, one], ["seqlens_k"], "seqlens_k")
+    g.node("Squeeze", [t], ["total_sequence_length"], "total_sequence_length")  # [1] -> a scalar
 
 
 GENAI_CONFIG = "genai_config.json"
