@@ -1,0 +1,153 @@
+"""The x86_avx512 artifact as an onnxruntime-genai model, run with nothing of this project.
+
+The tiny embedded build (tests/conftest.py `built_repo`) packs its graph in
+onnxruntime-genai's layout with genai_config.json and the tokenizer beside it.
+A fresh virtual environment holding only onnxruntime-genai (and the onnxruntime
+it pulls in) loads that pack folder with og.Model / og.Tokenizer and generates
+greedily from every parity prompt. Its prompt ids must be the parity stage's,
+its tokens GqaDecoder's own (prompt prefilled, then greedy: what genai runs),
+and the fp32 reference's continuation wherever the parity report says the
+artifact's greedy decode matched it.
+
+Where pip cannot install onnxruntime-genai (no registry), the script runs in
+the project's venv behind an import guard that removes the project from
+sys.path and fails unless `pipeline` and `stages` are then unimportable; the
+test says which it did.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import needs_genai, report_line
+
+pytestmark = pytest.mark.slow
+BUILD = "x86_avx512-embedded-speed"
+
+# What a user of the folder runs: argv = pack folder, JSON list of prompts, new tokens per prompt.
+SCRIPT = r'''
+import importlib.util, json, os, sys
+if {guard!r}:  # the project's venv: take any checkout of the project off the import path, editable installs too
+    sys.path[:] = [p for p in sys.path
+                   if not any(os.path.isdir(os.path.join(p or ".", d)) for d in ("pipeline", "stages"))]
+    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+for name in ("pipeline", "stages"):
+    if importlib.util.find_spec(name) is not None:
+        raise SystemExit(f"{{name}} is importable: the check would not show the folder runs on its own")
+import onnxruntime_genai as og
+folder, prompts, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+model = og.Model(folder)
+tok = og.Tokenizer(model)
+out = []
+for prompt in prompts:
+    ids = [int(t) for t in tok.encode(prompt)]
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(ids) + n)
+    gen = og.Generator(model, params)
+    gen.append_tokens(ids)
+    while not gen.is_done():
+        gen.generate_next_token()
+    seq = [int(t) for t in gen.get_sequence(0)]
+    out.append({{"prompt": prompt, "prompt_ids": ids, "tokens": seq[len(ids):], "text": tok.decode(seq[len(ids):])}})
+print(json.dumps({{"onnxruntime_genai": og.__version__, "python": sys.executable, "results": out}}))
+'''
+
+
+def _fresh_venv(root: Path, version: str) -> tuple[Path | None, str]:
+    """(the python of a new venv holding onnxruntime-genai==version and its dependencies only, or None;
+    what happened)."""
+    venv = root / "genai-only"
+    made = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True)
+    if made.returncode != 0:
+        return None, f"python -m venv failed: {made.stderr.strip().splitlines()[-1:]}"
+    py = venv / "bin" / "python"
+    pip = subprocess.run([str(py), "-m", "pip", "install", "-q", f"onnxruntime-genai=={version}"],
+                         capture_output=True, text=True, timeout=600)
+    if pip.returncode != 0:
+        lines = [x for x in pip.stderr.splitlines() if x.strip()]
+        return None, f"pip install onnxruntime-genai=={version} failed ({lines[-1] if lines else pip.returncode})"
+    listed = subprocess.run([str(py), "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True)
+    return py, "fresh venv: " + ", ".join(sorted(listed.stdout.split()))
+
+
+@pytest.fixture(scope="module")
+def genai_python(tmp_path_factory, request):
+    """(python, guard): a fresh venv's python and no guard, or the project's own behind the import guard."""
+    import onnxruntime_genai as og
+
+    py, how = _fresh_venv(tmp_path_factory.mktemp("genai-venv"), og.__version__)
+    if py is None:
+        report_line(request.config, f"test_genai_artifact: {how}; running in the project's venv with "
+                                    f"the project taken off the import path instead")
+        return Path(sys.executable), True
+    report_line(request.config, f"test_genai_artifact: {how}")
+    return py, False
+
+
+@needs_genai
+def test_the_pack_folder_generates_in_onnxruntime_genai_alone(built_repo, genai_python, tmp_path, request):
+    from transformers import AutoTokenizer
+
+    from pipeline.runtimes.gqa import GqaDecoder
+    from stages.verify_parity import _prompt_ids
+
+    repo, _ = built_repo
+    art = repo / "artifacts" / BUILD
+    pack = art / "pack"
+    # the folder as pack wrote it: genai's config, the graph, the tokenizer with its special tokens
+    for name in ("genai_config.json", "model.onnx", "tokenizer.json", "tokenizer_config.json"):
+        assert (pack / name).is_file(), name
+    cfg = json.loads((pack / "genai_config.json").read_text())
+    assert cfg["model"]["type"] == "decoder" and cfg["search"]["past_present_share_buffer"] is True
+    assert cfg["model"]["decoder"]["sliding_window"]["layers"]  # the tiny model's window binds in its context
+    report = json.loads((art / "verify_parity" / "report.json").read_text())
+    per_prompt = report["artifact"]["per_prompt"]
+    prompts = [p["prompt"] for p in per_prompt]
+    n = len(per_prompt[0]["reference_continuation"])
+    profile = json.loads((art / "deploy_profile" / "onnxruntime.json").read_text())
+    assert profile["onnxruntime_genai"]["model"] == "../pack"
+
+    py, guard = genai_python
+    script = tmp_path / "run_genai.py"
+    script.write_text(SCRIPT.format(guard=guard))
+    proc = subprocess.run([str(py), "-I", str(script), str(pack), json.dumps(prompts), str(n)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ran = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert Path(ran["python"]).resolve() == py.resolve()
+
+    tok = AutoTokenizer.from_pretrained(str(pack))
+    io = json.loads((pack / "io.json").read_text())
+    eos = set(io["eos_token_id"])
+    dec = GqaDecoder(pack, threads=2)
+    agreed = 0
+    for want, got in zip(per_prompt, ran["results"]):
+        ids = _prompt_ids(tok, want["prompt"], tok.bos_token_id, str(io.get("family", "")))
+        assert got["prompt_ids"] == ids, want["prompt"]  # genai's tokenizer frames the prompt as parity did
+        tokens = got["tokens"]
+        # genai stops at an end-of-sequence token; else it runs the n tokens
+        assert len(tokens) == n or (0 < len(tokens) < n and tokens[-1] in eos), (want["prompt"], tokens)
+        # GqaDecoder, the prompt prefilled then greedy (genai's order), gives genai's tokens exactly
+        dec.reset()
+        logits, mine = dec.prefill(ids), []
+        for _ in tokens:
+            mine.append(int(np.argmax(logits)))
+            if len(mine) < len(tokens):
+                logits = dec.step(mine[-1])
+        assert tokens == mine, want["prompt"]
+        # and the fp32 reference's continuation wherever parity found the artifact's greedy decode matched it
+        ref = want["reference_continuation"]
+        agree = len(ref) if want["greedy_match"] else int(want["greedy_first_divergence"])
+        k = min(agree, len(tokens))
+        assert tokens[:k] == ref[:k], (want["prompt"], tokens, ref)
+        agreed += bool(want["greedy_match"])
+    assert agreed > 0, "no prompt's greedy decode matched the reference: the comparison shows nothing"
+    report_line(request.config, f"test_genai_artifact: onnxruntime-genai {ran['onnxruntime_genai']} generated "
+                                f"{len(prompts)} prompts x {n} tokens, GqaDecoder's tokens on every one, the fp32 "
+                                f"reference's on the {agreed} parity matched (and up to the divergence on the rest)")
