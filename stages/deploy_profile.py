@@ -272,11 +272,12 @@ def _onnxruntime(ctx, device, host, pack_dir) -> dict:
 
 
 # The genai route's one command, run from this folder (a pulled bundle keeps pack/ beside it): the prompt
-# in, greedy (the config's search settings) up to the graph's positions, the text out. {threads}: an
+# in (genai's Tokenizer.encode adds no special tokens unless told: add_special_tokens frames a raw prompt as
+# the parity stage did, BOS where the checkpoint's tokenizer adds one; a chat template carries its own), greedy (the config's search settings) up to the graph's positions, the text out. {threads}: an
 # overlay where the sweep chose other threads than the device config's, which genai_config.json holds.
 GENAI_COMMAND = (
     "python -c \"import sys, onnxruntime_genai as og; c = og.Config('../pack'){overlay}; m = og.Model(c); "
-    "t = og.Tokenizer(m); p = og.GeneratorParams(m); g = og.Generator(m, p); g.append_tokens(t.encode(sys.argv[1])); "
+    "t = og.Tokenizer(m); t.update_options(add_special_tokens='true'); p = og.GeneratorParams(m); g = og.Generator(m, p); g.append_tokens(t.encode(sys.argv[1])); "
     "[g.generate_next_token() for _ in range({max_len}) if not g.is_done()]; print(t.decode(g.get_sequence(0)))\" "
     "'def read_file(path):'")
 
@@ -298,6 +299,8 @@ def _genai_route(pack_dir, io: dict, threads: int) -> dict:
         "package": "onnxruntime-genai (pip install onnxruntime-genai; 0.18 checked), nothing of this project",
         "api": "og.Model('../pack'), og.Tokenizer(model), og.Generator(model, og.GeneratorParams(model))",
         "threads": threads,
+        "prompt": "og.Tokenizer.encode adds no BOS unless tokenizer.update_options(add_special_tokens='true'), "
+                  "as the command does; apply_chat_template output carries the template's own special tokens",
         "command": GENAI_COMMAND.format(overlay=overlay, max_len=int(io["max_len"])),
         "kv": "genai allocates the KV buffers itself from genai_config.json (max_length rows; window + "
               "cache_slack rows for its sliding_window.layers) and shares them between past and present",

@@ -9,10 +9,12 @@ its tokens GqaDecoder's own (prompt prefilled, then greedy: what genai runs),
 and the fp32 reference's continuation wherever the parity report says the
 artifact's greedy decode matched it.
 
-Where pip cannot install onnxruntime-genai (no registry), the script runs in
-the project's venv behind an import guard that removes the project from
-sys.path and fails unless `pipeline` and `stages` are then unimportable; the
-test says which it did.
+The version is the one the `peers` extra pins (pyproject.toml), so the test
+runs where the project's venv has no onnxruntime-genai (CI's). Where pip
+cannot install it (no registry), the script runs in the project's venv
+behind an import guard that removes the project from sys.path and fails
+unless `pipeline` and `stages` are then unimportable; where genai is absent
+there too, the test is skipped, saying so. It says which it did.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import needs_genai, report_line
+from tests.conftest import report_line
 
 pytestmark = pytest.mark.slow
 BUILD = "x86_avx512-embedded-speed"
@@ -44,6 +46,7 @@ import onnxruntime_genai as og
 folder, prompts, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 model = og.Model(folder)
 tok = og.Tokenizer(model)
+tok.update_options(add_special_tokens="true")  # as the profile's command: a raw prompt framed as parity frames it
 out = []
 for prompt in prompts:
     ids = [int(t) for t in tok.encode(prompt)]
@@ -79,10 +82,15 @@ def _fresh_venv(root: Path, version: str) -> tuple[Path | None, str]:
 @pytest.fixture(scope="module")
 def genai_python(tmp_path_factory, request):
     """(python, guard): a fresh venv's python and no guard, or the project's own behind the import guard."""
-    import onnxruntime_genai as og
+    import importlib.util
+    import tomllib
 
-    py, how = _fresh_venv(tmp_path_factory.mktemp("genai-venv"), og.__version__)
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    pin = next(r for r in extras["optional-dependencies"]["peers"] if r.startswith("onnxruntime-genai=="))
+    py, how = _fresh_venv(tmp_path_factory.mktemp("genai-venv"), pin.split("==", 1)[1])
     if py is None:
+        if importlib.util.find_spec("onnxruntime_genai") is None:
+            pytest.skip(f"onnxruntime-genai: {how}, and the project's venv has none (pip install -e '.[peers]')")
         report_line(request.config, f"test_genai_artifact: {how}; running in the project's venv with "
                                     f"the project taken off the import path instead")
         return Path(sys.executable), True
@@ -90,7 +98,6 @@ def genai_python(tmp_path_factory, request):
     return py, False
 
 
-@needs_genai
 def test_the_pack_folder_generates_in_onnxruntime_genai_alone(built_repo, genai_python, tmp_path, request):
     from transformers import AutoTokenizer
 
@@ -147,6 +154,14 @@ def test_the_pack_folder_generates_in_onnxruntime_genai_alone(built_repo, genai_
         k = min(agree, len(tokens))
         assert tokens[:k] == ref[:k], (want["prompt"], tokens, ref)
         agreed += bool(want["greedy_match"])
+    # the profile's own command, as a user runs it from deploy_profile/ with that python: the prompt and more text
+    command = profile["onnxruntime_genai"]["command"]
+    assert command.startswith("python -c ")
+    user = subprocess.run(f"{py} -I {command[len('python '):]}", shell=True, cwd=art / "deploy_profile",
+                          capture_output=True, text=True, timeout=600)
+    assert user.returncode == 0, user.stderr[-3000:]
+    said = user.stdout  # the tiny model continues that prompt with newlines: kept, not stripped
+    assert said.startswith("def read_file(path):") and len(said) > len("def read_file(path):\n"), said
     assert agreed > 0, "no prompt's greedy decode matched the reference: the comparison shows nothing"
     report_line(request.config, f"test_genai_artifact: onnxruntime-genai {ran['onnxruntime_genai']} generated "
                                 f"{len(prompts)} prompts x {n} tokens, GqaDecoder's tokens on every one, the fp32 "

@@ -758,7 +758,7 @@ def test_model_file_is_what_onnx_save_model_writes(ckpts, tmp_path, monkeypatch,
     build_gqa_graph(ckpts(name)["hf"], ckpts(name)["quant"], out, max_len=MAX_LEN, accuracy_level=0, **options)
     path = out / "model.onnx"
     model = onnx.load(str(path))
-    assert len(model.graph.initializer) > 10 and model.graph.initializer[0].name == "embed_tokens"
+    assert len(model.graph.initializer) > 10 and "embed_tokens" in {t.name for t in model.graph.initializer}
     assert path.read_bytes() == model.SerializeToString()
     onnx.checker.check_model(model)
     assert sorted(p.name for p in out.iterdir()) == ["io.json", "model.onnx"]
