@@ -4,7 +4,7 @@
 
 Arms, each pass a fresh process (pipeline/measure/bench_arm.py), interleaved A B C A B C:
   (a) edgekiln layout, GqaDecoder: the graph rebuilt from the build's own untie_head and quantize
-      artifacts with pack.ort_io_layout=edgekiln (seqlens_k / total_sequence_length fed);
+      artifacts in the layout before genai's (io_layout='edgekiln': seqlens_k / total_sequence_length fed);
   (b) genai layout, GqaDecoder: the build's pack folder as it is;
   (c) genai layout, onnxruntime-genai: the same folder through og.Model / og.Generator's own greedy loop
       (a copy of the folder: the arm writes its threads into genai_config.json).
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     art = ROOT / "artifacts" / a.build
     io = json.loads((art / "pack" / "io.json").read_text())
     if io.get("io_layout") != "genai":
-        raise SystemExit(f"{art / 'pack'}: io_layout {io.get('io_layout')!r}; build with pack.ort_io_layout=genai")
+        raise SystemExit(f"{art / 'pack'}: io_layout {io.get('io_layout')!r}; rebuild its pack stage")
     if int(io["max_len"]) < CONTEXT + DECODE:
         raise SystemExit(f"the graph serves {io['max_len']} positions; build with export.context_length="
                          f"{CONTEXT + DECODE} or more")

@@ -10,8 +10,8 @@ Per weight path (pack's weight_path.json):
   vLLM's CUDA build, serving the checkpoint in bf16 with the GPU's rules
   (16-token blocks, stated); marked unverified: no GPU ran it here.
 - w4_ort_matmulnbits: `onnxruntime.json`: the session options, the graph, its
-  I/O and each layer's KV buffer, and (a graph built with pack.ort_io_layout=genai,
-  the default) the onnxruntime-genai route: `../pack` is an onnxruntime-genai
+  I/O and each layer's KV buffer, and (a graph in the genai layout, every pack
+  since it) the onnxruntime-genai route: `../pack` is an onnxruntime-genai
   model as it is (its genai_config.json), and the one command that generates
   from it with nothing of this project installed. Threads and spinning are chosen by a short
   measured sweep when this host is the target device (pipeline/measure/tune.py; the
@@ -284,10 +284,11 @@ GENAI_COMMAND = (
 
 def _genai_route(pack_dir, io: dict, threads: int) -> dict:
     """The profile's onnxruntime-genai route: the pack folder as an onnxruntime-genai model (a graph
-    built with pack.ort_io_layout=genai), its config, and the one command that generates from it."""
+    built since the genai layout), its config, and the one command that generates from it."""
     if io.get("io_layout") != "genai" or not (pack_dir / "genai_config.json").is_file():
-        return {"onnxruntime_genai": None, "onnxruntime_genai_why": "the graph was built with pack.ort_io_layout="
-                f"{io.get('io_layout', 'edgekiln')}: GqaDecoder only (genai needs pack.ort_io_layout=genai)"}
+        return {"onnxruntime_genai": None, "onnxruntime_genai_why": f"the graph's io_layout is "
+                f"{io.get('io_layout', 'edgekiln')} (built before the genai layout): GqaDecoder only; rebuild the "
+                "pack stage for onnxruntime-genai"}
     genai = json.loads((pack_dir / "genai_config.json").read_text())
     built = genai["model"]["decoder"]["session_options"].get("intra_op_num_threads")
     overlay = "" if built == threads else (

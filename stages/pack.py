@@ -23,9 +23,10 @@ The weight path is chosen by `pipeline.quant.weight_path.select(device, priority
   GatherBlockQuantized over the head's own weight (one copy); an untied one's
   a GatherBlockQuantized of its table's 8- or 4-bit codes, or its fp32 table,
   as the quantize stage measured and chose (quant.json "embedding"). Config and tokenizer copied from the export
-  artifact; runs in `pipeline.runtimes.gqa.GqaDecoder`. With `pack.ort_io_layout: genai` (the default) the
-  graph takes onnxruntime-genai's inputs and `genai_config.json` (the device's threads) lies beside it:
-  the folder is an onnxruntime-genai model as it is (`og.Model(folder)`); `edgekiln`: the layout before.
+  artifact; runs in `pipeline.runtimes.gqa.GqaDecoder`. The graph takes onnxruntime-genai's inputs
+  and `genai_config.json` (the device's threads) lies beside it: the folder is an onnxruntime-genai model
+  as it is (`og.Model(folder)`). The layout before it (lengths fed, `past_key_i`) measured no faster
+  (benchmarks/genai_layout.py, docs/devices.md), so it is no option; GqaDecoder still reads such folders.
 - qnn_graph (phone NPU): `float/model.onnx` (+ its external data), the export made QNN-ready
   (pipeline/graphs/npu_rewrite.py: sanitized, rotary tables, fused RMSNorm; checked
   against the export on a decode past the window), and per QDQ precision in
@@ -543,8 +544,6 @@ def run(ctx: StageContext) -> dict:
     level = int(cfg.ort_accuracy_level)
     if level not in (0, 1, 2, 3, 4):
         raise StageError(f"pack.ort_accuracy_level must be 0..4, got {level}")
-    if str(cfg.ort_io_layout) not in ("genai", "edgekiln"):
-        raise StageError(f"pack.ort_io_layout must be genai or edgekiln, got {cfg.ort_io_layout!r}")
     threshold = int(cfg.prefill_threshold)
     if threshold < 1:
         raise StageError(f"pack.prefill_threshold must be >= 1, got {threshold}")
@@ -588,7 +587,7 @@ def run(ctx: StageContext) -> dict:
     elif sel["path"] == "w4a16_tinygemm":
         detail = _write_tinygemm(ctx, meta, layers, src, prefill, threshold)
     elif sel["path"] == "w4_ort_matmulnbits":
-        detail = _write_ort(ctx, src, Path(ctx.inputs["export"]), quant_dir, level, str(cfg.ort_io_layout),
+        detail = _write_ort(ctx, src, Path(ctx.inputs["export"]), quant_dir, level, "genai",
                             int(device["threads"]))
     elif sel["path"] == "gguf_q4_0":
         detail = _write_gguf(ctx, src, quant_dir, meta, layers)

@@ -54,7 +54,6 @@ CHOICES = {
     "quantize.method": ("gptq", "rtn"),  # pipeline/quant/gptq.py METHODS
     "quantize.group_fallback": ("error", "divisor"),  # stages/quantize.py FALLBACKS
     "pack.tinygemm_prefill": ("dequant_packed", "deinterleave_once"),  # pipeline/runtimes/tinygemm.py PREFILL_MODES
-    "pack.ort_io_layout": ("genai", "edgekiln"),  # pipeline/graphs/gqa_graph.py IO_LAYOUTS
     "benchmark.llamacpp": ("auto", "off"),
     "parity.peers": ("auto", "off"),
     "benchmark.ortgenai": ("auto", "off"),

@@ -297,10 +297,6 @@ class PackConfig:
     # ORT MatMulNBits: 4 = int8 activations inside the kernel (its fastest CPU
     # path, measured); 0 = no activation rounding (the fp32 reference math).
     ort_accuracy_level: int = 4
-    # The ORT graph's I/O: genai (onnxruntime-genai loads the pack folder as it
-    # is, genai_config.json beside the graph; GqaDecoder runs it too) or
-    # edgekiln (the layout before it, GqaDecoder only). Same logits, bit for bit.
-    ort_io_layout: str = "genai"
     # Rows at which a tinygemm layer leaves the int4 kernel for dequant + GEMM
     # (the kernel's cost is linear in rows).
     prefill_threshold: int = 16
