@@ -12,6 +12,11 @@ int4 build (the `peers` extra); the report says why an optional one is
 skipped. For a CPU build the ratios to llama.cpp and onnxruntime-genai are the
 headline.
 
+The ONNX Runtime artifact runs twice: in GqaDecoder (the headline) and, where
+onnxruntime-genai is installed, its own pack folder as it is in genai's
+generator loop (arm `ort_int4_genai`, the deploy profile's genai route: what a
+device that runs onnxruntime-genai gets), the two compared in the report.
+
 Pages: every arm's process gets the same environment. With
 `benchmark.huge_pages: auto` (the default) that asks glibc for transparent
 huge pages (pipeline/runtimes/pages.py) wherever the host allows them, so the
@@ -68,6 +73,7 @@ PACKED_ARMS = {"w4_ort_matmulnbits": "ort_int4", "w4a16_tinygemm": "tinygemm_w4a
 LLAMA_ARM = "llamacpp_q4_k_m"
 LLAMA_Q4_0_ARM = "llamacpp_q4_0"  # beside a GGUF Q4_0 artifact: llama.cpp's own file of the same format
 GENAI_ARM = "ortgenai_int4"
+ARTIFACT_GENAI_ARM = "ort_int4_genai"  # the ORT artifact's own folder in onnxruntime-genai (its profile's route)
 VLLM_ARM = "vllm_gptq"
 BASELINES = ("onnx_fp32", "torch_eager_fp32", LLAMA_ARM, LLAMA_Q4_0_ARM, GENAI_ARM)
 FP32_BASELINES = ("onnx_fp32", "torch_eager_fp32")
@@ -149,6 +155,31 @@ def _genai_arm(ctx, b, work: Path) -> tuple[Path | None, str, str | None]:
             return out, "", ortgenai.repair_head(out)
     except ortgenai.GenaiUnavailable as e:
         return None, f"onnxruntime-genai baseline skipped: {e}", None
+
+
+def _artifact_in_genai(pack: Path, out: Path) -> tuple[Path | None, str]:
+    """(a folder onnxruntime-genai runs, note): the pack folder as the device pulls it, the weights
+    hard-linked (or copied), genai_config.json copied, since the arm writes its threads into it."""
+    import shutil
+
+    from pipeline.runtimes import ortgenai
+
+    io = json.loads((pack / "io.json").read_text())
+    if io.get("io_layout") != "genai" or not (pack / "genai_config.json").is_file():
+        return None, "the artifact in onnxruntime-genai: not measured (a pack built before the genai layout)"
+    ok, reason = ortgenai.available()
+    if not ok:
+        return None, f"the artifact in onnxruntime-genai: not measured ({reason})"
+    out.mkdir(parents=True)
+    for f in pack.iterdir():
+        if f.is_file() and f.name != "genai_config.json":
+            try:
+                os.link(f, out / f.name)
+            except OSError:
+                shutil.copy2(f, out / f.name)
+    shutil.copy2(pack / "genai_config.json", out / "genai_config.json")
+    return out, (f"{ARTIFACT_GENAI_ARM}: the artifact's own folder decoded by onnxruntime-genai "
+                 f"{ortgenai.version()}, as the deploy profile's onnxruntime-genai route runs it")
 
 
 def _pages(setting: str) -> dict:
@@ -237,6 +268,11 @@ def run(ctx) -> dict:
             notes.append(genai_repair)
     else:
         notes.append(genai_skip)
+    if packed_arm == "ort_int4":
+        folder, why = _artifact_in_genai(ctx.inputs["pack"], Path(genai_tmp.name) / "artifact")
+        if folder is not None:
+            arms[ARTIFACT_GENAI_ARM] = folder
+        notes.append(why)
     headline = packed_arm or "onnx_fp32"
     on_disk = {a: weights_mb(path) for a, path in arms.items()}  # before the baselines' folders are removed
     runs: dict[str, list[dict]] = {a: [] for a in arms}
@@ -295,6 +331,7 @@ def run(ctx) -> dict:
     vs_llama = versus(LLAMA_ARM) if LLAMA_ARM in runs else None
     vs_llama_q4_0 = versus(LLAMA_Q4_0_ARM) if LLAMA_Q4_0_ARM in runs and packed_arm else None
     vs_genai = versus(GENAI_ARM) if GENAI_ARM in runs else None
+    vs_in_genai = versus(ARTIFACT_GENAI_ARM) if ARTIFACT_GENAI_ARM in runs else None
     settings = {
         "prompt_length": b.prompt_length,
         "decode_tokens": b.decode_tokens,
@@ -328,6 +365,7 @@ def run(ctx) -> dict:
         "llamacpp": {"ran": vs_llama is not None, "skipped": llama_skip or None},
         "artifact_vs_llamacpp_q4_0": vs_llama_q4_0,
         "artifact_vs_ortgenai": vs_genai,
+        "artifact_vs_itself_in_ortgenai": vs_in_genai,
         "ortgenai": {"ran": vs_genai is not None, "skipped": genai_skip or None},
         "passes": runs,
     }
@@ -606,7 +644,8 @@ def summary_table(report: dict) -> dict:
                  f"{s['threads']} threads, {s['passes']} passes, "
                  f"{'transparent huge pages' if hp.get('applied') else '4 KiB pages'} for every arm")
     for arm, f in figures.items():
-        tag = "artifact" if arm == headline else "baseline"
+        tag = "artifact" if arm == headline else ("the artifact in onnxruntime-genai" if arm == ARTIFACT_GENAI_ARM
+                                                  else "baseline")
         out[f"{arm} ({tag}) decode | prefill tok/s"] = f"{fmt(f['decode_tok_s'])} | {fmt(f['prefill_tok_s'])}"
         out[f"{arm} resident | peak MiB"] = f"{fmt(f['resident_mib'], 0)} | {fmt(f['peak_rss_mib'], 0)}"
         mem = {k: v["median"] for k, v in report.get("memory", {}).get(arm, {}).items() if v}
@@ -642,6 +681,11 @@ def summary_table(report: dict) -> dict:
         out["prefill vs onnxruntime-genai int4"] = f"{p['ratio']:.2f}x ({p['verdict']})"
     elif report.get("ortgenai"):
         out["vs onnxruntime-genai int4"] = report["ortgenai"]["skipped"]
+    vi = report.get("artifact_vs_itself_in_ortgenai")
+    if vi:
+        d, p = vi["decode_tok_s"], vi["prefill_tok_s"]
+        out["decode | prefill: GqaDecoder vs the same folder in onnxruntime-genai"] = (
+            f"{d['ratio']:.2f}x ({d['verdict']}) | {p['ratio']:.2f}x ({p['verdict']})")
     host = report["host"]
     out["measured on"] = ("target" if report["on_target"] else f"{host['device_class']} host (cross-measured)") + \
         f": {host.get('cpu_model', '?')}, {host.get('physical_cores', '?')} cores"

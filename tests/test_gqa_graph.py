@@ -671,6 +671,32 @@ def test_onnxruntime_genai_runs_the_graph_as_gqa_decoder_does(ckpts):
     assert tokens == mine
 
 
+@needs_genai
+def test_the_benchmarks_genai_arm_runs_the_pack_folder_as_it_is(ckpts, tmp_path):
+    """The benchmark's second artifact arm: the pack folder hard-linked beside its own genai_config.json
+    copy (the arm writes its threads there; the artifact is left as it was), opened as the `ort_int4_genai`
+    runtime, prefills to GqaDecoder's logits bit for bit and holds the graph's own KV buffers."""
+    from pipeline.runtimes.open import open_runtime
+    from stages.benchmark import _artifact_in_genai
+
+    out = _graph(ckpts("gemma3"), 4, "_benchmark_arm")  # a folder of its own: its io.json is changed below
+    write_genai_config(out, threads=1)
+    before = (out / "genai_config.json").read_bytes()
+    folder, why = _artifact_in_genai(out, tmp_path / "arm")
+    assert folder is not None and "onnxruntime-genai" in why, why
+    assert (folder / "model.onnx.data").stat().st_ino == (out / "model.onnx.data").stat().st_ino
+    ids = _seq(20, seed=3)
+    genai = open_runtime("ort_int4_genai", str(folder), threads=2)
+    dec = GqaDecoder(out, threads=2)
+    assert np.array_equal(genai.prefill(ids), dec.prefill(ids))
+    assert (out / "genai_config.json").read_bytes() == before  # the arm wrote its threads into the copy only
+    assert genai.kv_bytes() == dec.kv_bytes()
+    io = json.loads((out / "io.json").read_text())
+    (out / "io.json").write_text(json.dumps({**io, "io_layout": "edgekiln"}))
+    none, why = _artifact_in_genai(out, tmp_path / "old")
+    assert none is None and "before the genai layout" in why
+
+
 def test_refusals(ckpts, tmp_path):
     ck = ckpts("qwen3")
     from safetensors.numpy import load_file, save_file

@@ -110,7 +110,7 @@ def import_runtime(arm: str) -> None:
         import onnxruntime  # noqa: F401
     elif arm in LLAMA_ARMS:
         import llama_cpp  # noqa: F401
-    elif arm == "ortgenai_int4":
+    elif arm in ("ortgenai_int4", "ort_int4_genai"):
         import onnxruntime_genai  # noqa: F401
     else:
         import torch  # noqa: F401

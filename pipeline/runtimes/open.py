@@ -16,6 +16,8 @@ KINDS = {
     "llamacpp_q4_k_m": "llama.cpp Q4_K_M through llama-cpp-python, GGUF from its bundled converter (baseline)",
     "llamacpp_q4_0": "llama.cpp's own Q4_0 (round to nearest) through llama-cpp-python (baseline)",
     "gguf_q4_0": "llama.cpp through llama-cpp-python, our GPTQ weights as GGUF Q4_0 (packed artifact)",
+    "ort_int4_genai": "the packed artifact's folder as it is, decoded by onnxruntime-genai's own generator loop "
+                      "(the deploy profile's onnxruntime-genai route; packed artifact, second runtime)",
     "ortgenai_int4": "onnxruntime-genai int4 from its own model builder (round-to-nearest, block 32, "
                      "GroupQueryAttention), decoded by its own generator loop (baseline)",
 }
@@ -48,7 +50,7 @@ def open_runtime(arm: str, artifact: str, threads: int, n_ctx: int = 0, session:
 
         p = Path(artifact)
         return LlamaCppDecoder(str(p / GGUF_FILE if p.is_dir() else p), threads=threads, n_ctx=n_ctx)
-    if arm == "ortgenai_int4":
+    if arm in ("ortgenai_int4", "ort_int4_genai"):
         from pipeline.runtimes.ortgenai import GenaiDecoder
 
         return GenaiDecoder(artifact, threads=threads, n_ctx=n_ctx)

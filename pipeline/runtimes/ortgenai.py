@@ -111,6 +111,8 @@ class GenaiDecoder(Runtime):
         self._og = og
         self.vocab_size = int(cfg["model"]["vocab_size"])
         self._dec = cfg["model"]["decoder"]
+        io = model_dir / "io.json"  # a pack folder of this project's (its KV: io.json's dtype, windowed layers smaller)
+        self._io = json.loads(io.read_text()) if io.is_file() else None
         self.reset()
 
     def reset(self) -> None:
@@ -140,6 +142,12 @@ class GenaiDecoder(Runtime):
 
     def kv_bytes(self) -> int:
         """Its KV buffers as allocated: past_present_share_buffer preallocates
-        max_length per layer, fp32 on CPU (the builder's io dtype here)."""
+        max_length per layer, fp32 on CPU (the builder's io dtype here); for this project's pack folder,
+        the graph's buffers (io.json's kv_dtype), max_length rows on full layers and window + slack on windowed ones."""
+        if self._io is not None:
+            io = self._io
+            rows = [min(int(layer["cache_len"]), self.n_ctx) for layer in io["layers"]]
+            width = np.dtype(io.get("kv_dtype", "float16")).itemsize
+            return int(2 * width * io["n_kv_heads"] * io["head_dim"] * sum(rows))
         d = self._dec
         return int(2 * d["num_hidden_layers"] * d["num_key_value_heads"] * d["head_size"] * self.n_ctx * 4)
