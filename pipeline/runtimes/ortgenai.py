@@ -47,6 +47,11 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
+# The release the genai route is checked with (the `peers` extra pins the same; tests/test_genai_artifact.py
+# installs it alone and runs a build's folder through it).
+CHECKED = "onnxruntime-genai==0.18.0"
+
+
 def version() -> str:
     import onnxruntime_genai as og
 
