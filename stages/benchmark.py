@@ -157,6 +157,44 @@ def _genai_arm(ctx, b, work: Path) -> tuple[Path | None, str, str | None]:
         return None, f"onnxruntime-genai baseline skipped: {e}", None
 
 
+def _roofline(ctx, b, threads: int, figures: dict, context: dict, on_disk: dict, sel: dict) -> dict:
+    """The roofline column (pipeline/measure/roofline.py): the host's read bandwidth, measured now in a
+    process of its own, and per arm the bytes one decoded token reads at its speed, at the headline prompt
+    and at each context point (the mean position of the timed decode)."""
+    from pipeline.measure import roofline as rl
+    from pipeline.measure.stats import spread
+    from pipeline.sources.kv_budget import kv_read_bytes
+
+    proc = subprocess.run([sys.executable, "-m", "pipeline.measure.roofline", "--threads", str(threads)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"host_read_gb_s": None, "why": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
+    host = spread(json.loads(proc.stdout.strip().splitlines()[-1])["gb_s"])
+    config = json.loads((ctx.inputs["untie_head"] / "config.json").read_text())
+    io_path = ctx.inputs["pack"] / "io.json"
+    kv_dtype = json.loads(io_path.read_text()).get("kv_dtype") if io_path.is_file() else None
+    own = {"float16": 2, "bfloat16": 2, "float32": 4}.get(kv_dtype)
+    arms = {}
+    for arm, f in figures.items():
+        width = own if own and arm in ("ort_int4", "ort_int4_genai") else rl.KV_BYTES.get(arm, 4)
+        at = int(b.prompt_length) + int(b.decode_tokens) // 2
+        row = rl.arm_roofline(on_disk.get(arm), kv_read_bytes(config, at, width),
+                              f["decode_tok_s"]["median"], host["median"])
+        if row is None:
+            continue
+        row["context"] = {}
+        for p, s in context.get(arm, {}).items():
+            at_p = int(p) + int(b.context_decode_tokens) // 2
+            row["context"][str(p)] = rl.arm_roofline(on_disk.get(arm), kv_read_bytes(config, at_p, width),
+                                                     s["decode_tok_s"]["median"], host["median"])
+        arms[arm] = row
+    return {"host_read_gb_s": host, "threads": threads,
+            "how": "bytes per token = the arm's weight files (an upper bound where an embedding table is read "
+                   "one row a token) + the KV read at the timed decode's mean position in the arm's KV dtype; "
+                   "gb_s = that x decode tok/s (median); of_host = gb_s / the host's median read bandwidth",
+            "arms": arms}
+
+
 def _artifact_in_genai(pack: Path, out: Path) -> tuple[Path | None, str]:
     """(a folder onnxruntime-genai runs, note): the pack folder as the device pulls it, the weights
     hard-linked (or copied), genai_config.json copied, since the arm writes its threads into it."""
@@ -327,6 +365,7 @@ def run(ctx) -> dict:
             for f in figs
         }
 
+    roofline = _roofline(ctx, b, threads, figures, context, on_disk, sel)
     vs_eager = versus("torch_eager_fp32")
     vs_llama = versus(LLAMA_ARM) if LLAMA_ARM in runs else None
     vs_llama_q4_0 = versus(LLAMA_Q4_0_ARM) if LLAMA_Q4_0_ARM in runs and packed_arm else None
@@ -355,6 +394,7 @@ def run(ctx) -> dict:
         "arms": figures,
         "arm_descriptions": {a: _describe(a) for a in runs},
         "weights_mb": on_disk,
+        "roofline": roofline,
         "memory": memory,
         "context": {a: {str(p): v for p, v in c.items()} for a, c in context.items()},
         "prefill_mode": {a: rs[0]["prefill_mode"] for a, rs in runs.items()},
@@ -686,6 +726,12 @@ def summary_table(report: dict) -> dict:
         d, p = vi["decode_tok_s"], vi["prefill_tok_s"]
         out["decode | prefill: GqaDecoder vs the same folder in onnxruntime-genai"] = (
             f"{d['ratio']:.2f}x ({d['verdict']}) | {p['ratio']:.2f}x ({p['verdict']})")
+    roof = report.get("roofline") or {}
+    if roof.get("host_read_gb_s"):
+        out["host read bandwidth GB/s"] = fmt(roof["host_read_gb_s"])
+        for arm, r in roof["arms"].items():
+            out[f"{arm} roofline: MB a token, GB/s, of the host's read"] = (
+                f"{r['mb_per_token']:.1f}, {r['gb_s']:.2f}, {100 * r['of_host']:.0f}%")
     host = report["host"]
     out["measured on"] = ("target" if report["on_target"] else f"{host['device_class']} host (cross-measured)") + \
         f": {host.get('cpu_model', '?')}, {host.get('physical_cores', '?')} cores"

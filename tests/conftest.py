@@ -213,3 +213,44 @@ class StepClock:
     @staticmethod
     def perf_counter() -> float:
         return StepClock.now
+
+
+# --------------------------------------------------------------------------
+# onnxruntime-genai alone: a device that runs the artifact with nothing of this project
+# --------------------------------------------------------------------------
+
+def _fresh_venv(root: Path, version: str) -> tuple[Path | None, str]:
+    """(the python of a new venv holding onnxruntime-genai==version and its dependencies only, or None;
+    what happened)."""
+    venv = root / "genai-only"
+    made = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True)
+    if made.returncode != 0:
+        return None, f"python -m venv failed: {made.stderr.strip().splitlines()[-1:]}"
+    py = venv / "bin" / "python"
+    pip = subprocess.run([str(py), "-m", "pip", "install", "-q", f"onnxruntime-genai=={version}"],
+                         capture_output=True, text=True, timeout=600)
+    if pip.returncode != 0:
+        lines = [x for x in pip.stderr.splitlines() if x.strip()]
+        return None, f"pip install onnxruntime-genai=={version} failed ({lines[-1] if lines else pip.returncode})"
+    listed = subprocess.run([str(py), "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True)
+    return py, "fresh venv: " + ", ".join(sorted(listed.stdout.split()))
+
+
+@pytest.fixture(scope="session")
+def genai_python(tmp_path_factory, request):
+    """(python, guard): the python of a fresh venv holding onnxruntime-genai alone (the release the genai route
+    is checked with) and no guard; where pip cannot install it, the project's own python, behind an import
+    guard the caller applies; skipped, saying so, where neither has genai."""
+    import importlib.util
+
+    from pipeline.runtimes.ortgenai import CHECKED  # the peers extra's pin (tests/test_deploy_profile.py)
+
+    py, how = _fresh_venv(tmp_path_factory.mktemp("genai-venv"), CHECKED.split("==", 1)[1])
+    if py is None:
+        if importlib.util.find_spec("onnxruntime_genai") is None:
+            pytest.skip(f"onnxruntime-genai: {how}, and the project's venv has none (pip install -e '.[peers]')")
+        report_line(request.config, f"genai_python: {how}; running in the project's venv with "
+                                    f"the project taken off the import path instead")
+        return Path(sys.executable), True
+    report_line(request.config, f"genai_python: {how}")
+    return py, False

@@ -9,8 +9,10 @@ its tokens GqaDecoder's own (prompt prefilled, then greedy: what genai runs),
 and the fp32 reference's continuation wherever the parity report says the
 artifact's greedy decode matched it.
 
-The version is the one the `peers` extra pins (pyproject.toml), so the test
-runs where the project's venv has no onnxruntime-genai (CI's). Where pip
+The venv (tests/conftest.py `genai_python`, shared with the registry test,
+which runs the profile's command on a build it pulled) holds the release the
+`peers` extra pins, so the test runs where the project's venv has no
+onnxruntime-genai (CI's). Where pip
 cannot install it (no registry), the script runs in the project's venv
 behind an import guard that removes the project from sys.path and fails
 unless `pipeline` and `stages` are then unimportable; where genai is absent
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -62,40 +63,6 @@ print(json.dumps({{"onnxruntime_genai": og.__version__, "python": sys.executable
 '''
 
 
-def _fresh_venv(root: Path, version: str) -> tuple[Path | None, str]:
-    """(the python of a new venv holding onnxruntime-genai==version and its dependencies only, or None;
-    what happened)."""
-    venv = root / "genai-only"
-    made = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True)
-    if made.returncode != 0:
-        return None, f"python -m venv failed: {made.stderr.strip().splitlines()[-1:]}"
-    py = venv / "bin" / "python"
-    pip = subprocess.run([str(py), "-m", "pip", "install", "-q", f"onnxruntime-genai=={version}"],
-                         capture_output=True, text=True, timeout=600)
-    if pip.returncode != 0:
-        lines = [x for x in pip.stderr.splitlines() if x.strip()]
-        return None, f"pip install onnxruntime-genai=={version} failed ({lines[-1] if lines else pip.returncode})"
-    listed = subprocess.run([str(py), "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True)
-    return py, "fresh venv: " + ", ".join(sorted(listed.stdout.split()))
-
-
-@pytest.fixture(scope="module")
-def genai_python(tmp_path_factory, request):
-    """(python, guard): a fresh venv's python and no guard, or the project's own behind the import guard."""
-    import importlib.util
-    import tomllib
-
-    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
-    pin = next(r for r in extras["optional-dependencies"]["peers"] if r.startswith("onnxruntime-genai=="))
-    py, how = _fresh_venv(tmp_path_factory.mktemp("genai-venv"), pin.split("==", 1)[1])
-    if py is None:
-        if importlib.util.find_spec("onnxruntime_genai") is None:
-            pytest.skip(f"onnxruntime-genai: {how}, and the project's venv has none (pip install -e '.[peers]')")
-        report_line(request.config, f"test_genai_artifact: {how}; running in the project's venv with "
-                                    f"the project taken off the import path instead")
-        return Path(sys.executable), True
-    report_line(request.config, f"test_genai_artifact: {how}")
-    return py, False
 
 
 def test_the_pack_folder_generates_in_onnxruntime_genai_alone(built_repo, genai_python, tmp_path, request):

@@ -123,3 +123,16 @@ def test_vllm_charges_every_mistral_layer_as_a_sliding_one():
     unknown = {k: v for k, v in MISTRAL.items() if k != "model_type"}
     assert vllm_kv_bytes(unknown, 32768, block_size=128, max_num_batched_tokens=2048)["blocks_per_request"] == 256
     assert vllm_kv_bytes(unknown, 256, block_size=128, max_num_batched_tokens=2048)["blocks_per_request"] == 3
+
+
+def test_the_kv_a_decode_step_reads_stops_at_each_sliding_layers_window():
+    """The roofline's KV term: full layers read every cached position, a sliding layer at most its window,
+    in the arm's KV width; Qwen2's unused window reads everything, Gemma 2 alternates."""
+    from pipeline.sources.kv_budget import kv_read_bytes
+
+    per = 2 * 4 * 256  # K and V, 4 KV heads of 256: entries a position, before the width
+    assert kv_read_bytes(GEMMA2, 100, 2) == 26 * 100 * per * 2  # inside the window: every layer reads 100
+    assert kv_read_bytes(GEMMA2, 8000, 2) == (13 * 4096 + 13 * 8000) * per * 2
+    assert kv_read_bytes(GEMMA2, 8000, 4) == 2 * kv_read_bytes(GEMMA2, 8000, 2)
+    assert kv_read_bytes(MISTRAL, 9000, 2) == 32 * 4096 * 2 * 8 * 128 * 2
+    assert kv_read_bytes(QWEN2, 9000, 2) == 24 * 9000 * 2 * 2 * 64 * 2

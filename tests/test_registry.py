@@ -302,7 +302,7 @@ def _record(repo: Path, version: str) -> dict:
 
 
 @pytest.mark.slow
-def test_publish_promote_refuse_rollback_and_pull_on_a_fresh_clone(fleet):
+def test_publish_promote_refuse_rollback_and_pull_on_a_fresh_clone(fleet, genai_python):
     repo, remote, base = fleet
     t0 = time.perf_counter()
     proc = _registry(repo, "publish", BUILD)
@@ -361,6 +361,13 @@ def test_publish_promote_refuse_rollback_and_pull_on_a_fresh_clone(fleet):
     for stage in reg.record_stages(rec):
         verify(base / "device" / stage, expect_stage=stage)
     assert not (base / "device" / "compile_qnn").exists()
+    # The device runs what it pulled with onnxruntime-genai alone: the profile's own command, from its folder.
+    on_device = json.loads((base / "device" / "deploy_profile" / "profile.json").read_text())["on_device"]
+    assert on_device["runtime"] == "onnxruntime-genai" and on_device["needs_this_project"] is False
+    py, _ = genai_python
+    ran = subprocess.run(f"{py} -I {on_device['command'][len('python '):]}", shell=True, capture_output=True,
+                         text=True, cwd=base / "device" / "deploy_profile", timeout=600)
+    assert ran.returncode == 0 and ran.stdout.startswith("def read_file(path):"), ran.stderr[-2000:]
     pinned = _registry(clone, "pull", DEVICE, "--version", "v2", "--dest", str(base / "device-v2"))
     assert pinned.returncode == 0 and json.loads((base / "device-v2/RELEASE.json").read_text())["version"] == "v2"
 

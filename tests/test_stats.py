@@ -182,3 +182,13 @@ def test_report_shows_each_arms_kld_statistics_and_distribution():
     assert section.count("<svg") == 1 and "KLD distribution per arm" in section
     assert f"{parity['artifact']['kld']['kld_mean']:.4f}" in section
     assert parity["artifact"]["kld"]["kld_distribution"]["100"] == parity["artifact"]["kld"]["kld_max"]
+
+
+def test_the_roofline_column_is_bytes_a_token_times_speed_against_the_host():
+    from pipeline.measure.roofline import arm_roofline, read_bandwidth
+
+    row = arm_roofline(1000.0, 24_000_000, 40.0, 80.0)  # 1 GB of weights + 24 MB of KV at 40 tok/s, host 80 GB/s
+    assert row == {"mb_per_token": 1024.0, "gb_s": 40.96, "of_host": 0.512}
+    assert arm_roofline(None, 0, 40.0, 20.0) is None  # no weight files: no row, never a guess
+    passes = read_bandwidth(2, mib=64, passes=3)
+    assert len(passes) == 3 and all(0.1 < g < 10_000 for g in passes)

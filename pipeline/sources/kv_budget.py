@@ -189,3 +189,16 @@ def vllm_kv_bytes(config: dict, context_length: int, *, block_size: int, max_num
             "group_size": group, "groups": groups, "blocks_per_request": blocks, "pool_block_bytes": pool_block,
             "needed_bytes": needed, "headroom": headroom, "kv_cache_memory_bytes": budget,
             "rule": "vLLM 0.32 v1 KV cache groups (hybrid allocator), restated in pipeline/sources/kv_budget.py"}
+
+
+def kv_read_bytes(config: dict, position: int, dtype_bytes: int) -> int:
+    """Bytes of K and V one decode step reads at `position` (tokens already cached): every full layer its
+    whole cache, a sliding layer at most its window (the family's own rule, as sliding_layers says; a config
+    of no known family is charged every layer full). The roofline column's KV term (stages/benchmark.py)."""
+    text, n_layers, kv_heads, head_dim = _geometry(config)
+    slides = sliding_layers(text)
+    per_position = 2 * kv_heads * head_dim * int(dtype_bytes)
+    if slides is None:
+        return n_layers * per_position * int(position)
+    flags, window = slides
+    return sum(per_position * (min(int(position), int(window)) if s else int(position)) for s in flags)
