@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -45,22 +44,15 @@ def _edgekiln_graph(art: Path, work: Path) -> Path:
     return out
 
 
-def _genai_copy(pack: Path, work: Path) -> Path:
-    """The pack folder for onnxruntime-genai's arm: the weights hard-linked (or copied), the rest copied."""
-    out = work / "genai"
-    out.mkdir(parents=True, exist_ok=True)
-    for f in pack.iterdir():
-        if not f.is_file() or f.name == "manifest.json":
-            continue
-        dst = out / f.name
-        dst.unlink(missing_ok=True)
-        try:
-            os.link(f, dst)
-        except OSError:
-            shutil.copy2(f, dst)
-    (out / "genai_config.json").unlink()
-    shutil.copy2(pack / "genai_config.json", out / "genai_config.json")  # written to by the arm
-    return out
+def _genai_folder(pack: Path, out: Path) -> Path:
+    """The pack folder as the benchmark stage's genai arm runs it (a hard-linked copy, its own config)."""
+    from stages.benchmark import _artifact_in_genai
+
+    shutil.rmtree(out, ignore_errors=True)
+    folder, why = _artifact_in_genai(pack, out)
+    if folder is None:
+        raise SystemExit(f"genai_layout: {why}")
+    return folder
 
 
 def _pass(arm: str, artifact: Path, threads: int) -> dict:
@@ -92,7 +84,7 @@ def main(argv=None) -> int:
                          f"{CONTEXT + DECODE} or more")
     arms = {"a: edgekiln layout, GqaDecoder": ("ort_int4", _edgekiln_graph(art, a.work)),
             "b: genai layout, GqaDecoder": ("ort_int4", art / "pack"),
-            "c: genai layout, onnxruntime-genai": ("ortgenai_int4", _genai_copy(art / "pack", a.work))}
+            "c: genai layout, onnxruntime-genai": ("ortgenai_int4", _genai_folder(art / "pack", a.work / "genai"))}
     runs: dict[str, list[dict]] = {k: [] for k in arms}
     for i, name in interleave(list(arms), a.passes):
         runs[name].append(_pass(*arms[name], a.threads))

@@ -157,7 +157,7 @@ def _genai_arm(ctx, b, work: Path) -> tuple[Path | None, str, str | None]:
         return None, f"onnxruntime-genai baseline skipped: {e}", None
 
 
-def _roofline(ctx, b, threads: int, figures: dict, context: dict, on_disk: dict, sel: dict) -> dict:
+def _roofline(ctx, b, threads: int, figures: dict, context: dict, on_disk: dict) -> dict:
     """The roofline column (pipeline/measure/roofline.py): the host's read bandwidth, measured now in a
     process of its own, and per arm the bytes one decoded token reads at its speed, at the headline prompt
     and at each context point (the mean position of the timed decode)."""
@@ -176,7 +176,7 @@ def _roofline(ctx, b, threads: int, figures: dict, context: dict, on_disk: dict,
     own = {"float16": 2, "bfloat16": 2, "float32": 4}.get(kv_dtype)
     arms = {}
     for arm, f in figures.items():
-        width = own if own and arm in ("ort_int4", "ort_int4_genai") else rl.KV_BYTES.get(arm, 4)
+        width = own if own and arm in (PACKED_ARMS["w4_ort_matmulnbits"], ARTIFACT_GENAI_ARM) else rl.KV_BYTES.get(arm, 4)
         at = int(b.prompt_length) + int(b.decode_tokens) // 2
         row = rl.arm_roofline(on_disk.get(arm), kv_read_bytes(config, at, width),
                               f["decode_tok_s"]["median"], host["median"])
@@ -365,7 +365,7 @@ def run(ctx) -> dict:
             for f in figs
         }
 
-    roofline = _roofline(ctx, b, threads, figures, context, on_disk, sel)
+    roofline = _roofline(ctx, b, threads, figures, context, on_disk)
     vs_eager = versus("torch_eager_fp32")
     vs_llama = versus(LLAMA_ARM) if LLAMA_ARM in runs else None
     vs_llama_q4_0 = versus(LLAMA_Q4_0_ARM) if LLAMA_Q4_0_ARM in runs and packed_arm else None
