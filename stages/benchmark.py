@@ -190,7 +190,7 @@ def _roofline(ctx, b, threads: int, figures: dict, context: dict, on_disk: dict)
         arms[arm] = row
     return {"host_read_gb_s": host, "threads": threads,
             "how": "bytes per token = the arm's weight files (an upper bound where an embedding table is read "
-                   "one row a token) + the KV read at the timed decode's mean position in the arm's KV dtype; "
+                   "one row a token: an fp32 arm's untied table can put of_host above 1) + the KV read at the timed decode's mean position in the arm's KV dtype; "
                    "gb_s = that x decode tok/s (median); of_host = gb_s / the host's median read bandwidth",
             "arms": arms}
 
