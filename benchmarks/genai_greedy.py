@@ -39,7 +39,6 @@ def _common(a: list[int], b: list[int]) -> int:
 
 
 def main(argv=None) -> int:
-    import numpy as np
     from transformers import AutoTokenizer
 
     from pipeline.runtimes.gqa import GqaDecoder
@@ -79,12 +78,7 @@ def main(argv=None) -> int:
     rows = []
     for want, got in zip(per_prompt, ran["results"]):
         ids = _prompt_ids(tok, want["prompt"], tok.bos_token_id, str(io.get("family", "")))
-        dec.reset()
-        logits, mine = dec.prefill(ids), []
-        for _ in got["tokens"]:
-            mine.append(int(np.argmax(logits)))
-            if len(mine) < len(got["tokens"]):
-                logits = dec.step(mine[-1])
+        mine = dec.generate_greedy(ids, len(got["tokens"]), prefilled=True)
         ref = want["reference_continuation"]
         rows.append({"prompt": want["prompt"], "ids_as_parity": got["prompt_ids"] == ids, "tokens": len(got["tokens"]),
                      "as_gqadecoder": _common(got["tokens"], mine), "as_reference": _common(got["tokens"], ref),

@@ -67,13 +67,15 @@ class Runtime:
     def resident_bytes(self) -> int:
         return resident_bytes()
 
-    def generate_greedy(self, prompt_ids: Sequence[int], n: int) -> list[int]:
-        """Reset, feed the prompt, then `n` greedy tokens; returns those n tokens."""
+    def generate_greedy(self, prompt_ids: Sequence[int], n: int, prefilled: bool = False) -> list[int]:
+        """Reset, feed the prompt, then `n` greedy tokens; returns those n tokens. The prompt goes a token
+        at a time (the parity stage's order), or with `prefilled` in one `prefill` call (onnxruntime-genai's
+        order: a batched prefill rounds differently, so near-ties can fall the other way)."""
         if not len(prompt_ids):
             raise ValueError("generate_greedy needs at least one prompt token")
         self.reset()
-        logits = None
-        for t in prompt_ids:
+        logits = self.prefill(prompt_ids) if prefilled else None
+        for t in ([] if prefilled else prompt_ids):
             logits = self.step(int(t))
         out = []
         for k in range(n):
