@@ -201,6 +201,7 @@ def _artifact_in_genai(pack: Path, out: Path) -> tuple[Path | None, str]:
     import shutil
 
     from pipeline.runtimes import ortgenai
+    from pipeline.sources.checkpoint_files import link_or_copy
 
     io = json.loads((pack / "io.json").read_text())
     if io.get("io_layout") != "genai" or not (pack / "genai_config.json").is_file():
@@ -211,10 +212,7 @@ def _artifact_in_genai(pack: Path, out: Path) -> tuple[Path | None, str]:
     out.mkdir(parents=True)
     for f in pack.iterdir():
         if f.is_file() and f.name != "genai_config.json":
-            try:
-                os.link(f, out / f.name)
-            except OSError:
-                shutil.copy2(f, out / f.name)
+            link_or_copy(f, out / f.name)
     shutil.copy2(pack / "genai_config.json", out / "genai_config.json")
     return out, (f"{ARTIFACT_GENAI_ARM}: the artifact's own folder decoded by onnxruntime-genai "
                  f"{ortgenai.version()}, as the deploy profile's onnxruntime-genai route runs it")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import shutil
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from pathlib import Path
 from pipeline.sources import corpus, families, gguf_checkpoint, model_facts
 from pipeline.engine.context import StageError
 from pipeline.engine.manifest import sha256_file
+from pipeline.sources.checkpoint_files import link_or_copy
 
 READS = ("model",)
 INPUTS = ()
@@ -539,7 +539,7 @@ def _run_hf(ctx) -> dict:
     if trust and raw.get("auto_map"):
         copied += sorted(p.name for p in src.glob("*.py"))
     for name in dict.fromkeys(copied):
-        _link_or_copy(src / name, out / name)
+        link_or_copy(src / name, out / name)
     ctx.log(f"{arch}: {n_params:,} parameters, {len(shards)} safetensors file(s), copied {len(set(copied))} files")
     return {
         "metrics": {"parameters": n_params},
@@ -632,14 +632,6 @@ def _check_tokenizer(src: Path, config, trust: bool) -> None:
         raise StageError(
             f"the tokenizer has {len(tok)} tokens but the embedding only {config.vocab_size} rows"
         )
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    """Hardlink when on the same filesystem (checkpoints are large), else copy."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
 
 
 # --------------------------------------------------------------------------

@@ -22,6 +22,16 @@ SIDE_FILES = (
 )
 
 
+def link_or_copy(src: Path, dst: Path) -> None:
+    """Hardlink when on the same filesystem (checkpoints and packed weights are large), else copy."""
+    import os
+
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def copy_side_files(src: Path, dst: Path, names: tuple[str, ...] = SIDE_FILES) -> list[str]:
     """Copy those of `names` that exist in `src` into `dst`; the names copied."""
     copied = []
