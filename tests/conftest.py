@@ -254,3 +254,39 @@ def genai_python(tmp_path_factory, request):
         return Path(sys.executable), True
     report_line(request.config, f"genai_python: {how}")
     return py, False
+
+
+def _pg_database(base_url: str):
+    """A fresh PostgreSQL database on the test server (the base URL's role needs CREATEDB); dropped afterwards."""
+    import secrets
+
+    import sqlalchemy as sa
+
+    from pipeline.fleet.db import engine_for
+
+    name = f"edgekiln_t_{secrets.token_hex(4)}"
+    admin = engine_for(base_url).execution_options(isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    url = base_url.rsplit("/", 1)[0] + "/" + name
+
+    def drop():
+        with admin.connect() as c:
+            c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+    return url, drop
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def fleet_db_url(request, tmp_path):
+    """The rollout service's database: a SQLite file, and PostgreSQL where EDGEKILN_TEST_PG_URL names a server
+    (.ci/run starts Debian's PostgreSQL and sets it; skipped, saying so, elsewhere)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'fleet.db'}"
+        return
+    base = os.environ.get("EDGEKILN_TEST_PG_URL")
+    if not base:
+        pytest.skip("PostgreSQL: EDGEKILN_TEST_PG_URL is not set (.ci/run starts Debian's postgresql and sets it)")
+    url, drop = _pg_database(base)
+    yield url
+    drop()
