@@ -104,7 +104,11 @@ def serve(db_url: str, host: str, port: int, *, tick_s: float, interval_s: int, 
     # The socket is bound here, not by uvicorn, so `--port 0` can print the port it got.
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted connections inherit it: without it a keep-alive client waits out the 40 ms delayed ACK on every
+    # response after the first (uvicorn writes headers and body apart; measured 42 ms vs 2 ms per check-in).
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
+    sock.listen(2048)  # connections made before uvicorn's loop runs wait in the backlog, not refused
     bound = sock.getsockname()[1]
     shown = db_url.split("@")[-1] if "@" in db_url else db_url
     print(f"rollout service: http://{host}:{bound} (database {shown}, schema {fleet.revision}); admin token: "
