@@ -218,7 +218,10 @@ class Fleet:
                            "detail": str(rep.get("detail") or "")[:2000], "decode_tok_s": rep.get("decode_tok_s"),
                            "rolled_back_to": rep.get("rolled_back_to"), "at": rep.get("at") or at},
                           ["device_id", "bundle_sha256"], ["outcome", "detail", "decode_tok_s", "rolled_back_to", "at"])
-                values.update(health=rep["outcome"], health_detail=str(rep.get("detail") or "")[:2000], health_at=at)
+                # A device that failed a version and went back is running its previous version: "rolled_back"
+                # there, not "failed" (the report against the version it failed keeps "failed").
+                health = "rolled_back" if rep["outcome"] == "failed" and rep.get("rolled_back_to") else rep["outcome"]
+                values.update(health=health, health_detail=str(rep.get("detail") or "")[:2000], health_at=at)
             ro = self._latest_rollout(conn, dev["device_class"], dev["model"], dev["channel"])
             assigned, rollout = None, None
             if ro is not None:
