@@ -13,7 +13,12 @@ Per weight path (pack's weight_path.json):
   I/O and each layer's KV buffer, and (a graph in the genai layout, every pack
   since it) the onnxruntime-genai route: `../pack` is an onnxruntime-genai
   model as it is (its genai_config.json), and the one command that generates
-  from it with nothing of this project installed. Threads and spinning are chosen by a short
+  from it with nothing of this project installed; beside it `health_check.py`
+  (pipeline/runtimes/health_check.py, copied as it is: the standard library and
+  onnxruntime_genai only), the health check a fleet device runs on a freshly
+  installed version, named in profile.json's `on_device.health` (the command, a
+  fixed prompt's ids as genai frames them, the tokens to decode; verify_parity
+  records the tokens the artifact decodes from those ids). Threads and spinning are chosen by a short
   measured sweep when this host is the target device (pipeline/measure/tune.py; the
   candidates' spreads and the host fingerprint are recorded), else taken from
   the device config, saying so. On the target it also times 4 KiB
@@ -268,7 +273,83 @@ def _onnxruntime(ctx, device, host, pack_dir) -> dict:
                             f"{fmt(r['decode_tok_s'])}" for r in evidence["candidates"]))
     else:
         ctx.log(evidence["reason"])
-    return {"runtime": "onnxruntime", "files": ["onnxruntime.json"], "session": session}
+    health = _health(ctx, pack_dir, io, session["onnxruntime_genai"])
+    files = ["onnxruntime.json"] + ([HEALTH_SCRIPT] if health.get("command") else [])
+    return {"runtime": "onnxruntime", "files": files, "session": session, "health": health}
+
+
+# The health check a fleet device runs on a freshly installed version (pipeline/runtimes/health_check.py,
+# copied here as it is): the prompt's ids prefilled in onnxruntime-genai, HEALTH_TOKENS greedy tokens, timed.
+# The prompt is the first of conf/parity/default.yaml's prompts, fixed: this stage does not read the parity
+# section (its key would then hold every parity threshold), and a fixed prompt keeps the check one check
+# (verify_parity records the tokens the artifact decodes from these ids, and that they frame the prompt as
+# its own tokenizer does).
+HEALTH_SCRIPT = "health_check.py"
+HEALTH_PROMPT = "The function returns"
+HEALTH_TOKENS = 16
+HEALTH_TIMEOUT_S = 300
+HEALTH_RUNS = 3
+
+
+def _framed_ids(pack_dir, io: dict, text: str) -> list[int]:
+    """`text`'s ids as onnxruntime-genai's tokenizer gives them with add_special_tokens='true' (what the
+    route's command sets): the pack folder's tokenizer.json, BOS prepended where the model uses one, by
+    verify_parity's rule (its tokenizer adds it by itself, its config says add_bos_token, or a Gemma);
+    verify_parity checks these ids against its own framing of the prompt."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(pack_dir / "tokenizer.json"))
+    cfg_path = pack_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    entry = cfg.get("bos_token")
+    entry = entry.get("content") if isinstance(entry, dict) else entry
+    bos = tok.token_to_id(entry) if isinstance(entry, str) else None
+    if bos is None and io.get("bos_token_id") is not None:
+        bos = int(io["bos_token_id"])
+    plain = list(tok.encode(text, add_special_tokens=False).ids)
+    if bos is None:
+        return plain
+    special = list(tok.encode(text, add_special_tokens=True).ids)
+    uses_bos = special[:1] == [bos] or bool(cfg.get("add_bos_token")) or str(io.get("family", "")).startswith("gemma")
+    return ([int(bos)] if uses_bos else []) + plain
+
+
+def _health(ctx, pack_dir, io: dict, route: dict | None) -> dict:
+    """The health check of the onnxruntime-genai route: health_check.py written beside the profile and the
+    entry profile.json's on_device carries (the command, run from the version folder, `{python}` the
+    device's runtime interpreter); {"command": None, "why": ...} where the route or the tokenizer is absent."""
+    import shutil
+
+    from pipeline.runtimes import health_check
+
+    if route is None:
+        return {"command": None, "why": "no onnxruntime-genai route (the graph is not in genai's layout)"}
+    if not (pack_dir / "tokenizer.json").is_file():
+        return {"command": None, "why": "the pack folder has no tokenizer.json: no prompt ids to record"}
+    ids = _framed_ids(pack_dir, io, HEALTH_PROMPT)
+    if not ids or len(ids) + HEALTH_TOKENS > int(io["max_len"]):
+        return {"command": None, "why": f"{HEALTH_PROMPT!r}: {len(ids)} ids + {HEALTH_TOKENS} tokens do not fit "
+                                        f"the graph's {io['max_len']} positions"}
+    shutil.copyfile(health_check.__file__, ctx.out / HEALTH_SCRIPT)
+    threads = int(route["threads"])
+    command = ["{python}", f"deploy_profile/{HEALTH_SCRIPT}", "--model", "pack", "--ids", ",".join(map(str, ids)),
+               "--new-tokens", str(HEALTH_TOKENS), "--threads", str(threads), "--runs", str(HEALTH_RUNS)]
+    ctx.log(f"health check: {HEALTH_PROMPT!r} ({len(ids)} ids) + {HEALTH_TOKENS} greedy tokens in "
+            f"onnxruntime-genai, {threads} threads (deploy_profile/{HEALTH_SCRIPT})")
+    return {
+        "command": command,
+        "cwd": "the version folder: pack/ and deploy_profile/ side by side, as the build's stage outputs",
+        "python": "{python}: the device's runtime interpreter (onnxruntime-genai alone; nothing of this project)",
+        "prompt": HEALTH_PROMPT,
+        "prompt_ids": ids,
+        "new_tokens": HEALTH_TOKENS,
+        "timeout_s": HEALTH_TIMEOUT_S,
+        "output": "the last stdout line, JSON: {\"tokens\": [...], \"decode_tok_s\": float or null}: the greedy "
+                  "tokens (fewer at an end-of-sequence token, which is kept) and the median decode speed of "
+                  f"{HEALTH_RUNS} runs, timed as the benchmark's ort_int4_genai arm times genai's loop",
+        "expected": "verify_parity/report.json's health.tokens: the artifact's GqaDecoder on these ids, prefilled "
+                    "in one call then greedy (genai's order); the registry's record carries them",
+    }
 
 
 # The genai route's one command, run from this folder (a pulled bundle keeps pack/ beside it): the prompt
@@ -444,16 +525,21 @@ def _genie(ctx, comp_dir, info: dict, io: dict) -> dict:
     return entry
 
 
-def on_device(path: str, detail: dict) -> dict:
+def on_device(path: str, detail: dict, health: dict | None = None) -> dict:
     """What the device needs to run this build: the runtime, how it is installed, the files (relative to
-    this folder), the one command, whether this project must be installed there, and what ran it here."""
+    this folder), the one command, whether this project must be installed there, and what ran it here;
+    for the onnxruntime-genai route, `health`: the check a fleet device runs on a freshly installed
+    version (_health; a path without one has no `health` key)."""
     from pipeline.runtimes.ortgenai import CHECKED
     from pipeline.toolchains.vllm_server import VLLM_CPU
 
     if path == "w4_ort_matmulnbits" and detail["session"].get("onnxruntime_genai"):
         g = detail["session"]["onnxruntime_genai"]
+        health = health or {}
         return {"runtime": "onnxruntime-genai", "install": f"pip install {CHECKED} (brings onnxruntime and numpy)",
-                "files": ["../pack/"], "command": g["command"], "needs_this_project": False,
+                "files": ["../pack/"] + ([HEALTH_SCRIPT] if health.get("command") else []),
+                "command": g["command"], "needs_this_project": False,
+                **({"health": health} if health.get("command") else {"health_why": health.get("why")}),
                 "ran_here": "the same command on the embedded model's build (tests/test_genai_artifact.py, in a "
                             "venv holding onnxruntime-genai alone); this build's folder in genai by the "
                             "benchmark's ort_int4_genai arm where onnxruntime-genai is installed (its report says)",
@@ -523,12 +609,13 @@ def run(ctx) -> dict:
     else:
         detail = {"runtime": sel.get("runtime"), "files": [],
                   "note": f"{path}: no runtime profile for this path yet (the GPU is unverified)"}
+    health = detail.pop("health", None)  # on_device's, not a second copy at the top
     profile = {
         "device": device.name,
         "weight_path": sel,
         "kv_budget": kv,
         **detail,
-        "on_device": on_device(path, detail),
+        "on_device": on_device(path, detail, health),
     }
     (ctx.out / "profile.json").write_text(json.dumps(profile, indent=2, sort_keys=True) + "\n")
     # vLLM's budget follows its own rule (the vLLM profile's log line says it); the others the flat figure

@@ -42,6 +42,14 @@ share a 32-token run with the calibration windows; a user's text that shares
 one is refused (pipeline/sources/textdata.py). The phone's context binaries are not
 run over them (the HTP emulation costs seconds a step): said in the report.
 
+The health check (the deploy profile's `on_device.health`, the onnxruntime-genai
+route's): the artifact's runtime decodes its prompt ids here, prefilled in one
+call then greedy (onnxruntime-genai's order; tests/test_genai_artifact.py shows
+genai's tokens are GqaDecoder's), up to its end-of-sequence token where genai
+would stop; report.json's `health` holds the ids and those tokens, which a
+fleet device's run of the check must reproduce (the registry's record carries
+them). The ids are checked against this stage's own framing of the prompt.
+
 report.json is written only when every figure meets its parity.min_* threshold;
 otherwise the stage fails naming the figure and its threshold.
 """
@@ -474,7 +482,12 @@ def run(ctx: StageContext) -> dict:
     # 6.09 GiB here)
     del dec
     gc.collect()
-    artifact = _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds, evaluation)
+    health_spec = _health_spec(ctx, tokenizer, bos, str(io.get("model_type", "")))
+    artifact = _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds, evaluation,
+                                  health=health_spec)
+    health = artifact.pop("health", None) or {
+        "checked": False, "reason": (f"the deploy profile names no health check for weight path {artifact['path']} "
+                                     "(only the onnxruntime-genai route has one)")}
 
     report = {
         "passed": True,
@@ -504,6 +517,7 @@ def run(ctx: StageContext) -> dict:
         "seconds": seconds,
         "per_prompt": per_prompt,
         "evaluation": evaluation.facts,
+        "health": health,
     }
     report["definitions"]["kld"] = ("llama.cpp's perplexity / KL-divergence statistics (pipeline/measure/kld.py) of each arm "
                                     "against the fp32 eager model over the evaluation windows ('evaluation')")
@@ -585,8 +599,40 @@ KLD_METRICS = ("ppl", "ppl_ratio", "kld_mean", "kld_p99", "same_top1_pct")  # in
 METRICS_FILE = "metrics.json"
 
 
+def _health_spec(ctx, tokenizer, bos, model_type: str) -> dict | None:
+    """The deploy profile's health check (on_device.health), its prompt ids checked against this stage's
+    framing of its prompt (the profile frames it with the pack folder's tokenizer.json, as onnxruntime-genai
+    does); None where the profile names none."""
+    profile_path = Path(ctx.inputs["deploy_profile"]) / "profile.json"
+    if not profile_path.is_file():
+        return None
+    spec = (json.loads(profile_path.read_text()).get("on_device") or {}).get("health")
+    if not spec:
+        return None
+    ids = [int(t) for t in spec["prompt_ids"]]
+    framed = _prompt_ids(tokenizer, str(spec["prompt"]), bos, model_type)
+    if ids != framed:
+        raise StageError(f"verify_parity: the deploy profile's health check frames {spec['prompt']!r} as {ids}, "
+                         f"this stage's tokenizer as {framed}: the device would check other ids than parity's "
+                         "framing (stages/deploy_profile.py _framed_ids)")
+    return {"prompt": str(spec["prompt"]), "prompt_ids": ids, "new_tokens": int(spec["new_tokens"])}
+
+
+def _health(ctx, dec, runtime: str, spec: dict) -> dict:
+    """The tokens the health check must decode: the artifact's runtime on the profile's ids, prefilled in one
+    call then greedy (onnxruntime-genai's order), cut after the first end-of-sequence token (genai stops there)."""
+    io = json.loads((Path(ctx.inputs["pack"]) / "io.json").read_text())
+    eos = {int(t) for t in (io.get("eos_token_id") or [])}
+    tokens = dec.generate_greedy(spec["prompt_ids"], spec["new_tokens"], prefilled=True)
+    cut = next((k + 1 for k, t in enumerate(tokens) if t in eos), len(tokens))
+    ctx.log(f"health check: {spec['prompt']!r} -> {cut} tokens recorded for the device to reproduce")
+    return {"checked": True, **spec, "tokens": tokens[:cut], "runtime": runtime,
+            "how": ("the prompt ids in one prefill call, then greedy (onnxruntime-genai's order), up to new_tokens, "
+                    "cut after the first end-of-sequence token (where genai stops)")}
+
+
 def _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds=None,
-                       evaluation: _Evaluation | None = None) -> dict:
+                       evaluation: _Evaluation | None = None, health: dict | None = None) -> dict:
     pack_dir = Path(ctx.inputs["pack"])
     sel = json.loads((pack_dir / "weight_path.json").read_text())
     path = sel["path"]
@@ -615,6 +661,7 @@ def _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, se
         "thresholds": checked,
         "per_prompt": per_prompt,
         **({"vllm": served} if served is not None else {}),
+        **({"health": _health(ctx, dec, runtime, health)} if health else {}),
     }
     if path in PEER_PATHS and str(ctx.cfg.parity.get("peers", "auto")) == "off":
         out["peers"] = {name: {"skipped": "not run: parity.peers=off"} for name in PEERS}

@@ -166,6 +166,73 @@ def test_a_genai_layout_graph_gets_the_onnxruntime_genai_route_and_its_command(t
     assert dev["needs_this_project"] is True and "rebuild the pack" in dev["why"]
 
 
+def _word_tokenizer() -> str:
+    """A tokenizer.json whose words are single ids (HEALTH_PROMPT's among them), no post-processor: whether a
+    BOS is prepended is then up to the config (add_bos_token) or the family."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: 3 + i for i, w in enumerate(deploy_profile.HEALTH_PROMPT.split())}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok.to_str()
+
+
+def test_the_genai_route_carries_the_health_check_a_device_runs(tmp_path):
+    """The onnxruntime-genai route's health check: health_check.py written beside the profile (the module as it
+    is: the standard library and onnxruntime_genai only), and on_device.health with the command (`{python}`, run
+    from the version folder), the fixed prompt's ids as genai frames them (BOS where the model uses one) and
+    the 16 tokens to decode; a path without the route has no health key."""
+    import ast
+    import sys
+
+    from pipeline.runtimes import health_check
+
+    genai_cfg = {"model": {"decoder": {"session_options": {"intra_op_num_threads": 2}}}}
+    words = [3 + i for i in range(len(deploy_profile.HEALTH_PROMPT.split()))]
+    cases = [({"bos_token": "<s>", "add_bos_token": True}, "llama", [1] + words),  # the config asks for BOS
+             ({"bos_token": "<s>"}, "llama", words),                                 # a tokenizer without one
+             ({"bos_token": {"content": "<s>"}}, "gemma3", [1] + words)]             # a Gemma always has it
+    for n, (tok_cfg, family, ids) in enumerate(cases):
+        (tmp_path / str(n)).mkdir()
+        out, result = run(tmp_path / str(n), "w4_ort_matmulnbits",
+                          {"io.json": json.dumps({**IO, "io_layout": "genai", "family": family, "bos_token_id": 1}),
+                           "genai_config.json": json.dumps(genai_cfg), "tokenizer.json": _word_tokenizer(),
+                           "tokenizer_config.json": json.dumps(tok_cfg)},
+                          device={"name": "x86_avx2", "threads": 4})
+        health = json.loads((out / "profile.json").read_text())["on_device"]["health"]
+        assert health["prompt_ids"] == ids, (tok_cfg, family)
+    assert health["command"] == ["{python}", "deploy_profile/health_check.py", "--model", "pack",
+                                 "--ids", ",".join(map(str, ids)), "--new-tokens", "16", "--threads", "4",
+                                 "--runs", "3"]
+    assert health["new_tokens"] == 16 and health["timeout_s"] == 300
+    assert health["prompt"] == deploy_profile.HEALTH_PROMPT
+    # the fixed prompt is one of the build's default parity prompts (verify_parity records its tokens)
+    parity = yaml.safe_load((Path(__file__).parents[1] / "conf/parity/default.yaml").read_text())
+    assert deploy_profile.HEALTH_PROMPT in parity["prompts"]
+    profile = json.loads((out / "profile.json").read_text())
+    assert "health" not in profile  # on_device's only
+    assert profile["on_device"]["files"] == ["../pack/", "health_check.py"] and "health_check.py" in result["files"]
+    script = (out / "health_check.py").read_bytes()
+    assert script == Path(health_check.__file__).read_bytes()
+    imported = set()
+    for node in ast.walk(ast.parse(script)):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add((node.module or "").split(".")[0])
+    assert imported <= set(sys.stdlib_module_names) | {"__future__", "onnxruntime_genai"}, imported
+    # the script is in the stage's keyed code (it imports it), so a changed script reruns the stage
+    from pipeline.engine.codedeps import stage_code
+
+    assert "pipeline/runtimes/health_check.py" in stage_code("deploy_profile")
+    # the project's own layout has no genai route, so no health check (the agent reports "unchecked")
+    (tmp_path / "old").mkdir()
+    old, _ = run(tmp_path / "old", "w4_ort_matmulnbits",
+                 {"io.json": json.dumps(IO), "tokenizer.json": _word_tokenizer()}, device={"name": "x86_avx2", "threads": 4})
+    assert "health" not in json.loads((old / "profile.json").read_text())["on_device"]
+    assert not (old / "health_check.py").exists()
+
+
 def _matmulnbits_graph(level: int) -> bytes:
     """A graph with one MatMulNBits node at `level` (its attributes are all the level sweep reads)."""
     import onnx

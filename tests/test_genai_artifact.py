@@ -126,3 +126,45 @@ def test_the_pack_folder_generates_in_onnxruntime_genai_alone(built_repo, genai_
     report_line(request.config, f"test_genai_artifact: onnxruntime-genai {ran['onnxruntime_genai']} generated "
                                 f"{len(prompts)} prompts x {n} tokens, GqaDecoder's tokens on every one, the fp32 "
                                 f"reference's on the {agreed} parity matched (and up to the divergence on the rest)")
+
+
+def test_the_recorded_health_check_runs_in_onnxruntime_genai_alone(built_repo, genai_python, request):
+    """The health check a fleet device runs on a freshly installed version, as its agent runs it: the deploy
+    profile's `on_device.health.command` with `{python}` the genai-only venv's, from the build's stage outputs
+    (pack/ and deploy_profile/ side by side, as a version folder holds them). Its last line's tokens are the
+    ones verify_parity recorded (the artifact's GqaDecoder on the same ids, prefilled then greedy), and its
+    decode speed is a positive number. The prompt ids are the ones genai's own tokenizer gives the profile's
+    prompt with add_special_tokens (what the route's command sets)."""
+    import os
+
+    repo, _ = built_repo
+    art = repo / "artifacts" / BUILD
+    health = json.loads((art / "deploy_profile" / "profile.json").read_text())["on_device"]["health"]
+    assert health["command"][:2] == ["{python}", "deploy_profile/health_check.py"] and health["new_tokens"] == 16
+    expect = json.loads((art / "verify_parity" / "report.json").read_text())["health"]
+    assert expect["checked"] is True and expect["prompt_ids"] == health["prompt_ids"]
+    io = json.loads((art / "pack" / "io.json").read_text())
+    tokens = expect["tokens"]
+    # 16 tokens, or fewer ending at an end-of-sequence token (where genai stops)
+    assert len(tokens) == 16 or (0 < len(tokens) < 16 and tokens[-1] in io["eos_token_id"]), tokens
+
+    py, guard = genai_python
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    framed = subprocess.run(
+        [str(py), "-I", "-c", "import json, sys, onnxruntime_genai as og; t = og.Tokenizer(og.Model('pack')); "
+                              "t.update_options(add_special_tokens='true'); print(json.dumps([int(i) for i in "
+                              "t.encode(sys.argv[1])]))", health["prompt"]],
+        cwd=art, capture_output=True, text=True, timeout=300, env=env)
+    assert framed.returncode == 0, framed.stderr[-3000:]
+    assert json.loads(framed.stdout.strip().splitlines()[-1]) == health["prompt_ids"]
+
+    argv = [str(py) if a == "{python}" else a for a in health["command"]]
+    ran = subprocess.run(argv, cwd=art, capture_output=True, text=True, timeout=health["timeout_s"], env=env)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    said = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert said["tokens"] == tokens, (said, tokens)
+    assert isinstance(said["decode_tok_s"], float) and said["decode_tok_s"] > 0, said
+    where = "the project's venv" if guard else "the genai-only venv"
+    report_line(request.config, f"test_genai_artifact: the health check ({where}) decoded verify_parity's "
+                                f"{len(tokens)} tokens at {said['decode_tok_s']:.0f} tok/s (median of "
+                                f"{len(said['decode_tok_s_runs'])} runs)")

@@ -313,7 +313,25 @@ def test_publish_promote_refuse_rollback_and_pull_on_a_fresh_clone(fleet, genai_
     assert rec["lineage"]["device_class"] == DEVICE and len(rec["lineage"]["model_sha256"]) == 64
     assert len(rec["bundle_sha256"]) == 64 and all(len(f["sha256"]) == 64 for f in rec["files"].values())
     assert {"pack/model.onnx", "deploy_profile/profile.json", "verify_parity/report.json",
-            "benchmark/report.json", "pack/manifest.json"} <= set(rec["files"])
+            "benchmark/report.json", "pack/manifest.json", "deploy_profile/health_check.py"} <= set(rec["files"])
+    # The health check the device's agent runs once the version is installed: the profile's command, the tokens
+    # verify_parity recorded (16, fewer only at an end-of-sequence token), genai's decode speed where the
+    # benchmark measured the target (this builder is another CPU class: then null), the build's noise floor.
+    health = rec["health"]
+    assert health["command"][0] == "{python}" and health["command"][1] == "deploy_profile/health_check.py"
+    expect = json.loads((repo / "artifacts" / BUILD / "verify_parity" / "report.json").read_text())["health"]
+    assert health["tokens"] == expect["tokens"] and health["prompt_ids"] == expect["prompt_ids"]
+    eos = json.loads((repo / "artifacts" / BUILD / "pack" / "io.json").read_text())["eos_token_id"]
+    assert len(health["tokens"]) == 16 or health["tokens"][-1] in eos, health["tokens"]
+    assert health["noise_floor"] == 0.08 and health["timeout_s"] == 300
+    bench = json.loads((repo / "artifacts" / BUILD / "benchmark" / "report.json").read_text())
+    genai = [p["decode_tok_s"] for p in bench["passes"].get("ort_int4_genai", [])]
+    if genai and bench["on_target"]:
+        import statistics
+
+        assert health["decode_tok_s"] == statistics.median(genai)
+    else:
+        assert health["decode_tok_s"] is None and health["decode_tok_s_from"].startswith("null: "), health
     # Blobs are on the remote, content-addressed; git holds no weights.
     onnx = rec["files"]["pack/model.onnx"]
     assert (remote / "files/md5" / onnx["md5"][:2] / onnx["md5"][2:]).is_file()
@@ -368,6 +386,12 @@ def test_publish_promote_refuse_rollback_and_pull_on_a_fresh_clone(fleet, genai_
     ran = subprocess.run(f"{py} -I {on_device['command'][len('python '):]}", shell=True, capture_output=True,
                          text=True, cwd=base / "device" / "deploy_profile", timeout=600)
     assert ran.returncode == 0 and ran.stdout.startswith("def read_file(path):"), ran.stderr[-2000:]
+    # ...and the record's health check, from the version folder it pulled, as the agent runs it
+    checked = subprocess.run([str(py) if a == "{python}" else a for a in health["command"]], capture_output=True,
+                             text=True, cwd=base / "device", timeout=health["timeout_s"])
+    assert checked.returncode == 0, checked.stderr[-2000:]
+    said = json.loads(checked.stdout.strip().splitlines()[-1])
+    assert said["tokens"] == health["tokens"] and said["decode_tok_s"] > 0, said
     pinned = _registry(clone, "pull", DEVICE, "--version", "v2", "--dest", str(base / "device-v2"))
     assert pinned.returncode == 0 and json.loads((base / "device-v2/RELEASE.json").read_text())["version"] == "v2"
 

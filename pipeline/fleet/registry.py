@@ -445,6 +445,51 @@ def collect(root: Path, build: str) -> dict:
     bench = benchmark_summary(bench_report, noise_floor)
     bench["metrics"] = manifests["benchmark"]["result"].get("metrics", {})
 
+    # The health check a device runs on this version once installed (its agent fails and rolls back the version
+    # on a non-zero exit, other tokens, or decode_tok_s below decode_tok_s x (1 - noise_floor)): the deploy
+    # profile's command (`{python}`: the device's runtime interpreter; cwd: the version folder), the tokens
+    # verify_parity decoded from the same ids with the artifact's runtime, and the benchmark's decode speed of
+    # the artifact in genai's own loop (the ort_int4_genai arm's median) where it measured the target device
+    # class; a cross-measured figure is another CPU's, so null (the agent then checks the tokens alone).
+    # A weight path whose profile names no health check gets no `health` key (the agent reports "unchecked").
+    health = None
+    spec = ((_read_json(base / "deploy_profile" / "profile.json") or {}).get("on_device") or {}).get("health")
+    if spec and spec.get("command"):
+        expect = (_read_json(base / "verify_parity" / "report.json") or {}).get("health") or {}
+        if not expect.get("tokens"):
+            raise RegistryError(f"{build}: the deploy profile names a health check but verify_parity/report.json "
+                                "records no tokens for it (rerun python -m pipeline for the build)")
+        if [int(t) for t in expect.get("prompt_ids") or []] != [int(t) for t in spec["prompt_ids"]]:
+            raise RegistryError(f"{build}: verify_parity's health tokens are for ids {expect.get('prompt_ids')}, "
+                                f"the deploy profile's command for {spec['prompt_ids']}")
+        arm = "ort_int4_genai"
+        speeds = [float(p["decode_tok_s"]) for p in (bench_report.get("passes") or {}).get(arm) or []
+                  if p.get("decode_tok_s")]
+        if not speeds:
+            decode, source = None, f"null: the benchmark ran no {arm} arm (onnxruntime-genai not installed there)"
+        elif not bench_report.get("on_target"):
+            decode = None
+            source = (f"null: the benchmark's {arm} arm was cross-measured on {bench['measured_on']} "
+                      f"({(bench_report.get('host') or {}).get('device_class')}), not a {cfg['device']['name']}: "
+                      "no figure of the device")
+        else:
+            decode = statistics.median(speeds)
+            source = (f"the benchmark's {arm} arm: the median of {len(speeds)} passes on "
+                      f"{bench['measured_on']} (prompt {(bench_report.get('settings') or {}).get('prompt_length')}, "
+                      f"{(bench_report.get('settings') or {}).get('decode_tokens')} tokens decoded)")
+        health = {
+            "command": list(spec["command"]),
+            "tokens": [int(t) for t in expect["tokens"]],
+            "decode_tok_s": decode,
+            "noise_floor": noise_floor,
+            "timeout_s": int(spec.get("timeout_s") or 300),
+            "prompt": spec.get("prompt"),
+            "prompt_ids": [int(t) for t in spec["prompt_ids"]],
+            "new_tokens": int(spec["new_tokens"]),
+            "decode_tok_s_from": source,
+            "tokens_from": f"verify_parity: {expect.get('runtime')}, {expect.get('how')}",
+        }
+
     device = ((manifests["benchmark"]["key"].get("params") or {}).get("device") or {}).get("name") \
         or cfg["device"]["name"]
     toolchain: dict = {}
@@ -477,6 +522,7 @@ def collect(root: Path, build: str) -> dict:
         "benchmark": bench,
         "config": cfg,
         "files": files,
+        **({"health": health} if health else {}),
     }
 
 
