@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -407,6 +408,70 @@ def test_publish_promote_refuse_rollback_and_pull_on_a_fresh_clone(fleet, genai_
     status = _dvc(clone, "status", *_build_stages(clone, BUILD))
     assert "changed" not in status.stdout.replace("always changed", ""), status.stdout
     print(f"publish {t_publish:.1f} s, pull {t_pull:.1f} s, dvc repro --pull {t_repro:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_rollout_of_the_real_build_reaches_devices_running_genai_alone(fleet, genai_python, tmp_path):
+    """The operator's commands and the device's agent on the real (tiny) build: `rollout start` through the
+    registry's gates, three agents (`python -m pipeline.fleet.agent --once`, processes) fetching from the
+    DVC remote itself, each running the record's health check with onnxruntime-genai alone."""
+    pytest.importorskip("fastapi", reason="the rollout service needs edgekiln[rollout]")
+    from tests.test_fleet_rollout import Service
+
+    repo, remote, base = fleet
+    for build in (BUILD, SLOW):   # published by the scenario above when it ran: a no-op then
+        assert _registry(repo, "publish", build).returncode == 0
+    good, slow = _version_of(repo, BUILD), _version_of(repo, SLOW)
+    if json.loads(_registry(repo, "show", DEVICE, "--json").stdout)["channels"].get("stable", {}).get("current") != good:
+        _registry(repo, "promote", DEVICE, good, "canary")
+        assert _registry(repo, "promote", DEVICE, good, "stable").returncode == 0
+    _registry(repo, "promote", DEVICE, slow, "canary")   # (already there after the scenario)
+    py, _ = genai_python
+    svc = Service(f"sqlite:///{tmp_path / 'fleet.db'}", tmp_path)
+    svc.start()
+    env = {**venv_env(), "EDGEKILN_FLEET_URL": svc.url, "EDGEKILN_FLEET_ADMIN_TOKEN": svc.token}
+
+    def rollout(*args):
+        return subprocess.run([sys.executable, "-m", "pipeline.fleet.rollout", *args], cwd=repo, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    def agent(dev):
+        (tmp_path / f"{dev}.token").write_text(tokens[dev] + "\n")
+        return subprocess.run(
+            [sys.executable, "-m", "pipeline.fleet.agent", "--service", svc.url, "--token-file",
+             str(tmp_path / f"{dev}.token"), "--device-id", dev, "--device-class", DEVICE, "--model", "embedded",
+             "--store", str(remote), "--root", str(tmp_path / "devices" / dev), "--python", str(py), "--once"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    try:
+        enrolled = rollout("enroll", "edge-1", "edge-2", "edge-3", "--class", DEVICE, "--model", "embedded")
+        assert enrolled.returncode == 0, enrolled.stderr
+        tokens = dict(line.split() for line in enrolled.stdout.splitlines())
+        # The slower copy is refused by the registry's speed gate before any device hears of it.
+        refused = rollout("start", DEVICE, slow, "--stages", "100")
+        assert refused.returncode == 3 and f"regresses against stable {good}" in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr and len(refused.stderr.splitlines()) == 1
+        assert json.loads(rollout("status", "--json").stdout) == []
+        # The stable version to the three devices in one stage: each fetches it, checks it, reports.
+        started = rollout("start", DEVICE, good, "--stages", "100")
+        assert started.returncode == 0, started.stderr
+        rid = int(re.search(r"rollout (\d+):", started.stdout).group(1))
+        for r in [agent(d) for d in tokens]:
+            assert r.returncode == 0, r.stdout + r.stderr
+            assert f"running {good}" in r.stdout and "tokens match" in r.stdout, r.stdout
+        st = json.loads(rollout("status", str(rid), "--json").stdout)
+        assert st["state"] == "completed" and st["counts"]["healthy"] == 3, st
+        bundle = _record(repo, good)["bundle_sha256"]
+        for d in tokens:
+            release = json.loads((tmp_path / "devices" / d / "current" / "RELEASE.json").read_text())
+            assert release["bundle_sha256"] == bundle
+        print(rollout("status").stdout)
+    finally:
+        svc.stop()
+
+
+def _version_of(repo: Path, build: str) -> str:
+    index = yaml.safe_load((repo / "registry/index.yaml").read_text())
+    return next(v["version"] for v in index["devices"][DEVICE]["embedded"]["versions"] if v["build"] == build)
 
 
 @pytest.mark.slow
