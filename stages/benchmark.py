@@ -195,13 +195,10 @@ def _roofline(ctx, b, threads: int, figures: dict, context: dict, on_disk: dict)
             "arms": arms}
 
 
-def _artifact_in_genai(pack: Path, out: Path) -> tuple[Path | None, str]:
-    """(a folder onnxruntime-genai runs, note): the pack folder as the device pulls it, the weights
-    hard-linked (or copied), genai_config.json copied, since the arm writes its threads into it."""
-    import shutil
-
+def _artifact_in_genai(pack: Path) -> tuple[Path | None, str]:
+    """(the folder onnxruntime-genai runs, note): the pack folder itself, as the device pulls it
+    (GenaiDecoder sets its threads by an overlay on genai's config and writes nothing there)."""
     from pipeline.runtimes import ortgenai
-    from pipeline.sources.checkpoint_files import link_or_copy
 
     io = json.loads((pack / "io.json").read_text())
     if io.get("io_layout") != "genai" or not (pack / "genai_config.json").is_file():
@@ -209,13 +206,8 @@ def _artifact_in_genai(pack: Path, out: Path) -> tuple[Path | None, str]:
     ok, reason = ortgenai.available()
     if not ok:
         return None, f"the artifact in onnxruntime-genai: not measured ({reason})"
-    out.mkdir(parents=True)
-    for f in pack.iterdir():
-        if f.is_file() and f.name != "genai_config.json":
-            link_or_copy(f, out / f.name)
-    shutil.copy2(pack / "genai_config.json", out / "genai_config.json")
-    return out, (f"{ARTIFACT_GENAI_ARM}: the artifact's own folder decoded by onnxruntime-genai "
-                 f"{ortgenai.version()}, as the deploy profile's onnxruntime-genai route runs it")
+    return pack, (f"{ARTIFACT_GENAI_ARM}: the artifact's own folder decoded by onnxruntime-genai "
+                  f"{ortgenai.version()}, as the deploy profile's onnxruntime-genai route runs it")
 
 
 def _pages(setting: str) -> dict:
@@ -305,7 +297,7 @@ def run(ctx) -> dict:
     else:
         notes.append(genai_skip)
     if packed_arm == "ort_int4":
-        folder, why = _artifact_in_genai(ctx.inputs["pack"], Path(genai_tmp.name) / "artifact")
+        folder, why = _artifact_in_genai(Path(ctx.inputs["pack"]))
         if folder is not None:
             arms[ARTIFACT_GENAI_ARM] = folder
         notes.append(why)

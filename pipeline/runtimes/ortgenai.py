@@ -105,13 +105,13 @@ class GenaiDecoder(Runtime):
         import onnxruntime_genai as og
 
         model_dir = Path(model_dir)
-        cfg_path = model_dir / "genai_config.json"
-        cfg = json.loads(cfg_path.read_text())
-        opts = cfg["model"]["decoder"].setdefault("session_options", {})
-        opts["intra_op_num_threads"] = int(threads)
-        opts["inter_op_num_threads"] = 1
-        cfg_path.write_text(json.dumps(cfg, indent=4))
-        self.model = og.Model(str(model_dir))
+        cfg = json.loads((model_dir / "genai_config.json").read_text())
+        # The threads as an overlay on genai's own reading of the folder: the folder is never written
+        # (it may be a build's pack output, or a device's installed version, hashed into its manifest).
+        config = og.Config(str(model_dir))
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+            "intra_op_num_threads": int(threads), "inter_op_num_threads": 1}}}}))
+        self.model = og.Model(config)
         self.n_ctx = int(n_ctx) if n_ctx else int(cfg["model"]["context_length"])
         self._og = og
         self.vocab_size = int(cfg["model"]["vocab_size"])
