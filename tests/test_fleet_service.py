@@ -94,11 +94,15 @@ def _checkin(fleet, tokens, dev, report=None, current=None, device="x86_avx512")
                                        "current": current, "report": report})
 
 
-def test_the_schema_migrates_once_and_a_second_start_finds_it_current(fleet_db_url):
-    a = Fleet(fleet_db_url)
-    b = Fleet(fleet_db_url)
-    assert a.revision == b.revision == "0001"
-    a.close(), b.close()
+def test_the_schema_migrates_once_even_when_services_start_together(fleet_db_url):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:   # four service processes starting at once on one database
+        fleets = list(pool.map(lambda _: Fleet(fleet_db_url), range(4)))
+    assert {f.revision for f in fleets} == {"0001"}
+    assert Fleet(fleet_db_url).revision == "0001"   # a later start finds it current
+    for f in fleets:
+        f.close()
 
 
 def test_check_ins_are_refused_by_name_without_the_devices_own_token(fleet):

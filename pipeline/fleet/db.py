@@ -55,9 +55,26 @@ def engine_for(url: str) -> sa.Engine:
 
 def migrate(engine: sa.Engine) -> str:
     """Bring the schema to the newest migration; returns the revision."""
+    path = engine.url.database if engine.dialect.name == "sqlite" else None
+    if path and path != ":memory:":
+        # SQLite's DDL runs outside a transaction here (pysqlite), so two services starting on one file
+        # could both create the tables: a lock file beside it lets one migrate first.
+        import fcntl
+
+        with open(f"{path}.migrate.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return _upgrade(engine)
+    return _upgrade(engine)
+
+
+def _upgrade(engine: sa.Engine) -> str:
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
     with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            # Several service processes starting at once on one database (behind a load balancer): one
+            # migrates, the others wait for its transaction and find the schema current.
+            conn.execute(sa.text("SELECT pg_advisory_xact_lock(4207431)"))
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")
         return conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar_one()
