@@ -136,7 +136,7 @@ def run(db: str, devices: int, seconds: float, passes: int, clients: int) -> dic
 
         eng, t, _ = open_db(db)
         with eng.connect() as conn:
-            counted = conn.execute(sa.select(sa.func.sum(t.devices.c.checkins))).scalar_one()
+            counted = int(conn.execute(sa.select(sa.func.sum(t.devices.c.checkins))).scalar_one())
         eng.dispose()
         rates = [r["checkins_per_s"] for r in rows]
         out = {"db": db.split("@")[-1], "devices": devices, "clients": clients, "seconds": seconds, "passes": rows,
