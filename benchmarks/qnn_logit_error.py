@@ -1,0 +1,115 @@
+"""Where a phone build's logit error goes: the part softmax cannot see (one offset per step) and the rest.
+
+    python benchmarks/qnn_logit_error.py --build /tmp/smol-phone/artifacts/galaxy_s25-...-speed [--steps 40]
+
+The phone path's gate has been logit SNR (10 log10 of sum ref^2 over sum (ref - test)^2, over every
+vocabulary entry of every step). Softmax ignores a constant added to a step's logits, so an offset the
+same for every entry costs SNR and nothing the model outputs. Per step this splits the error energy
+sum (ref - test)^2 = V * mean(d)^2 + sum (d - mean(d))^2 (d = test - ref) into that offset and the
+rest, and reports, over the parity prompts teacher-forced along the fp32 export's greedy tokens:
+raw SNR (the gate's), centred SNR (each step's mean removed from both: what softmax sees), the
+offset's share of the error, SNR over the reference's top-64 entries, KL(ref || test) and top-1.
+The reference is the build's fp32 export (tested at 115+ dB against eager PyTorch); the test is
+each QDQ graph in the pack on ONNX Runtime's CPU EP (the HTP's quantization arithmetic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _db(sig: float, err: float) -> float:
+    return float(10 * np.log10(sig / err)) if err > 0 else float("inf")
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    m = x.max()
+    return x - m - np.log(np.exp(x - m).sum())
+
+
+def main() -> int:
+    import yaml
+    from transformers import AutoTokenizer
+
+    from pipeline.graphs import qnn
+    from pipeline.runtimes.onnx import OnnxDecoder
+    from stages.verify_parity import _prompt_ids
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--build", required=True, type=Path, help="artifacts/<build> of a galaxy_s25 build")
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=40, help="decode steps per prompt (teacher-forced)")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    art = a.build
+    cfg = yaml.safe_load((art.parent.parent / "builds" / f"{art.name}.yaml").read_text())
+    prompts = cfg["parity"]["prompts"][: a.prompts]
+    hf = next((art.parent / "_models").glob("*/config.json"), None)
+    tok_dir = art / "untie_head" if (art / "untie_head" / "tokenizer.json").is_file() else hf.parent
+    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    model_cfg = json.loads((tok_dir / "config.json").read_text())
+    bos = tokenizer.bos_token_id
+    ref = OnnxDecoder(art / "export", threads=2)
+    tests = {p.name: qnn.cpu_qdq_decoder(art / "pack", f"{p.name}/model.onnx")
+             for p in sorted((art / "pack").iterdir()) if (p / "model.onnx").is_file() and p.name not in ("fp16", "embed")}
+    rows = {name: [] for name in tests}
+    for text in prompts:
+        ids = _prompt_ids(tokenizer, text, bos, str(model_cfg.get("model_type", "")))
+        ref.reset()
+        for t in tests.values():
+            t.reset()
+        feed = list(ids)
+        for k in range(len(ids) + a.steps):
+            tokn = feed[k]
+            r = ref.step(tokn).astype(np.float64)
+            if k + 1 >= len(ids):
+                feed.append(int(np.argmax(r)))
+            for name, t in tests.items():
+                o = t.step(tokn).astype(np.float64)
+                if k + 1 < len(ids):
+                    continue
+                d = o - r
+                off = d.mean()
+                rc, dc = r - r.mean(), d - off
+                top = np.argpartition(-r, 64)[:64]
+                lr, lo = _log_softmax(r), _log_softmax(o)
+                pr = np.exp(lr)
+                rows[name].append({"sig": float(r @ r), "err": float(d @ d), "sig_c": float(rc @ rc),
+                                   "err_c": float(dc @ dc), "offset_err": float(len(d) * off * off),
+                                   "sig_top": float(r[top] @ r[top]), "err_top": float(d[top] @ d[top]),
+                                   "offset": float(off), "kl": float((pr * (lr - lo)).sum()),
+                                   "top1": bool(np.argmax(o) == np.argmax(r))})
+    out = {}
+    for name, rs in rows.items():
+        s = {k: sum(x[k] for x in rs) for k in ("sig", "err", "sig_c", "err_c", "offset_err", "sig_top", "err_top")}
+        out[name] = {
+            "steps": len(rs),
+            "raw_snr_db": _db(s["sig"], s["err"]),
+            "centred_snr_db": _db(s["sig_c"], s["err_c"]),
+            "top64_snr_db": _db(s["sig_top"], s["err_top"]),
+            "offset_share_of_error": s["offset_err"] / s["err"] if s["err"] else 0.0,
+            "offset_mean": float(np.mean([x["offset"] for x in rs])),
+            "offset_spread": [float(np.min([x["offset"] for x in rs])), float(np.max([x["offset"] for x in rs]))],
+            "kl_nats_mean": float(np.mean([x["kl"] for x in rs])),
+            "top1": float(np.mean([x["top1"] for x in rs])),
+        }
+        o = out[name]
+        print(f"{name}: {o['steps']} steps; raw SNR {o['raw_snr_db']:.2f} dB, centred {o['centred_snr_db']:.2f} dB, "
+              f"top-64 {o['top64_snr_db']:.2f} dB; the per-step offset is {o['offset_share_of_error']:.1%} of the "
+              f"error energy (offset mean {o['offset_mean']:+.3f}, range {o['offset_spread'][0]:+.3f}.."
+              f"{o['offset_spread'][1]:+.3f}); KL {o['kl_nats_mean']:.4f} nats, top-1 {o['top1']:.3f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
