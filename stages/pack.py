@@ -428,8 +428,8 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
             try:  # before the decode steps, not after minutes of them with the disk full
                 need = qnn.spill_space(calibration["samples"], new.feed, out)
             except qnn.QnnError as err:
-                raise StageError(f"pack: {err}: free space there or lower pack.qnn_calibration_steps "
-                                 f"(now {budget})") from None
+                raise StageError(f"pack: {err}: free space there or "
+                                 f"{qnn.spill_fix(len(seqs), C, budget, stride)}") from None
             ctx.log(f"QDQ calibration: {calibration['samples']} samples over {len(seqs)} sequence(s) of "
                     f"{calibration['max_position'] + 1} positions, {need / 1e9:.1f} GB spilled to disk")
             with ctx.progress(calibration["tokens"], "QDQ calibration: decode steps of the float graph") as bar:

@@ -780,6 +780,11 @@ def test_the_calibration_spill_is_checked_against_free_disk_before_it_starts(tmp
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - need // 2, need // 2))
     with pytest.raises(qnn.QnnError, match=r"spills 0\.3 GB of samples to .*, 0\.1 GB free"):
         qnn.spill_space(256, feed, tmp_path)
+    # The fix it names is one that lowers the spill: with one whole-context sequence (a 1.5B build at
+    # context 1024: 15.0 GB), a lower step budget changes nothing (calibration_plan never goes below one).
+    assert qnn.calibration_plan(1024, 4, 256) == qnn.calibration_plan(1024, 4, 1024) == 1
+    assert "raise pack.qnn_calibration_stride (now 4" in qnn.spill_fix(1, 1024, 1024, 4)
+    assert "lower pack.qnn_calibration_steps (now 1024: 4 sequences of 256" in qnn.spill_fix(4, 256, 1024, 4)
 
 
 def _external_bytes(path) -> int:

@@ -591,6 +591,18 @@ def spill_space(samples: int, feed: dict[str, np.ndarray], folder: Path) -> int:
     return need
 
 
+def spill_fix(sequences: int, context_length: int, step_budget: int, stride: int) -> str:
+    """What lowers the spill, for the error that says it does not fit: fewer sequences while there are
+    several; with one, a wider stride or a shorter context (the step budget never goes below one
+    whole-context sequence, calibration_plan)."""
+    if sequences > 1:
+        return (f"lower pack.qnn_calibration_steps (now {step_budget}: {sequences} sequences of "
+                f"{context_length} positions; each sequence fewer spills 1/{sequences} less)")
+    return (f"raise pack.qnn_calibration_stride (now {stride}: a sample every {stride} steps of the one "
+            f"{context_length}-position sequence, the least pack.qnn_calibration_steps gives) or build a "
+            "shorter context (export.context_length)")
+
+
 def read_samples(paths: list[Path]) -> Iterator[dict[str, np.ndarray]]:
     """The spilled samples back, one at a time (`spill_samples`)."""
     for path in paths:
