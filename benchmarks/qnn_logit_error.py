@@ -30,18 +30,13 @@ def _db(sig: float, err: float) -> float:
     return float(10 * np.log10(sig / err)) if err > 0 else float("inf")
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    m = x.max()
-    return x - m - np.log(np.exp(x - m).sum())
-
-
 def main() -> int:
     import yaml
     from transformers import AutoTokenizer
 
     from pipeline.graphs import qnn
     from pipeline.runtimes.onnx import OnnxDecoder
-    from stages.verify_parity import _prompt_ids
+    from stages.verify_parity import _log_softmax, _prompt_ids
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--build", required=True, type=Path, help="artifacts/<build> of a galaxy_s25 build")
@@ -80,8 +75,8 @@ def main() -> int:
                 off = d.mean()
                 rc, dc = r - r.mean(), d - off
                 top = np.argpartition(-r, 64)[:64]
-                lr, lo = _log_softmax(r), _log_softmax(o)
-                pr = np.exp(lr)
+                lr, pr = _log_softmax(r)  # the parity stage's own (it shifts by the max, as here)
+                lo, _ = _log_softmax(o)
                 rows[name].append({"sig": float(r @ r), "err": float(d @ d), "sig_c": float(rc @ rc),
                                    "err_c": float(dc @ dc), "offset_err": float(len(d) * off * off),
                                    "sig_top": float(r[top] @ r[top]), "err_top": float(d[top] @ d[top]),

@@ -371,14 +371,18 @@ class Fleet:
         with self.engine.connect() as conn:
             names = {row.bundle_sha256: row.version for row in conn.execute(sa.select(v.c.bundle_sha256, v.c.version))}
             groups: dict[tuple, dict] = {}
+
+            def group(device_class: str, model: str) -> dict:
+                return groups.setdefault((device_class, model), {
+                    "device_class": device_class, "model": model, "devices": 0, "channels": {}, "by_version": {},
+                    "rollouts": []})
+
             for row in conn.execute(sa.select(d.c.device_class, d.c.model, d.c.channel, d.c.current_bundle,
                                               d.c.health, sa.func.count().label("n"),
                                               sa.func.max(d.c.last_seen).label("seen"))
                                     .group_by(d.c.device_class, d.c.model, d.c.channel, d.c.current_bundle,
                                               d.c.health)).mappings():
-                g = groups.setdefault((row["device_class"], row["model"]), {
-                    "device_class": row["device_class"], "model": row["model"], "devices": 0, "channels": {},
-                    "by_version": {}, "rollouts": []})
+                g = group(row["device_class"], row["model"])
                 g["devices"] += row["n"]
                 g["channels"][row["channel"]] = g["channels"].get(row["channel"], 0) + row["n"]
                 ver = names.get(row["current_bundle"], "none" if row["current_bundle"] is None
@@ -389,10 +393,7 @@ class Fleet:
                 slot["health"][h] = slot["health"].get(h, 0) + row["n"]
                 slot["last_seen"] = max(filter(None, [slot["last_seen"], row["seen"]]), default=None)
         for ro in self.rollouts():
-            g = groups.setdefault((ro["device_class"], ro["model"]), {
-                "device_class": ro["device_class"], "model": ro["model"], "devices": 0, "channels": {},
-                "by_version": {}, "rollouts": []})
-            g["rollouts"].append(ro)
+            group(ro["device_class"], ro["model"])["rollouts"].append(ro)
         return {"groups": [groups[k] for k in sorted(groups)], "at": db.now()}
 
 
