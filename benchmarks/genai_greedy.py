@@ -41,7 +41,7 @@ def _common(a: list[int], b: list[int]) -> int:
 def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
-    from pipeline.runtimes.gqa import GqaDecoder
+    from edgekiln_runtime.gqa import GqaDecoder
     from pipeline.runtimes.ortgenai import CHECKED
     from stages.verify_parity import _prompt_ids
 

@@ -20,7 +20,7 @@ Arms (default gqa and llamacpp; `--arms` picks, `--arm label=kind:path` adds any
              accuracy_level 4) is rebuilt under --work with the smallest context that fits.
 - llamacpp:  llama.cpp Q4_K_M (pipeline/toolchains/llamacpp.py), n_ctx = --max-len, batched prefill.
 - with --huge-pages, two more: gqa_thp and llamacpp_thp, the same arms in processes
-             started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (pipeline/runtimes/pages.py), so
+             started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (runtime/edgekiln_runtime/pages.py), so
              both runtimes' malloc'ed weights get transparent huge pages: like for like.
 Kinds for --arm: gqa, gqa_thp, gqa_collapse (GqaDecoder(huge_pages=True): MADV_COLLAPSE
 after load), gqa_nospin (allow_spinning 0), gqa_basic (graph optimization level
@@ -56,7 +56,7 @@ WARM_DECODE = 8
 
 def make_decoder(kind: str, path: str, threads: int, n_ctx: int):
     if kind.startswith("gqa"):
-        from pipeline.runtimes.gqa import GqaDecoder
+        from edgekiln_runtime.gqa import GqaDecoder
 
         kw = {}
         if kind == "gqa_collapse":
@@ -164,7 +164,7 @@ def run_pass(kind, path, prompt, decode, threads, n_ctx, reps, seed) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--kind", kind, "--path", str(path),
            "--prompt-length", str(prompt), "--decode-tokens", str(decode), "--threads", str(threads),
            "--n-ctx", str(n_ctx), "--reps", str(reps), "--seed", str(seed)]
-    from pipeline.runtimes import pages
+    from edgekiln_runtime import pages
 
     env = pages.hugetlb_env(dict(os.environ)) if kind.endswith("_thp") else dict(os.environ)
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)

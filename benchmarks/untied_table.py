@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.runtimes.reference import TorchReference
 
     from pipeline.graphs.decode_graph import load_hf_model, snr_db
-    from pipeline.runtimes.gqa import GqaDecoder
+    from edgekiln_runtime.gqa import GqaDecoder
     from pipeline.graphs.gqa_graph import build_gqa_graph
 
     b = a.build

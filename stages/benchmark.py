@@ -19,7 +19,7 @@ device that runs onnxruntime-genai gets), the two compared in the report.
 
 Pages: every arm's process gets the same environment. With
 `benchmark.huge_pages: auto` (the default) that asks glibc for transparent
-huge pages (pipeline/runtimes/pages.py) wherever the host allows them, so the
+huge pages (runtime/edgekiln_runtime/pages.py) wherever the host allows them, so the
 artifact's runtime and each baseline stream their weights from 2 MiB pages
 alike; the report records the decision and each arm's AnonHugePages, the
 evidence that it took. `off` keeps 4 KiB pages for all.
@@ -211,8 +211,8 @@ def _artifact_in_genai(pack: Path) -> tuple[Path | None, str]:
 
 
 def _pages(setting: str) -> dict:
-    """Which pages every arm's process asks for (benchmark.huge_pages; pipeline/runtimes/pages.py)."""
-    from pipeline.runtimes import pages
+    """Which pages every arm's process asks for (benchmark.huge_pages; runtime/edgekiln_runtime/pages.py)."""
+    from edgekiln_runtime import pages
 
     if setting == "off":
         return {"applied": False, "reason": "benchmark.huge_pages=off", "thp_mode": pages.thp_mode()}
@@ -275,7 +275,7 @@ def run(ctx) -> dict:
             packed_arm = VLLM_ARM
             notes.append(why)
     from pipeline.toolchains import llamacpp
-    from pipeline.runtimes import pages
+    from edgekiln_runtime import pages
 
     llama_ok, llama_reason = llamacpp.available()
     llama_files, llama_skip, gguf_tmp = _llama_arms(ctx, b, threads, q4_0=sel["path"] == "gguf_q4_0",

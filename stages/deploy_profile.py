@@ -22,7 +22,7 @@ Per weight path (pack's weight_path.json):
   measured sweep when this host is the target device (pipeline/measure/tune.py; the
   candidates' spreads and the host fingerprint are recorded), else taken from
   the device config, saying so. On the target it also times 4 KiB
-  against transparent huge pages (pipeline/runtimes/pages.py) and deploys huge pages
+  against transparent huge pages (runtime/edgekiln_runtime/pages.py) and deploys huge pages
   only when they measure faster (`huge_pages`, with the environment that
   asks for them). The MatMulNBits accuracy level is the pack
   stage's (`pack.ort_accuracy_level`), the one verify_parity measured; on the
@@ -160,7 +160,7 @@ def _tune(ctx, device, host, pack_dir, max_len: int) -> tuple[dict, dict]:
                 {"measured": False, "host": fingerprint,
                  "reason": f"cross-build: this host is {host.get('device_class')}, the target {device.name}; "
                            f"threads from the device config"})
-    from pipeline.runtimes.gqa import GqaDecoder
+    from edgekiln_runtime.gqa import GqaDecoder
 
     settings = tune.candidates(int(host["physical_cores"]))
     # Fit the sweep inside the graph's positions (a small export.context_length).
@@ -179,11 +179,11 @@ def _tune(ctx, device, host, pack_dir, max_len: int) -> tuple[dict, dict]:
 
 def _page_sweep(ctx, pack_dir, chosen: dict, prompt, n_decode: int) -> dict:
     """4 KiB against transparent huge pages for the session's memory, at the chosen threads
-    (pipeline/runtimes/pages.py). Huge pages cost resident memory (whole 2 MiB pages), so they are
+    (runtime/edgekiln_runtime/pages.py). Huge pages cost resident memory (whole 2 MiB pages), so they are
     deployed only when they measure faster beyond the noise floor."""
-    from pipeline.runtimes import pages
+    from edgekiln_runtime import pages
     from pipeline.measure import tune
-    from pipeline.runtimes.gqa import GqaDecoder
+    from edgekiln_runtime.gqa import GqaDecoder
 
     ok, why = pages.support()
     if not ok:
@@ -211,7 +211,7 @@ def _level_sweep(ctx, pack_dir, chosen: dict, prompt, n_decode: int) -> dict:
     import onnx
 
     from pipeline.measure import tune
-    from pipeline.runtimes.gqa import GqaDecoder
+    from edgekiln_runtime.gqa import GqaDecoder
 
     graph = onnx.load(str(pack_dir / "model.onnx"), load_external_data=False)
     levels = {a.i for n in graph.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
@@ -247,7 +247,7 @@ def _onnxruntime(ctx, device, host, pack_dir) -> dict:
     chosen, evidence = _tune(ctx, device, host, pack_dir, int(io["max_len"]))
     session = {
         "model": "../pack/model.onnx",
-        "runner": "pipeline.runtimes.gqa.GqaDecoder (IO binding: the KV buffers bound as past and present)",
+        "runner": "edgekiln_runtime.gqa.GqaDecoder (IO binding: the KV buffers bound as past and present)",
         "providers": ["CPUExecutionProvider"],
         "intra_op_num_threads": int(chosen["intra_op_num_threads"]),
         "inter_op_num_threads": 1,
@@ -255,7 +255,7 @@ def _onnxruntime(ctx, device, host, pack_dir) -> dict:
         "graph_optimization_level": "ORT_ENABLE_ALL",
         # GqaDecoder's defaults (pipeline/graphs/gqa_graph.py): no CPU arena; the mapped weights file paged out
         "enable_cpu_mem_arena": False,
-        "after_load": "madvise(MADV_DONTNEED) the mapping of model.onnx.data (pipeline.runtimes.pages.page_out_file)",
+        "after_load": "madvise(MADV_DONTNEED) the mapping of model.onnx.data (edgekiln_runtime.pages.page_out_file)",
         "session_config": ({} if chosen["allow_spinning"] is None else
                            {"session.intra_op.allow_spinning": "1" if chosen["allow_spinning"] else "0"}),
         **_pages_setting(evidence),
@@ -293,25 +293,12 @@ HEALTH_RUNS = 3
 
 def _framed_ids(pack_dir, io: dict, text: str) -> list[int]:
     """`text`'s ids as onnxruntime-genai's tokenizer gives them with add_special_tokens='true' (what the
-    route's command sets): the pack folder's tokenizer.json, BOS prepended where the model uses one, by
-    verify_parity's rule (its tokenizer adds it by itself, its config says add_bos_token, or a Gemma);
-    verify_parity checks these ids against its own framing of the prompt."""
-    from tokenizers import Tokenizer
+    route's command sets) and as the device runtime frames them (edgekiln_runtime.text: the pack folder's
+    tokenizer.json, BOS where verify_parity's rule puts one); verify_parity checks these ids against its
+    own framing of the prompt."""
+    from edgekiln_runtime.text import FolderTokenizer
 
-    tok = Tokenizer.from_file(str(pack_dir / "tokenizer.json"))
-    cfg_path = pack_dir / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-    entry = cfg.get("bos_token")
-    entry = entry.get("content") if isinstance(entry, dict) else entry
-    bos = tok.token_to_id(entry) if isinstance(entry, str) else None
-    if bos is None and io.get("bos_token_id") is not None:
-        bos = int(io["bos_token_id"])
-    plain = list(tok.encode(text, add_special_tokens=False).ids)
-    if bos is None:
-        return plain
-    special = list(tok.encode(text, add_special_tokens=True).ids)
-    uses_bos = special[:1] == [bos] or bool(cfg.get("add_bos_token")) or str(io.get("family", "")).startswith("gemma")
-    return ([int(bos)] if uses_bos else []) + plain
+    return FolderTokenizer(pack_dir, io).prompt_ids(text)
 
 
 def _health(ctx, pack_dir, io: dict, route: dict | None) -> dict:
@@ -391,7 +378,7 @@ def _genai_route(pack_dir, io: dict, threads: int) -> dict:
 
 def _pages_setting(evidence: dict) -> dict:
     """The profile's page setting: measured on the target, else left to the target's defaults."""
-    from pipeline.runtimes import pages
+    from edgekiln_runtime import pages
 
     hp = evidence.get("huge_pages") or {}  # {} on a cross-build: the target's pages are not known here
     if not hp.get("huge_pages"):
@@ -525,6 +512,22 @@ def _genie(ctx, comp_dir, info: dict, io: dict) -> dict:
     return entry
 
 
+# The build's own runner on a device: the edgekiln-runtime package (runtime/ in this repository:
+# GqaDecoder, the pack folder's tokenizer through `tokenizers`), run from this folder; it reads
+# ../deploy_profile/onnxruntime.json beside the pack folder for the threads, spinning and pages.
+DEVICE_RUNTIME_COMMAND = "python -m edgekiln_runtime ../pack 'def read_file(path):'"
+
+
+def _device_runtime() -> dict:
+    return {"runtime": "edgekiln-runtime (GqaDecoder: the runner this build's parity and benchmark stages ran)",
+            "install": "pip install ./runtime from this repository, or its wheel (pip wheel ./runtime): "
+                       "onnxruntime, numpy and tokenizers, nothing of the build toolchain",
+            "files": ["../pack/", "onnxruntime.json"], "command": DEVICE_RUNTIME_COMMAND,
+            "needs_this_project": False,
+            "ran_here": "the same command on the embedded model's build in a venv holding edgekiln-runtime alone "
+                        "(tests/test_device_runtime.py); this build's folder by the parity and benchmark stages"}
+
+
 def on_device(path: str, detail: dict, health: dict | None = None) -> dict:
     """What the device needs to run this build: the runtime, how it is installed, the files (relative to
     this folder), the one command, whether this project must be installed there, and what ran it here;
@@ -543,13 +546,9 @@ def on_device(path: str, detail: dict, health: dict | None = None) -> dict:
                 "ran_here": "the same command on the embedded model's build (tests/test_genai_artifact.py, in a "
                             "venv holding onnxruntime-genai alone); this build's folder in genai by the "
                             "benchmark's ort_int4_genai arm where onnxruntime-genai is installed (its report says)",
-                "alternative": "pipeline.runtimes.gqa.GqaDecoder (onnxruntime + numpy, but it ships in this "
-                               "project, whose install brings the build toolchain)"}
+                "alternative": _device_runtime()}
     if path == "w4_ort_matmulnbits":
-        return {"runtime": "onnxruntime through this project's GqaDecoder", "install": "pip install edgekiln",
-                "files": ["../pack/", "onnxruntime.json"], "command": "python -m pipeline generate BUILD 'prompt'",
-                "needs_this_project": True, "ran_here": "the parity and benchmark stages",
-                "why": detail["session"].get("onnxruntime_genai_why")}
+        return {**_device_runtime(), "why": detail["session"].get("onnxruntime_genai_why")}
     if path == "gguf_q4_0":
         lc = detail["llama.cpp"]
         return {"runtime": "llama.cpp", "install": "llama.cpp's release binaries, or pip install "

@@ -23,7 +23,7 @@ The weight path is chosen by `pipeline.quant.weight_path.select(device, priority
   GatherBlockQuantized over the head's own weight (one copy); an untied one's
   a GatherBlockQuantized of its table's 8- or 4-bit codes, or its fp32 table,
   as the quantize stage measured and chose (quant.json "embedding"). Config and tokenizer copied from the export
-  artifact; runs in `pipeline.runtimes.gqa.GqaDecoder`. The graph takes onnxruntime-genai's inputs
+  artifact; runs in `edgekiln_runtime.gqa.GqaDecoder`. The graph takes onnxruntime-genai's inputs
   and `genai_config.json` (the device's threads) lies beside it: the folder is an onnxruntime-genai model
   as it is (`og.Model(folder)`). The layout before it (lengths fed, `past_key_i`) measured no faster
   (benchmarks/genai_layout.py, docs/devices.md), so it is no option; GqaDecoder still reads such folders.

@@ -94,21 +94,13 @@ CHUNK = 16
 
 
 def _prompt_ids(tokenizer, text: str, bos_id, model_type: str) -> list[int]:
-    """Token ids of `text`, with BOS prepended when the model uses one.
+    """Token ids of `text`, with BOS prepended when the model uses one (edgekiln_runtime.text.frame_prompt:
+    its tokenizer adds it by itself, declares add_bos_token, or it is a Gemma). The device runtime frames
+    a prompt with the same rule, so the ids parity checks are the ones a device feeds."""
+    from edgekiln_runtime.text import frame_prompt
 
-    The model uses one when its tokenizer adds it by itself (add_special_tokens),
-    declares add_bos_token, or is a Gemma (which is trained with BOS always).
-    """
-    plain = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if bos_id is None:
-        return list(plain)
-    special = tokenizer(text, add_special_tokens=True)["input_ids"]
-    uses_bos = (
-        (len(special) > 0 and special[0] == bos_id)
-        or bool(getattr(tokenizer, "add_bos_token", False))
-        or model_type.startswith("gemma")
-    )
-    return ([int(bos_id)] if uses_bos else []) + list(plain)
+    return frame_prompt(lambda t, special: tokenizer(t, add_special_tokens=special)["input_ids"], text,
+                        bos_id, bool(getattr(tokenizer, "add_bos_token", False)), model_type)
 
 
 def _finite(x: float) -> float | str:
@@ -580,7 +572,7 @@ def _artifact_decoder(path: str, pack_dir: Path, hf_dir: Path, context_length: i
         model = gguf_q4.file_model(hf_dir, gguf_file, report)
         return TorchReference(model, threads=REF_THREADS), note, GGUF_FALLBACK
     if path == "w4_ort_matmulnbits":
-        from pipeline.runtimes.gqa import GqaDecoder
+        from edgekiln_runtime.gqa import GqaDecoder
 
         return GqaDecoder(pack_dir, threads=THREADS), "", ARTIFACT_RUNTIMES[path]
     if path == "w4a16_tinygemm":

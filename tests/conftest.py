@@ -256,6 +256,45 @@ def genai_python(tmp_path_factory, request):
     return py, False
 
 
+@pytest.fixture(scope="session")
+def runtime_python(tmp_path_factory, request):
+    """The python of a fresh venv holding the device-side package alone (`pip install ./runtime`, not editable:
+    the venv has its own copy and nothing of the build toolchain) and its size in MiB; skipped, saying so,
+    where pip cannot install it (no package registry)."""
+    root = tmp_path_factory.mktemp("runtime-venv")
+    venv = root / "runtime-only"
+    made = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"edgekiln-runtime: python -m venv failed: {made.stderr.strip().splitlines()[-1:]}")
+    py = venv / "bin" / "python"
+    pip = subprocess.run([str(py), "-m", "pip", "install", "-q", str(ROOT / "runtime")], cwd=root,
+                         capture_output=True, text=True, timeout=900)
+    if pip.returncode != 0:
+        lines = [x for x in pip.stderr.splitlines() if x.strip()]
+        pytest.skip(f"edgekiln-runtime: pip install ./runtime failed ({lines[-1] if lines else pip.returncode})")
+    listed = subprocess.run([str(py), "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True)
+    size = sum(f.stat().st_size for f in venv.rglob("*") if f.is_file() and not f.is_symlink()) / 2**20
+    report_line(request.config, f"runtime_python: fresh venv {size:.0f} MiB: " + ", ".join(sorted(listed.stdout.split())))
+    return py, size
+
+
+def check_against_parity(dec, want: dict, ids: list, got: dict, n: int, eos: set) -> bool:
+    """A runtime's greedy run of one parity prompt (`got`: its prompt_ids and tokens, at most `n`) against the
+    build: the prompt framed as the parity stage framed it (`ids`), `n` tokens or fewer ending at an
+    end-of-sequence token, GqaDecoder's own tokens (`dec`, the prompt prefilled then greedy: the order genai
+    and the device runtime run), and the fp32 reference's continuation as far as the parity report found
+    the artifact's greedy decode agreed with it. True where parity found them matching all the way."""
+    assert got["prompt_ids"] == ids, want["prompt"]
+    tokens = got["tokens"]
+    assert len(tokens) == n or (0 < len(tokens) < n and tokens[-1] in eos), (want["prompt"], tokens)
+    assert tokens == dec.generate_greedy(ids, len(tokens), prefilled=True), want["prompt"]
+    ref = want["reference_continuation"]
+    agree = len(ref) if want["greedy_match"] else int(want["greedy_first_divergence"])
+    k = min(agree, len(tokens))
+    assert tokens[:k] == ref[:k], (want["prompt"], tokens, ref)
+    return bool(want["greedy_match"])
+
+
 def _pg_database(base_url: str):
     """A fresh PostgreSQL database on the test server (the base URL's role needs CREATEDB); dropped afterwards."""
     import secrets

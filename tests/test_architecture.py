@@ -96,7 +96,7 @@ def test_a_runtime_says_whether_its_prefill_is_batched():
     import numpy as np
 
     from pipeline.runtimes.contract import Runtime
-    from pipeline.runtimes.gqa import GqaDecoder
+    from edgekiln_runtime.gqa import GqaDecoder
     from pipeline.runtimes.onnx import OnnxDecoder
     from pipeline.runtimes.reference import TorchReference
 

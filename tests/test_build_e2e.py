@@ -57,7 +57,7 @@ def test_first_build_runs_every_stage_and_prints_parity_and_speed(built_repo):
     assert report["weights_mb"][report["artifact_arm"]] == round(pack["bytes"] / 1e6, 1), (report["weights_mb"], pack)
     assert report["weights_mb"]["onnx_fp32"] > report["weights_mb"][report["artifact_arm"]]
     pages_used = report["settings"]["huge_pages"]
-    from pipeline.runtimes import pages
+    from edgekiln_runtime import pages
 
     assert pages_used["applied"] == pages.support()[0], pages_used
     assert all(p["huge_pages_asked"] == pages_used["applied"] for rs in report["passes"].values() for p in rs)

@@ -152,6 +152,10 @@ def test_a_genai_layout_graph_gets_the_onnxruntime_genai_route_and_its_command(t
     peers = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]["peers"]
     assert CHECKED in peers and f"pip install {CHECKED}" in dev["install"]
+    # beside genai, the build's own runner without the build toolchain
+    alt = dev["alternative"]
+    assert alt["needs_this_project"] is False and shlex.split(alt["command"])[:4] == [
+        "python", "-m", "edgekiln_runtime", "../pack"]
     (tmp_path / "same").mkdir()
     same, _ = run(tmp_path / "same", "w4_ort_matmulnbits", {"io.json": json.dumps({**IO, "io_layout": "genai"}),
                                                              "genai_config.json": json.dumps(genai_cfg)},
@@ -163,7 +167,10 @@ def test_a_genai_layout_graph_gets_the_onnxruntime_genai_route_and_its_command(t
     session = json.loads((old / "onnxruntime.json").read_text())
     assert session["onnxruntime_genai"] is None and "rebuild the pack" in session["onnxruntime_genai_why"]
     dev = json.loads((old / "profile.json").read_text())["on_device"]
-    assert dev["needs_this_project"] is True and "rebuild the pack" in dev["why"]
+    # the build's own runner, installable alone (runtime/): it runs the project's own layout too
+    assert dev["runtime"].startswith("edgekiln-runtime") and dev["needs_this_project"] is False
+    assert "rebuild the pack" in dev["why"] and "pip install ./runtime" in dev["install"]
+    assert shlex.split(dev["command"])[:4] == ["python", "-m", "edgekiln_runtime", "../pack"]
 
 
 def _word_tokenizer() -> str:
@@ -282,13 +289,13 @@ class FakeDecoder(Runtime):
 def _on_target(tmp_path, monkeypatch) -> dict:
     """A level-4 GQA pack built on this (fake) host, profiled with FakeDecoder's known speeds:
     the onnxruntime.json written."""
-    import pipeline.runtimes.gqa
-    import pipeline.runtimes.pages
+    import edgekiln_runtime.gqa
+    import edgekiln_runtime.pages
     import pipeline.measure.tune
 
-    monkeypatch.setattr(pipeline.runtimes.gqa, "GqaDecoder", FakeDecoder)
+    monkeypatch.setattr(edgekiln_runtime.gqa, "GqaDecoder", FakeDecoder)
     monkeypatch.setattr(pipeline.measure.tune, "time", StepClock)
-    monkeypatch.setattr(pipeline.runtimes.pages, "support", lambda: (FakeDecoder.HUGE_PAGES_HERE, "test host"))
+    monkeypatch.setattr(edgekiln_runtime.pages, "support", lambda: (FakeDecoder.HUGE_PAGES_HERE, "test host"))
     monkeypatch.setattr(deploy_profile, "SWEEP_DECODE", 8)
     monkeypatch.setattr(deploy_profile, "SWEEP_PROMPT", 2)
     (tmp_path / "pack").mkdir(parents=True)

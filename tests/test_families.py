@@ -136,7 +136,7 @@ def test_longrope_past_its_original_positions_is_refused_in_one_line():
 def test_gqa_graph_matches_the_gptq_reference(tmp_path, family):
     pytest.importorskip("onnxruntime")
     from pipeline.graphs.gqa_graph import build_gqa_graph
-    from pipeline.runtimes.gqa import GqaDecoder
+    from edgekiln_runtime.gqa import GqaDecoder
     from pipeline.runtimes.tinygemm import GptqReference
     from tests.test_gqa_graph import _checkpoint
 

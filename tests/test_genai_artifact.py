@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import report_line
+from tests.conftest import check_against_parity, report_line
 
 pytestmark = pytest.mark.slow
 BUILD = "x86_avx512-embedded-speed"
@@ -67,7 +67,7 @@ print(json.dumps({{"onnxruntime_genai": og.__version__, "python": sys.executable
 def test_the_pack_folder_generates_in_onnxruntime_genai_alone(built_repo, genai_python, tmp_path, request):
     from transformers import AutoTokenizer
 
-    from pipeline.runtimes.gqa import GqaDecoder
+    from edgekiln_runtime.gqa import GqaDecoder
     from stages.verify_parity import _prompt_ids
 
     repo, _ = built_repo
@@ -102,18 +102,9 @@ def test_the_pack_folder_generates_in_onnxruntime_genai_alone(built_repo, genai_
     agreed = 0
     for want, got in zip(per_prompt, ran["results"]):
         ids = _prompt_ids(tok, want["prompt"], tok.bos_token_id, str(io.get("family", "")))
-        assert got["prompt_ids"] == ids, want["prompt"]  # genai's tokenizer frames the prompt as parity did
-        tokens = got["tokens"]
-        # genai stops at an end-of-sequence token; else it runs the n tokens
-        assert len(tokens) == n or (0 < len(tokens) < n and tokens[-1] in eos), (want["prompt"], tokens)
-        # GqaDecoder, the prompt prefilled then greedy (genai's order), gives genai's tokens exactly
-        assert tokens == dec.generate_greedy(ids, len(tokens), prefilled=True), want["prompt"]
-        # and the fp32 reference's continuation wherever parity found the artifact's greedy decode matched it
-        ref = want["reference_continuation"]
-        agree = len(ref) if want["greedy_match"] else int(want["greedy_first_divergence"])
-        k = min(agree, len(tokens))
-        assert tokens[:k] == ref[:k], (want["prompt"], tokens, ref)
-        agreed += bool(want["greedy_match"])
+        # genai's tokenizer frames the prompt as parity did, stops at an end-of-sequence token, gives
+        # GqaDecoder's tokens exactly and the reference's where parity found the artifact matched it
+        agreed += check_against_parity(dec, want, ids, got, n, eos)
     # the profile's own command, as a user runs it from deploy_profile/ with that python: the prompt and more text
     command = profile["onnxruntime_genai"]["command"]
     assert command.startswith("python -c ")

@@ -23,7 +23,7 @@ from pipeline.quant import int4_layouts as L  # noqa: E402
 from pipeline.runtimes.contract import ContextFull  # noqa: E402
 from pipeline.runtimes.reference import TorchReference
 from pipeline.graphs.decode_graph import snr_db
-from pipeline.runtimes.gqa import GqaDecoder  # noqa: E402
+from edgekiln_runtime.gqa import GqaDecoder  # noqa: E402
 from pipeline.graphs.gqa_graph import GqaGraphError, build_gqa_graph, genai_config, write_genai_config
 from pipeline.runtimes.tinygemm import GptqReference
 from pipeline.quant.codes import read_quant  # noqa: E402
@@ -825,7 +825,7 @@ def test_benchmark_pass_splits_resident_memory_into_components(ckpts):
 def test_a_long_prefill_hands_its_workspace_back(ckpts, monkeypatch):
     """GqaDecoder.prefill of _TRIM_AFTER_ROWS rows or more calls pages.release_heap (glibc's malloc_trim), so
     the prefill's freed workspace leaves the resident set; shorter prefills and steps do not pay for it."""
-    from pipeline.runtimes import gqa, pages
+    from edgekiln_runtime import gqa, pages
 
     calls = []
     monkeypatch.setattr(gqa, "release_heap", lambda: calls.append(1) or True)

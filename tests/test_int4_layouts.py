@@ -433,7 +433,7 @@ def test_stage_ort_path(gemma_build, tmp_path):
     out = tmp_path / "pack_x86_avx512_speed"
     assert json.loads((out / "weight_path.json").read_text())["path"] == "w4_ort_matmulnbits"
     assert json.loads((out / "io.json").read_text())["format"] == "edgekiln-gqa/1"
-    from pipeline.runtimes.gqa import GqaDecoder
+    from edgekiln_runtime.gqa import GqaDecoder
 
     # The packed graph computes the GPTQ weights' model (int8 activations: close, not equal).
     want = with_weights(tiny_gemma3(), deq[True])

@@ -1,4 +1,4 @@
-"""pipeline/runtimes/pages.py: whether a host allows transparent huge pages, and the environment that asks for them."""
+"""runtime/edgekiln_runtime/pages.py: whether a host allows transparent huge pages, and the environment that asks for them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pipeline.runtimes import pages
+from edgekiln_runtime import pages
 
 
 @pytest.mark.parametrize("text, mode", [("always [madvise] never\n", "madvise"), ("[always] madvise never", "always"),
@@ -38,7 +38,7 @@ def test_the_tunable_is_appended_to_the_ones_already_set_and_never_doubled():
 
 CHILD = """
 import json, numpy as np
-from pipeline.runtimes import pages
+from edgekiln_runtime import pages
 from pipeline.measure.bench_arm import memory_snapshot
 a = np.ones(64 << 18, np.float32)  # 64 MiB, malloc'ed by numpy and touched
 print(json.dumps({"huge": memory_snapshot()["anon_huge_mib"], "asked": pages.in_use(), "sum": float(a.sum())}))
@@ -67,7 +67,7 @@ def test_page_out_file_drops_the_files_own_pages_and_keeps_written_ones(tmp_path
     and read back the same; a page this process wrote to (its own copy) is kept as written."""
     import mmap
 
-    from pipeline.runtimes import pages
+    from edgekiln_runtime import pages
 
     page = mmap.PAGESIZE
     data = bytes(range(256)) * (64 * page // 256)

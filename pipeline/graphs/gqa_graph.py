@@ -92,8 +92,8 @@ import numpy as np
 from pipeline.quant import int4_layouts as L
 from pipeline.graphs.decode_graph import SLIDING, DecodeGraphError, _applies_attn_softcap, _first_id, _id_list, _rope_tables, _text_config, layer_types, load_hf_model
 from pipeline.sources import families
+from edgekiln_runtime.io import IO_FORMAT, KV_NAMES  # the folder's contract, which the device runtime reads
 
-IO_FORMAT = "edgekiln-gqa/1"
 # Initializer bytes past which they go to model.onnx.data: 0, always. ONNX Runtime maps an external data
 # file instead of reading the weights into the protobuf it parses, so what the session does not use after
 # loading can leave memory (GqaDecoder, pages.page_out_file). Tests raise it to check the inline writer.
@@ -129,16 +129,6 @@ DEFAULT_OPTIONS = {
 }
 KV_DTYPES = ("float16", "float32")
 IO_LAYOUTS = ("genai", "edgekiln")
-# The KV inputs and outputs of each layout, %d the layer. "genai": onnxruntime-genai's default names (its
-# Config::Defaults: past_key_values.%d.key in, present.%d.key out), so its config needs no name map.
-KV_NAMES = {
-    "genai": {"past_key": "past_key_values.%d.key", "past_value": "past_key_values.%d.value",
-              "present_key": "present.%d.key", "present_value": "present.%d.value"},
-    "edgekiln": {"past_key": "past_key_%d", "past_value": "past_value_%d",
-                 "present_key": "present_key_%d", "present_value": "present_value_%d"},
-}
-
-
 class GqaGraphError(DecodeGraphError):
     """A model, checkpoint or request the GQA graph cannot serve (user-facing)."""
 

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from pipeline.runtimes.open import KINDS as ARMS, LLAMA_ARMS, open_runtime
-from pipeline.runtimes.pages import smaps_rollup_mib
+from edgekiln_runtime.pages import smaps_rollup_mib
 
 T_PROCESS = time.perf_counter()
 MIB = 1024 * 1024
@@ -132,7 +132,7 @@ def measure(arm: str, artifact: str, prompt_length: int, decode_tokens: int, war
             context_points: list[int] | None = None, context_decode_tokens: int = 32, n_ctx: int = 0) -> dict:
     import numpy as np
 
-    from pipeline.runtimes import pages
+    from edgekiln_runtime import pages
 
     context_points = list(context_points or [])
     import_runtime(arm)

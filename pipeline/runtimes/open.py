@@ -33,7 +33,7 @@ def open_runtime(arm: str, artifact: str, threads: int, n_ctx: int = 0, session:
     from pipeline.runtimes.reference import TorchReference
 
     if arm == "ort_int4":
-        from pipeline.runtimes.gqa import GqaDecoder
+        from edgekiln_runtime.gqa import GqaDecoder
 
         return GqaDecoder(artifact, threads=threads, **(session or {}))
     if arm == "onnx_fp32":

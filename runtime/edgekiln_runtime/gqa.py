@@ -1,18 +1,18 @@
-"""ONNX Runtime running the GQA graph (pipeline/graphs/gqa_graph.py): IO binding, the KV
-buffers bound as past and present, a batched prefill."""
+"""ONNX Runtime running the GQA graph (pipeline/graphs/gqa_graph.py builds it; a build's pack folder
+holds it): IO binding, the KV buffers bound as past and present, a batched prefill. Needs onnxruntime
+and numpy only."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from pipeline.graphs.gqa_graph import IO_FORMAT, KV_NAMES, GqaGraphError
-from pipeline.runtimes.contract import ContextFull, Runtime
-from pipeline.runtimes.onnx import session_options
-from pipeline.runtimes.pages import anon_mappings, collapse_to_huge_pages, page_out_file, release_heap
+from edgekiln_runtime.contract import ContextFull, Runtime
+from edgekiln_runtime.io import KV_NAMES, read_io
+from edgekiln_runtime.pages import anon_mappings, collapse_to_huge_pages, page_out_file, release_heap
+from edgekiln_runtime.session import session_options
 
 
 # A prefill of at least this many rows hands its freed workspace back to the kernel (pages.release_heap):
@@ -21,7 +21,7 @@ _TRIM_AFTER_ROWS = 64
 
 
 class GqaDecoder(Runtime):
-    """The runtime of a `build_gqa_graph` artifact; the API of runtimes.onnx.OnnxDecoder plus batched prefill.
+    """The runtime of a `build_gqa_graph` artifact; the API of the project's OnnxDecoder plus batched prefill.
 
     KV: one preallocated OrtValue (io.json's kv_dtype) per past/present pair, bound as both
     (GQA writes the new rows in place; a window_cache layer's buffer is W +
@@ -37,7 +37,7 @@ class GqaDecoder(Runtime):
     default: decode measured 1.26x (~100M) to 1.43x (5M) faster than with
     spinning off at 2 threads),
     ORT_ENABLE_ALL. `huge_pages=True` collapses the session's memory into
-    2 MiB pages after loading (pipeline/runtimes/pages.py; the deploy profile says
+    2 MiB pages after loading (edgekiln_runtime/pages.py; the deploy profile says
     whether it measured faster on the target). `page_out=True` (the default)
     pages out the mapped weights file once the session is built
     (pages.page_out_file): the prepacked weights are the session's own copies,
@@ -56,9 +56,7 @@ class GqaDecoder(Runtime):
         maps_before = anon_mappings() if huge_pages else {}
         self._ort = ort
         self.dir = Path(artifact_dir)
-        self.io = json.loads((self.dir / "io.json").read_text())
-        if self.io.get("format") != IO_FORMAT:
-            raise GqaGraphError(f"{self.dir}: io.json format {self.io.get('format')!r}, expected {IO_FORMAT!r}")
+        self.io = read_io(self.dir)
         so = session_options(threads, spinning=spinning, opt_level=opt_level, profile=profile, config=session_config)
         so.enable_cpu_mem_arena = bool(memory_arena)
         self.session = ort.InferenceSession(str(self.dir / "model.onnx"), sess_options=so,
@@ -87,7 +85,7 @@ class GqaDecoder(Runtime):
         self.position = 0
         data = self.dir / "model.onnx.data"
         self.paged_out_bytes = page_out_file(data) if page_out and data.is_file() else 0
-        # Back the session's weights (and the KV) with 2 MiB pages (pipeline/runtimes/pages.py).
+        # Back the session's weights (and the KV) with 2 MiB pages (edgekiln_runtime/pages.py).
         self.huge_page_bytes = collapse_to_huge_pages(maps_before) if huge_pages else 0
 
     def _binding(self, ids, seqlens, total, logits):
