@@ -174,6 +174,7 @@ def _tune(ctx, device, host, pack_dir, max_len: int) -> tuple[dict, dict]:
     chosen = res["chosen"]
     return chosen, {"measured": True, "host": fingerprint, **res,
                     "accuracy_level": _level_sweep(ctx, pack_dir, chosen, prompt, n_decode),
+                    "kv_dtype": _kv_sweep(ctx, pack_dir, chosen, max_len, n_decode),
                     "huge_pages": _page_sweep(ctx, pack_dir, chosen, prompt, n_decode)}
 
 
@@ -238,6 +239,59 @@ def _level_sweep(ctx, pack_dir, chosen: dict, prompt, n_decode: int) -> dict:
                f"to deploy it (the deployed graph is level {deployed}, the one verify_parity checked)")
     ctx.log(f"accuracy level {deployed}: {verdict}")
     return {"measured": True, "deployed": deployed, "fastest": best, "verdict": verdict, **res}
+
+
+# The KV dtype is measured where the KV's bytes matter: after a prompt of this many tokens (half a
+# smaller graph's positions). Measured on SmolLM2-135M (30 layers, 3 KV heads; Intel Xeon, 2 threads,
+# benchmarks/op_profile.py): GroupQueryAttention's time per step grows 1.1 -> 5.1 ms from a 32- to a
+# 960-token prompt in fp16 and 0.9 -> 4.8 ms in fp32, end to end the same within the noise.
+KV_SWEEP_PROMPT = 512
+
+
+def _kv_sweep(ctx, pack_dir, chosen: dict, max_len: int, n_decode: int) -> dict:
+    """The graph's KV dtype (pack.ort_kv_dtype) against the other, at the chosen threads, after a long
+    prompt: each candidate's decode speed and KV bytes. The smaller KV (float16) is the cheaper candidate:
+    float32 is recommended only when it decodes faster beyond the noise floor. Like the accuracy level,
+    the dtype is baked into the graph verify_parity checked, so a faster one is a recommendation to
+    rebuild, never swapped in unverified."""
+    import tempfile
+    from pathlib import Path
+
+    from pipeline.measure import tune
+    from edgekiln_runtime.gqa import GqaDecoder
+
+    io = json.loads((pack_dir / "io.json").read_text())
+    deployed = io.get("kv_dtype", "float32")  # io.json before kv_dtype: fp32
+    other = "float32" if deployed == "float16" else "float16"
+    n_prompt = max(1, min(KV_SWEEP_PROMPT, max_len // 2))
+    n_dec = max(1, min(n_decode, max_len - n_prompt - 1))
+    prompt = list(range(4, 4 + n_prompt))
+    candidates = [{"kv_dtype": deployed}, {"kv_dtype": other}]
+    kv_mib: dict = {}
+
+    with tempfile.TemporaryDirectory(prefix="edgekiln-kv-") as tmp:
+        dirs = {deployed: pack_dir, other: Path(tmp) / other}
+        tune.with_kv_dtype(pack_dir, other, dirs[other])
+
+        def make(c):
+            dec = GqaDecoder(dirs[c["kv_dtype"]], threads=chosen["intra_op_num_threads"],
+                             spinning=chosen["allow_spinning"])
+            kv_mib[c["kv_dtype"]] = round(dec.kv_bytes() / 2**20, 2)
+            return dec
+
+        with ctx.progress(len(candidates) * SWEEP_ROUNDS,
+                          f"KV cache {deployed} vs {other} after a {n_prompt}-token prompt") as bar:
+            res = tune.sweep(make, candidates, prompt, n_dec, rounds=SWEEP_ROUNDS, progress=lambda _: bar.advance(),
+                             cost=lambda c: (c["kv_dtype"] != "float16",))
+    for row in res["candidates"]:
+        row["kv_mib"] = kv_mib.get(row["setting"]["kv_dtype"])
+    best = res["chosen"]["kv_dtype"]
+    verdict = (f"deployed: {other} is not faster beyond the noise floor" if best == deployed else
+               f"{best} measured faster beyond the noise floor (or as fast in fewer bytes): rebuild with "
+               f"pack.ort_kv_dtype={best} to deploy it (the deployed graph's KV is {deployed}, the one "
+               "verify_parity checked)")
+    ctx.log(f"KV cache {deployed} ({kv_mib.get(deployed)} MiB): {verdict}")
+    return {"measured": True, "deployed": deployed, "best": best, "verdict": verdict, **res}
 
 
 def _onnxruntime(ctx, device, host, pack_dir) -> dict:

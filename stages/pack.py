@@ -173,7 +173,7 @@ def _write_tinygemm(ctx, meta, layers, src: Path, prefill: str, threshold: int) 
 
 
 def _write_ort(ctx, untied: Path, export_dir: Path, quant_dir: Path, accuracy_level: int, io_layout: str,
-               threads: int) -> dict:
+               threads: int, kv_dtype: str) -> dict:
     from pipeline.graphs.gqa_graph import GENAI_CONFIG, GqaGraphError, build_gqa_graph, write_genai_config
     from pipeline.quant.codes import PackError
 
@@ -184,7 +184,7 @@ def _write_ort(ctx, untied: Path, export_dir: Path, quant_dir: Path, accuracy_le
     with ctx.progress(None, f"GroupQueryAttention + MatMulNBits graph, {max_len} positions"):
         try:
             facts = build_gqa_graph(untied, quant_dir, Path(ctx.out), max_len=max_len, accuracy_level=accuracy_level,
-                                    io_layout=io_layout)
+                                    io_layout=io_layout, kv_dtype=kv_dtype)
         except (GqaGraphError, PackError) as err:
             raise StageError(f"pack: {err}") from None
     # the tokenizer (tokenizer.json, its config with the special tokens, the chat template) travels with
@@ -544,6 +544,9 @@ def run(ctx: StageContext) -> dict:
     level = int(cfg.ort_accuracy_level)
     if level not in (0, 1, 2, 3, 4):
         raise StageError(f"pack.ort_accuracy_level must be 0..4, got {level}")
+    kv_dtype = str(cfg.ort_kv_dtype)
+    if kv_dtype not in ("float16", "float32"):
+        raise StageError(f"pack.ort_kv_dtype must be float16 or float32, got {kv_dtype!r}")
     threshold = int(cfg.prefill_threshold)
     if threshold < 1:
         raise StageError(f"pack.prefill_threshold must be >= 1, got {threshold}")
@@ -588,7 +591,7 @@ def run(ctx: StageContext) -> dict:
         detail = _write_tinygemm(ctx, meta, layers, src, prefill, threshold)
     elif sel["path"] == "w4_ort_matmulnbits":
         detail = _write_ort(ctx, src, Path(ctx.inputs["export"]), quant_dir, level, "genai",
-                            int(device["threads"]))
+                            int(device["threads"]), kv_dtype)
     elif sel["path"] == "gguf_q4_0":
         detail = _write_gguf(ctx, src, quant_dir, meta, layers)
     else:  # pragma: no cover - select() returns only the paths above

@@ -268,12 +268,18 @@ class FakeDecoder(Runtime):
     SLOW_LEVEL = 1
     HUGE_PAGE_SPEEDUP = 1.0
     HUGE_PAGES_HERE = True
+    FP32_KV_SPEEDUP = 1.0
 
     def __init__(self, pack_dir, threads, spinning, huge_pages=False):
         from pathlib import Path
 
         slow = 3 if _level_of(Path(pack_dir)) == FakeDecoder.SLOW_LEVEL else 1
-        self.seconds = 0.004 / threads * slow / (FakeDecoder.HUGE_PAGE_SPEEDUP if huge_pages else 1.0)
+        self.kv_dtype = json.loads((Path(pack_dir) / "io.json").read_text())["kv_dtype"]
+        kv = FakeDecoder.FP32_KV_SPEEDUP if self.kv_dtype == "float32" else 1.0
+        self.seconds = 0.004 / threads * slow / kv / (FakeDecoder.HUGE_PAGE_SPEEDUP if huge_pages else 1.0)
+
+    def kv_bytes(self):
+        return (4 if self.kv_dtype == "float32" else 2) * 2**20
 
     def reset(self):
         pass
@@ -300,7 +306,7 @@ def _on_target(tmp_path, monkeypatch) -> dict:
     monkeypatch.setattr(deploy_profile, "SWEEP_PROMPT", 2)
     (tmp_path / "pack").mkdir(parents=True)
     (tmp_path / "pack" / "model.onnx").write_bytes(_matmulnbits_graph(4))
-    out, _ = run(tmp_path, "w4_ort_matmulnbits", {"io.json": json.dumps(IO)},
+    out, _ = run(tmp_path, "w4_ort_matmulnbits", {"io.json": json.dumps({**IO, "kv_dtype": "float16"})},
                  device={"name": "x86_avx512", "threads": 1})
     return json.loads((out / "onnxruntime.json").read_text())
 
@@ -316,6 +322,11 @@ def test_on_the_target_the_settings_are_measured_and_recorded(tmp_path, monkeypa
     assert levels["deployed"] == levels["fastest"] == 4 and levels["verdict"].startswith("deployed")
     assert [c["setting"]["accuracy_level"] for c in levels["candidates"]] == [4, 1]
     assert _level_of(tmp_path / "pack") == 4  # the artifact itself is never rewritten
+    kv = tuning["kv_dtype"]  # as fast in fp32: the fp16 KV, half the bytes, stays
+    assert kv["deployed"] == kv["best"] == "float16" and kv["verdict"].startswith("deployed")
+    assert [(c["setting"]["kv_dtype"], c["kv_mib"]) for c in kv["candidates"]] == [("float16", 2.0), ("float32", 4.0)]
+    assert kv["prompt_tokens"] == 256 // 2  # a long prompt: half of this small graph's positions
+    assert json.loads((tmp_path / "pack" / "io.json").read_text())["kv_dtype"] == "float16"  # never rewritten
 
 
 def test_huge_pages_are_deployed_only_when_measured_faster(tmp_path, monkeypatch):
@@ -341,6 +352,18 @@ def test_a_faster_accuracy_level_is_recommended_not_swapped_in(tmp_path, monkeyp
     levels = _on_target(tmp_path, monkeypatch)["tuning"]["accuracy_level"]
     assert levels["deployed"] == 4 and levels["fastest"] == 1
     assert "rebuild with pack.ort_accuracy_level=1" in levels["verdict"]
+
+
+def test_a_faster_kv_dtype_is_recommended_not_swapped_in(tmp_path, monkeypatch):
+    """fp32 KV twice as fast on this (fake) target: the profile says rebuild with pack.ort_kv_dtype=float32;
+    only beyond the noise floor (5% faster is no result: the fp16 KV, half the bytes, stays)."""
+    monkeypatch.setattr(FakeDecoder, "FP32_KV_SPEEDUP", 2.0)
+    kv = _on_target(tmp_path, monkeypatch)["tuning"]["kv_dtype"]
+    assert kv["deployed"] == "float16" and kv["best"] == "float32"
+    assert "rebuild with pack.ort_kv_dtype=float32" in kv["verdict"]
+    monkeypatch.setattr(FakeDecoder, "FP32_KV_SPEEDUP", 1.05)
+    kv = _on_target(tmp_path / "noise", monkeypatch)["tuning"]["kv_dtype"]
+    assert kv["best"] == "float16" and kv["verdict"].startswith("deployed")
 
 
 def test_paths_without_a_runtime_profile_write_only_the_profile(tmp_path):

@@ -354,6 +354,34 @@ def test_fp16_kv_cache_halves_the_kv_and_keeps_the_logits(ckpts, name):
     assert snr_db(ref[-1], half.prefill(ids)) > 50.0
 
 
+@pytest.mark.parametrize("name", ["gemma3", "qwen3"])
+def test_a_kv_dtype_copy_computes_what_the_builder_builds(ckpts, name, tmp_path):
+    """The deploy profile measures the other KV dtype on a copy of the built graph (tune.with_kv_dtype): the
+    fp16 graph retyped to fp32 computes the builder's own fp32-cache graph's logits, and the fp32 graph
+    retyped to fp16 the builder's fp16 graph's (stepping past the window's compaction, and a prefill), to
+    within fp16's rounding of the rope tables (an fp16 graph's, upcast, keep it: the copy is for measuring
+    speed, a rebuild computes them in fp32); io.json says the new dtype, and the KV bytes follow it."""
+    from pipeline.measure.tune import with_kv_dtype
+
+    ck = ckpts(name)
+    ids = _seq(44, seed=8)
+    built = {"float32": _graph(ck, 0), "float16": _graph(ck, 0, "_kv16", kv_dtype="float16")}
+    for src, dst in (("float16", "float32"), ("float32", "float16")):
+        copy = tmp_path / f"{src}-to-{dst}"
+        with_kv_dtype(built[src], dst, copy)
+        io = json.loads((copy / "io.json").read_text())
+        kv_io = [v for v in io["inputs"] + io["outputs"] if v["name"].startswith(("past_", "present"))]
+        assert io["kv_dtype"] == dst and kv_io and {v["dtype"] for v in kv_io} == {dst}
+        want, got = GqaDecoder(built[dst], threads=1), GqaDecoder(copy, threads=1)
+        assert got.kv_bytes() == want.kv_bytes()
+        ref, out = _steps(want, ids), _steps(got, ids)
+        assert snr_db(ref, out) > 50.0, (src, dst, snr_db(ref, out))
+        assert (ref.argmax(-1) == out.argmax(-1)).mean() > 0.95
+        got.reset()
+        want.reset()
+        assert snr_db(want.prefill(ids), got.prefill(ids)) > 50.0
+
+
 @pytest.mark.parametrize("tag,options", [
     ("_plain", dict(fuse_qkv=False, fuse_gate_up=False, qk_norm="split", skip_norm=False, last_layer_rows="all",
                     norm_op="SimplifiedLayerNormalization")),
@@ -874,3 +902,17 @@ def test_a_bf16_checkpoint_builds_the_graph_its_fp32_copy_builds(ckpts, tmp_path
         assert facts["options"]["embedding"] == ("shared" if tied else "fp32")
         graphs[tag] = {p.name: p.read_bytes() for p in out.iterdir() if p.name != "io.json"}
     assert graphs["bf16"] == graphs["fp32"]
+
+
+def test_the_op_profile_splits_decode_steps_from_the_prefill(ckpts):
+    """benchmarks/op_profile.py: ONNX Runtime's profile of a prefill and N decode steps is split by model run;
+    only the steps' node time is summed per op type, and it fits inside the steps' run time."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("op_profile", Path(__file__).parents[1] / "benchmarks" / "op_profile.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    res = mod.profile_decode(_graph(ckpts("qwen3"), 0), prompt_len=12, steps=5, threads=1)
+    ops = res["ms_per_step"]
+    assert {"GroupQueryAttention", "MatMulNBits"} <= set(ops) and all(v > 0 for v in ops.values())
+    assert sum(ops.values()) <= res["profiled_run_ms_per_step"] * 1.01

@@ -297,6 +297,10 @@ class PackConfig:
     # ORT MatMulNBits: 4 = int8 activations inside the kernel (its fastest CPU
     # path, measured); 0 = no activation rounding (the fp32 reference math).
     ort_accuracy_level: int = 4
+    # The GQA graph's KV cache (and the attention's rope caches): float16 (half the KV bytes; q/k/v cast
+    # in, the attention cast out) or float32. The deploy profile measures both on the target and says
+    # when the other is faster beyond the noise floor (onnxruntime.json tuning.kv_dtype).
+    ort_kv_dtype: str = "float16"
     # Rows at which a tinygemm layer leaves the int4 kernel for dequant + GEMM
     # (the kernel's cost is linear in rows).
     prefill_threshold: int = 16
