@@ -508,7 +508,7 @@ def _npu(ctx, b, device, host, sel) -> dict:
     prompt = list(range(4, 4 + NPU_WARMUP))
     with ctx.progress(passes * len(info["precisions"]), "HTP emulation timing (not device timings)") as bar:
         for p in info["precisions"]:
-            session = qnn.htp_session(comp / p / qnn.CONTEXT_MODEL, info["target"], p)
+            session = qnn.open_htp(comp, info, p)
             dec = OnnxDecoder(comp, session=session)
             per_pass = []
             for _ in range(passes):

@@ -62,17 +62,22 @@ def run(ctx: StageContext) -> dict:
     npu = json.loads(npu_file.read_text())
     out = Path(ctx.out)
     compiled = {}
-    with ctx.progress(len(npu["precisions"]), "QNN HTP context binaries") as bar:
+    float_graph = pack / "float" / "model.onnx"
+    with ctx.progress(None, "QNN HTP context binaries") as bar:
         for precision in npu["precisions"]:
             graph = pack / npu["graphs"][precision]["graph"]
             try:
-                facts = qnn.compile_context(graph, out / precision, target, precision)
+                facts = qnn.compile_parts(graph, float_graph if float_graph.is_file() else graph, out / precision,
+                                          target, precision, progress=lambda _: bar.advance())
             except qnn.QnnError as err:
                 raise StageError(f"compile_qnn: {err}") from None
             compiled[precision] = {"dir": precision, **facts}
-            ctx.log(f"{precision}: {facts['bytes'] / 1e6:.1f} MB context binary for {target['soc_model']} "
-                    f"(HTP {target['htp_arch']}) in {facts['compile_s']:.1f} s")
-            bar.advance()
+            n = len(facts["parts"])
+            ctx.log(f"{precision}: {facts['bytes'] / 1e6:.1f} MB of context binary for {target['soc_model']} "
+                    f"(HTP {target['htp_arch']}) in {facts['compile_s']:.1f} s"
+                    + (f", {n} parts of layers {', '.join('%d-%d' % (p['layers'][0], p['layers'][1] - 1) for p in facts['parts'])}"
+                       f" ({max(p['weight_bytes'] for p in facts['parts']) / 2**20:.0f} MiB of weights at most, the "
+                       f"budget {facts['budget_bytes'] / 2**20:.0f} MiB)" if n > 1 else ""))
     shutil.copy2(pack / "io.json", out / "io.json")
     embedding = npu.get("embedding", {})
     off_graph = (pack / qnn.EMBED_DIR).is_dir()
@@ -87,6 +92,7 @@ def run(ctx: StageContext) -> dict:
         "target": {"soc_model": target["soc_model"], "htp_arch": target["htp_arch"], "soc_id": target["soc_id"],
                    "device": device["name"]},
         "qnn_sdk": qnn.sdk_version(),
+        "max_graph_bytes": int(target.get("max_graph_bytes") or 2**31),
         "backend": "onnxruntime-qnn HTP backend (libQnnHtp), plugin EP, CPU fallback disabled",
         "embedding": ({"dir": qnn.EMBED_DIR, **{k: embedding[k] for k in ("model", "bits", "block_size", "bytes",
                                                                         "input", "output", "op")}}

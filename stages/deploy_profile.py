@@ -505,8 +505,18 @@ def _qnn(ctx, comp_dir) -> dict:
 
     def variant(p):
         c = info["compiled"][p]
-        return {"model": f"../compile_qnn/{c['dir']}/{c['context_model']}",
-                "binaries": [f"../compile_qnn/{c['dir']}/{b}" for b in c["binaries"]], "bytes": c["bytes"]}
+        parts = c.get("parts") or [{"dir": ".", "context_model": c["context_model"], "layers": None}]
+        where = [f"../compile_qnn/{c['dir']}" + ("" if q["dir"] == "." else f"/{q['dir']}") for q in parts]
+        entry = {"binaries": [f"../compile_qnn/{c['dir']}/{b}" for b in c["binaries"]], "bytes": c["bytes"]}
+        if len(parts) == 1:
+            return {"model": f"{where[0]}/{parts[0]['context_model']}", **entry}
+        return {"models": [f"{w}/{q['context_model']}" for w, q in zip(where, parts)], **entry,
+                "parts": [{"model": f"{w}/{q['context_model']}", "layers": q["layers"], "inputs": q["inputs"],
+                           "outputs": q["outputs"], "stream_in": q["stream_in"], "stream_out": q["stream_out"],
+                           "bytes": q["bytes"]} for w, q in zip(where, parts)],
+                "run": "the parts in order, each step: part k takes the feed's inputs it names and stream_in, the "
+                       "stream_out of part k-1; the K/V outputs of a part's layers and the last part's logits are "
+                       "the step's (pipeline/graphs/parts.py PartsSession)"}
 
     sliding = [x for x in io["layers"] if x["slot_rule"] != "position"]
     profile = {
@@ -557,7 +567,8 @@ def _genie(ctx, comp_dir, info: dict, io: dict) -> dict:
         entry = genie.write_bundle(
             ctx.out, model_dir=ctx.inputs["untie_head"], io=io, target=info["target"],
             ctx_bins=[f"../compile_qnn/{c['dir']}/{b}" for b in c["binaries"]],
-            graphs=genie.context_graphs(comp_dir / c["dir"] / c["context_model"]))
+            graphs=[g for q in (c.get("parts") or [{"dir": ".", "context_model": c["context_model"]}])
+                    for g in genie.context_graphs(comp_dir / c["dir"] / q["dir"] / q["context_model"])])
     except genie.GenieError as err:
         raise StageError(f"deploy_profile: Genie bundle: {err}") from None
     ctx.log(f"Genie bundle: {', '.join(entry['files'])} for {info['target']['soc_model']}; UNVERIFIED (no Genie "

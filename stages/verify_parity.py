@@ -949,7 +949,7 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
             raise StageError(f"parity.artifact has no thresholds for {name}: add parity.artifact.{name}")
         try:
             with _timed(seconds, f"{name}_load"):
-                session = qnn.htp_session(comp / precision / qnn.CONTEXT_MODEL, info["target"], precision)
+                session = qnn.open_htp(comp, info, precision)
         except Exception as err:  # noqa: BLE001 - ORT's own exception types
             raise StageError(f"verify_parity: the {precision} context binary does not load on the HTP "
                              f"backend: {str(err).strip().splitlines()[-1][:300]}") from None

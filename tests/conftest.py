@@ -157,8 +157,11 @@ def built_repo(tmp_path_factory):
 
 
 # The tiny phone build of tests/test_qnn.py's end-to-end test: 32 HTP steps a prompt (the tiny model's runs
-# are longer, so both HTP parts, cold and past the window, run).
-PHONE_ARGS = ["device=galaxy_s25", *TINY_MODEL, *FAST_RUN, "parity.qnn_prompts=2", "parity.qnn_steps=32"]
+# are longer, so both HTP parts, cold and past the window, run). A per-graph limit of 500 kB (a phone's is
+# 2 GiB) makes compile_qnn cut both precisions' graphs into parts between layers, as a 1-2B model's are:
+# parity, the benchmark, the deploy profile and generate then run the parts in order.
+PHONE_ARGS = ["device=galaxy_s25", *TINY_MODEL, *FAST_RUN, "parity.qnn_prompts=2", "parity.qnn_steps=32",
+              "device.qnn.max_graph_bytes=500000"]
 
 
 @pytest.fixture(scope="session")

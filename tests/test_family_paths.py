@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -593,6 +594,46 @@ def test_the_phone_graphs_of_every_family_stay_close_to_its_export(builds, famil
     # (Qwen2), top-1 0.92 to 1.00
     assert snr_db(export, w8) > 22.0, snr_db(export, w8)
     assert top1(export, w8) >= 0.9
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_part_split_gives_the_same_logits_as_the_whole(builds, family, tmp_path):
+    """The phone graphs cut into parts between layers (pipeline/graphs/parts.py), run in order through
+    PartsSession on the CPU EP: the float graph and the w8a16 QDQ graph give the whole graph's logits, step
+    by step past the sliding window's wrap (Gemma 3's ring). Each part's weights are its own: together the
+    parts hold the whole graph's, the position tables (repeated per part) aside."""
+    import onnxruntime as ort
+
+    from pipeline.graphs import parts, qnn
+    from pipeline.runtimes.onnx import OnnxDecoder
+
+    _, pdir, _ = builds.pack(family, "galaxy_s25")
+    float_model = onnx.load(str(pdir / "float/model.onnx"), load_external_data=False)
+    for graph, config in (("float/model.onnx", {}), ("w8a16/model.onnx", qnn.CPU_QDQ_CONFIG)):
+        model = onnx.load(str(pdir / graph), load_external_data=False)
+        bounds = parts.boundaries(model, float_model)
+        n = len(bounds) - 1
+        ranges = [(0, 1), (1, n - 1), (n - 1, n)] if n > 2 else [(0, 1), (1, n)]
+        out = tmp_path / family / graph.split("/")[0]
+        parts.link_data(model, (pdir / graph).parent, out)  # the data files the graph names, where the parts look
+        cut = parts.split(model, ranges, bounds, out)
+        assert [c["layers"] for c in cut] == [list(r) for r in ranges]
+        assert cut[0]["stream_in"] is None and cut[-1]["stream_out"] is None and "logits" in cut[-1]["outputs"]
+        assert all(a["stream_out"] == b["stream_in"] for a, b in zip(cut, cut[1:]))
+        whole = parts.weight_bytes(model)
+        assert whole * 0.98 <= sum(c["weight_bytes"] for c in cut) <= whole * 1.2
+        so = ort.SessionOptions()
+        for k, v in config.items():
+            so.add_session_config_entry(k, v)
+        sessions = [ort.InferenceSession(str(out / c["file"]), sess_options=so, providers=["CPUExecutionProvider"])
+                    for c in cut]
+        art = pdir / graph.split("/")[0] if (pdir / graph.split("/")[0] / "io.json").is_file() else pdir
+        want = decode(OnnxDecoder(art, model_file=graph.split("/")[1] if art != pdir else graph, config=config))
+        got = decode(OnnxDecoder(art, session=parts.PartsSession(sessions, cut)))
+        np.testing.assert_array_equal(got, want)
+        assert parts.plan(model, whole + 1, bounds) == [(0, n)]  # under the budget: one part
+        assert len(parts.plan(model, (whole * 2) // 3, bounds)) >= 2
 
 
 def test_a_released_qwen25_config_without_layer_types_runs_on_vllm():

@@ -48,6 +48,31 @@ def test_a_graph_compiles_to_a_context_binary_that_runs_on_the_htp(tmp_path):
 
 
 @needs_qnn
+def test_a_graph_within_the_budget_compiles_whole_and_one_over_it_without_layers_is_refused(tmp_path):
+    """compile_parts: a graph whose weights fit 90% of the target's max_graph_bytes is one binary, as
+    compile_context makes it (one part, the folder itself); one over it that has no layers to cut between
+    is refused in one line naming the budget and the device setting."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.eye(64, dtype=np.float32), "w")
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])
+    model = helper.make_model(helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g", [x], [y], [w]),
+                              opset_imports=[helper.make_opsetid("", 21)])
+    path = tmp_path / "mm.onnx"
+    onnx.save(model, str(path))
+    facts = qnn.compile_parts(path, path, tmp_path / "whole", {**S25, "max_graph_bytes": 1 << 20}, "fp16")
+    assert [p["dir"] for p in facts["parts"]] == ["."] and facts["weight_bytes"] == 64 * 64 * 2  # fp16 on the HTP
+    assert (tmp_path / "whole" / qnn.CONTEXT_MODEL).is_file() and facts["budget_bytes"] == int(0.9 * (1 << 20))
+    session = qnn.open_htp(tmp_path, {"compiled": {"fp16": {"dir": "whole", **facts}}, "target": S25}, "fp16")
+    v = np.linspace(-2, 2, 64, dtype=np.float32).reshape(1, 64)
+    np.testing.assert_allclose(session.run(None, {"x": v})[0], v, atol=1e-2)
+    with pytest.raises(qnn.QnnError, match=r"over the HTP's per-graph budget .*max_graph_bytes.* cannot be cut into parts: .*no layer boundaries"):
+        qnn.compile_parts(path, path, tmp_path / "over", {**S25, "max_graph_bytes": 4096}, "fp16")
+
+
+@needs_qnn
 def test_the_embedding_taken_out_leaves_its_table_out_of_the_context_binary(tmp_path):
     """A lookup + untied head graph compiled for the HTP with the table in it, and with
     npu_rewrite.embedding_input's cut: the binary loses at least the table's fp16 bytes, and the cut
@@ -142,9 +167,22 @@ def test_phone_build_end_to_end_compiles_once_and_verifies_on_the_htp(phone_buil
     info = json.loads((build / "compile_qnn" / "qnn.json").read_text())
     assert info["target"] == {"soc_model": "SM8750", "htp_arch": "v79", "soc_id": 69, "device": "galaxy_s25"}
     assert info["precisions"] == ["w8a16", "fp16"] and info["qnn_sdk"] == qnn.sdk_version()
+    # the 500 kB per-graph limit (PHONE_ARGS) cuts each precision into parts of whole layers, every part's
+    # weights within 90% of it, the parts covering the 4 layers in order, each reading the stream the one
+    # before it wrote
+    assert info["max_graph_bytes"] == 500000
     for p in info["precisions"]:
-        assert (build / "compile_qnn" / p / qnn.CONTEXT_MODEL).is_file()
-        assert any((build / "compile_qnn" / p).glob("*.bin"))
+        c = info["compiled"][p]
+        assert len(c["parts"]) >= 2 and c["weight_bytes"] > c["budget_bytes"] == 450000, (p, c["weight_bytes"])
+        assert [q["layers"][0] for q in c["parts"]][0] == 0 and c["parts"][-1]["layers"][1] == 4
+        assert all(a["layers"][1] == b["layers"][0] and a["stream_out"] == b["stream_in"]
+                   for a, b in zip(c["parts"], c["parts"][1:]))
+        assert all(q["weight_bytes"] <= c["budget_bytes"] for q in c["parts"])
+        assert "logits" in c["parts"][-1]["outputs"] and c["parts"][0]["stream_in"] is None
+        for q in c["parts"]:
+            assert (build / "compile_qnn" / p / q["dir"] / qnn.CONTEXT_MODEL).is_file()
+            assert any((build / "compile_qnn" / p / q["dir"]).glob("*.bin"))
+        assert not list((build / "compile_qnn" / p).glob(".parts-*"))  # the cut graphs are not kept
     npu = json.loads((build / "pack" / "npu.json").read_text())
     assert npu["rewrites"]["rms_norms_fused"] > 0 and npu["rewrites"]["rope_tables"] > 0
     assert npu["rewrite_check"]["worst_snr_db"] >= 100
@@ -188,7 +226,9 @@ def test_phone_build_end_to_end_compiles_once_and_verifies_on_the_htp(phone_buil
     assert {"qnn_w8a16", "qnn_fp16", "qnn_w8a16_load"} <= set(parity["seconds"])
 
     profile = json.loads((build / "deploy_profile" / "qnn.json").read_text())
-    assert profile["context_binary"]["model"] == "../compile_qnn/w8a16/model_ctx.onnx"
+    parts = info["compiled"]["w8a16"]["parts"]
+    assert profile["context_binary"]["models"] == [f"../compile_qnn/w8a16/{q['dir']}/model_ctx.onnx" for q in parts]
+    assert [q["layers"] for q in profile["context_binary"]["parts"]] == [q["layers"] for q in parts]
     assert profile["session_config"] == {"session.disable_cpu_ep_fallback": "1"}
     assert profile["provider"]["options"]["htp_arch"] == "79" and profile["qnn_sdk"] == qnn.sdk_version()
     assert {x["slot_rule"] for x in profile["kv_layout"]} >= {"position", "position mod 15"}

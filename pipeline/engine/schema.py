@@ -25,6 +25,11 @@ class QnnTarget:
     soc_model: str = MISSING  # e.g. SM8750
     htp_arch: str = MISSING  # e.g. v79
     soc_id: int = 0  # QNN's numeric soc_model id for the HTP backend option
+    # The most one graph's context may allocate on this HTP: a larger graph does not compile or load
+    # ("estimated allocation of 2347229 KB, limit is 2097152 KB", Qualcomm ai-hub-models issue 129; the
+    # Hexagon's 32-bit address space, issue 100). compile_qnn cuts a graph whose weights pass 90% of it
+    # into parts between layers (pipeline/graphs/parts.py; the rest is headroom for activations and I/O).
+    max_graph_bytes: int = 2147483648
 
 
 @dataclass

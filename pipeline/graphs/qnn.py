@@ -149,6 +149,70 @@ def compile_context(model: Path, out_dir: Path, target: dict, precision: str) ->
             "bytes": sum((out_dir / b).stat().st_size for b in bins)}
 
 
+# The share of device.qnn.max_graph_bytes a part's weights may take; the rest is the context's headroom
+# for activations, spill-fill and I/O (pipeline/graphs/parts.py).
+PART_WEIGHT_SHARE = 0.9
+
+
+def compile_parts(graph: Path, float_graph: Path, out_dir: Path, target: dict, precision: str,
+                  progress=lambda _: None) -> dict[str, Any]:
+    """Compile `graph` into context binaries under out_dir: one (out_dir/model_ctx.onnx, as compile_context)
+    where its weights fit PART_WEIGHT_SHARE of the target's max_graph_bytes, else one per part cut between
+    layers (out_dir/part<k>/, pipeline/graphs/parts.py; the layer boundaries found on `float_graph`, the
+    graph a QDQ graph was quantized from). The facts name every part in order: its layers, inputs,
+    outputs, the stream tensors it reads and writes, its binaries (relative to out_dir) and their bytes."""
+    import shutil
+    import tempfile
+
+    import onnx
+
+    from pipeline.graphs import parts
+
+    budget = int(PART_WEIGHT_SHARE * int(target.get("max_graph_bytes") or 2**31))
+    model = onnx.load(str(graph), load_external_data=False)
+    width = 2 if precision == "fp16" else None  # the HTP holds an fp16 graph's float32 weights as fp16
+    whole = parts.weight_bytes(model, width)
+    if whole <= budget:
+        facts = compile_context(graph, out_dir, target, precision)
+        progress(1)
+        return {**facts, "weight_bytes": whole, "budget_bytes": budget,
+                "parts": [{"dir": ".", "layers": None, "stream_in": None, "stream_out": None,
+                           "weight_bytes": whole, **{k: facts[k] for k in ("context_model", "binaries", "bytes",
+                                                                           "compile_s")}}]}
+    float_model = model if float_graph == graph else onnx.load(str(float_graph), load_external_data=False)
+    try:
+        bounds = parts.boundaries(model, float_model)
+        ranges = parts.plan(model, budget, bounds, width)
+    except parts.PartsError as err:
+        raise QnnError(f"the {precision} graph ({whole / 2**20:.0f} MiB of weights) is over the HTP's per-graph "
+                       f"budget ({budget / 2**20:.0f} MiB, {PART_WEIGHT_SHARE:.0%} of device.qnn.max_graph_bytes) and "
+                       f"cannot be cut into parts: {err}") from None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".parts-", dir=out_dir) as tmp:
+        parts.link_data(model, graph.parent, Path(tmp))
+        cut = parts.split(model, ranges, bounds, Path(tmp), float_itemsize=width)
+        del model, float_model
+        done = []
+        for k, part in enumerate(cut):
+            facts = compile_context(Path(tmp) / part.pop("file"), out_dir / f"part{k}", target, precision)
+            done.append({"dir": f"part{k}", **part, **facts})
+            progress(1)
+    return {"context_model": None, "binaries": [f"{d['dir']}/{b}" for d in done for b in d["binaries"]],
+            "compile_s": round(sum(d["compile_s"] for d in done), 3), "bytes": sum(d["bytes"] for d in done),
+            "weight_bytes": whole, "budget_bytes": budget, "parts": done}
+
+
+def open_htp(comp_dir: Path, info: dict, precision: str):
+    """A session over a compile_qnn folder's binaries of one precision on the HTP backend: the one
+    binary's, or its parts' in order behind one session (parts.PartsSession)."""
+    from pipeline.graphs.parts import PartsSession
+
+    c = info["compiled"][precision]
+    ps = c.get("parts") or [{"dir": ".", "context_model": CONTEXT_MODEL}]
+    sessions = [htp_session(comp_dir / c["dir"] / p["dir"] / p["context_model"], info["target"], precision) for p in ps]
+    return sessions[0] if len(sessions) == 1 else PartsSession(sessions, ps)
+
+
 def htp_session(ctx_model: Path, target: dict, precision: str):
     """A session that runs a compiled context binary on the HTP backend."""
     ort, _ = _module()

@@ -101,7 +101,7 @@ def _open_qnn(profile: dict, folders: dict):
     comp = folders["compile_qnn"]
     info = json.loads((comp / "qnn.json").read_text())
     deployed = info["deployed"]
-    session = qnn.htp_session(comp / deployed / qnn.CONTEXT_MODEL, info["target"], deployed)
+    session = qnn.open_htp(comp, info, deployed)
     tok = AutoTokenizer.from_pretrained(str(folders["untie_head"]), local_files_only=True)
     return OnnxDecoder(comp, session=session), tok, {
         "runtime": f"{profile['runtime']}, HTP backend emulated on this host (speed is not the phone's)",
