@@ -449,8 +449,18 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
                 except qnn.QnnError as err:
                     raise StageError(f"pack: {err}") from None
             # w8a16's codes made here, not ONNX Runtime's rounding: GPTQ's, and/or on a grid in blocks
-            # (ORT's quantizer goes no finer than a scale per channel). w4a16 keeps ORT's codes.
-            if p == "w8a16" and weights != "per_tensor" and (method == "gptq" or block is not None):
+            # (ORT's quantizer goes no finer than a scale per channel). w4a16's are the quantize stage's own
+            # 4-bit codes in its groups (the build's 4-bit weights, which every CPU path packs).
+            if p == "w4a16" and weights != "per_tensor":
+                n_w = facts["matmul_weights"]["count"]
+                with ctx.progress(n_w, f"QDQ {p}: the quantize stage's codes for {n_w} MatMul weights") as bar:
+                    try:
+                        facts["matmul_weights"].update(qnn.requantize_weights(
+                            out / p / "model.onnx", float_dir / "model.onnx", Path(ctx.inputs["untie_head"]),
+                            cal_dir, codes_from=Path(ctx.inputs["quantize"]), advance=bar.advance))
+                    except qnn.QnnError as err:
+                        raise StageError(f"pack: {err}") from None
+            elif p == "w8a16" and weights != "per_tensor" and (method == "gptq" or block is not None):
                 n_w = facts["matmul_weights"]["count"]
                 with ctx.progress(n_w, f"QDQ {p}: {method} codes for {n_w} MatMul weights") as bar:
                     try:

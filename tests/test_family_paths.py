@@ -636,6 +636,39 @@ def test_a_part_split_gives_the_same_logits_as_the_whole(builds, family, tmp_pat
         assert len(parts.plan(model, (whole * 2) // 3, bounds)) >= 2
 
 
+@pytest.mark.slow
+def test_a_w4a16_phone_graph_computes_the_quantize_stages_4_bit_weights(builds, tmp_path):
+    """pack.qnn_precisions=[w4a16] on a phone build: every MatMul weight takes the quantize stage's GPTQ codes
+    (none left as ONNX Runtime rounded them), so on the CPU EP the graph decodes what those 4-bit weights
+    compute (the fp32 model holding them, dequantized) far more closely than what the float export computes:
+    what is left between it and the 4-bit model is its 16-bit activations."""
+    from pipeline.graphs import qnn
+    from stages import pack, quantize
+
+    family = "llama"
+    untied = builds.checkpoint(family)
+    base = builds.done[(family, False, ())]
+    spec = devices.spec_sheet("galaxy_s25")
+    q = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "quantize" / "default.yaml"))
+    p = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "pack" / "default.yaml"))
+    p.update(qnn_calibration_sequences=8, qnn_calibration_stride=1, qnn_precisions=["w4a16"])
+    common = {"device": spec, "priority": {"name": "speed"}}
+    qdir, pdir = tmp_path / "quant", tmp_path / "pack"
+    inputs = {"untie_head": untied, "calibrate": base / "cal", "quantize": qdir, "export": builds.export(family)}
+    quantize.run(ctx("quantize", qdir, {"quantize": q, **common}, inputs))
+    pack.run(ctx("pack", pdir, {"pack": p, **common}, inputs))
+    w = json.loads((pdir / "npu.json").read_text())["graphs"]["w4a16"]["matmul_weights"]
+    assert w["method"] == "quantize" and w["weights"] == w["count"] > 0 and w["rounded"] == 0, w
+    assert w["blocks"] and all(b in (32, 64, 128) for b in w["blocks"])
+    four_bit = decode(reference(untied, qdir))
+    from pipeline.runtimes.onnx import OnnxDecoder
+
+    export = decode(OnnxDecoder(builds.export(family)))
+    got = decode(qnn.cpu_qdq_decoder(pdir, "w4a16/model.onnx"))
+    assert snr_db(four_bit, got) > snr_db(export, got) + 6, (snr_db(four_bit, got), snr_db(export, got))
+    assert snr_db(four_bit, got) > 25.0
+
+
 def test_a_released_qwen25_config_without_layer_types_runs_on_vllm():
     # Qwen2.5-0.5B's config.json as released: no layer_types, sliding_window 32768 with use_sliding_window
     # false (the selector read it raw and raised "config.layer_types has 0 entries", failing every xeon_amx

@@ -711,6 +711,21 @@ def _gptq_case(tmp_path, k=96, n=64, seed=5, runs=True):
     return ckpt, cal, [{"x": v} for v in xs]
 
 
+def _htp_agrees_with_the_cpu_ep(graph, samples, precision: str, work) -> None:
+    """Where the QNN toolchain is here: `graph` compiles for the S25's HTP and its outputs on 8 samples are
+    the CPU EP's within 30 dB."""
+    if qnn.missing() is not None:
+        return
+    import onnxruntime as ort
+
+    info = qnn.compile_context(graph, work, S25, precision)
+    htp = qnn.htp_session(work / info["context_model"], S25, precision)
+    cpu = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+    a = np.concatenate([cpu.run(None, f)[0] for f in samples[:8]])
+    b = np.concatenate([htp.run(None, f)[0] for f in samples[:8]])
+    assert 10 * np.log10((a ** 2).sum() / ((a - b) ** 2).sum()) > 30
+
+
 def _output_error(ref_model, model, samples) -> float:
     import onnxruntime as ort
 
@@ -761,15 +776,64 @@ def test_block_codes_put_each_weight_on_a_finer_grid_the_htp_takes(tmp_path, met
     with pytest.raises(qnn.QnnError, match="multiple of 4"):
         qnn.check_weight_block(tmp_path / "f.onnx", 6)
     qnn.check_weight_block(tmp_path / "f.onnx", 32)
-    if qnn.missing() is None:
-        info = qnn.compile_context(per_block, tmp_path / "ctx", S25, "w8a16")
-        htp = qnn.htp_session(tmp_path / "ctx" / info["context_model"], S25, "w8a16")
-        import onnxruntime as ort
+    _htp_agrees_with_the_cpu_ep(per_block, samples, "w8a16", tmp_path / "ctx")
 
-        cpu = ort.InferenceSession(str(per_block), providers=["CPUExecutionProvider"])
-        a = np.concatenate([cpu.run(None, f)[0] for f in samples[:8]])
-        b = np.concatenate([htp.run(None, f)[0] for f in samples[:8]])
-        assert 10 * np.log10((a ** 2).sum() / ((a - b) ** 2).sum()) > 30
+
+def _quantize_stage(tmp_path, ckpt, cal, group=32, sym=True):
+    """The quantize stage's folder for _gptq_case's one linear: GPTQ at 4 bits in groups of `group`."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from pipeline.quant import gptq
+
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+        w = f.get_tensor("lin.weight").float()
+    with safe_open(str(cal / "hessians.safetensors"), framework="pt") as f:
+        h = f.get_tensor("lin").double()
+    q = gptq.gptq_quantize(w, h, group_size=group, sym=sym, name="lin")
+    out = tmp_path / "quantize"
+    out.mkdir()
+    save_file({"lin.qweight": q.qweight, "lin.scales": q.scales, "lin.zeros": q.zeros},
+              str(out / gptq.QUANT_TENSORS), metadata={"format": gptq.FORMAT})
+    (out / gptq.QUANT_JSON).write_text(json.dumps({
+        "format": gptq.FORMAT, "bits": 4, "group_size": group, "sym": sym, "method": "gptq",
+        "layers": {"lin": {"in_features": w.shape[1], "out_features": w.shape[0]}}}))
+    return out, q
+
+
+def test_w4a16_weights_are_the_quantize_stages_gptq_codes(tmp_path):
+    """w4a16 (pack.qnn_precisions): each MatMul weight takes the quantize stage's own 4-bit GPTQ codes, the
+    codes every CPU path packs, as INT4 in blocks of that stage's group size (a blockwise DequantizeLinear,
+    no zero point): the graph's codes are those codes, its scales those scales, and the output error on
+    the calibration inputs is below ONNX Runtime's per-channel rounding; the HTP compiles it and agrees with
+    the CPU EP. Asymmetric codes are refused in one line naming quantize.sym."""
+    onnx = pytest.importorskip("onnx")
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    ckpt, cal, samples = _gptq_case(tmp_path, n=64)
+    quant, q = _quantize_stage(tmp_path, ckpt, cal)
+    rounded, graph = tmp_path / "r.onnx", tmp_path / "w4.onnx"
+    for path in (rounded, graph):
+        qnn.qdq_quantize(tmp_path / "f.onnx", path, samples, "w4a16", {})
+    facts = qnn.requantize_weights(graph, tmp_path / "f.onnx", ckpt, cal, codes_from=quant)
+    assert facts["method"] == "quantize" and facts["weights"] == 1 and facts["rounded"] == 0
+    assert facts["blocks"] == [32] and facts["scales"] == (96 // 32) * 64
+    m = qnn_load(graph)
+    inits = {i.name: i for i in m.graph.initializer}
+    assert inits["w_quantized"].data_type == onnx.TensorProto.INT4
+    codes = numpy_helper.to_array(inits["w_quantized"])  # [K, N], signed
+    np.testing.assert_array_equal(codes, (q.qweight.numpy().astype(np.int16) - 8).T)  # the GPTQ codes
+    np.testing.assert_array_equal(numpy_helper.to_array(inits["w_scale"]), q.scales.numpy().T)
+    dq = next(n for n in m.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == "w_quantized")
+    assert {a.name: a.i for a in dq.attribute} == {"axis": 0, "block_size": 32} and len(dq.input) == 2
+    assert _output_error(tmp_path / "f.onnx", graph, samples) < _output_error(tmp_path / "f.onnx", rounded, samples)
+    _htp_agrees_with_the_cpu_ep(graph, samples, "w4a16", tmp_path / "ctx")
+    (tmp_path / "asym").mkdir()
+    asym, _ = _quantize_stage(tmp_path / "asym", *(_gptq_case(tmp_path / "asym", n=64)[:2]), sym=False)
+    with pytest.raises(qnn.QnnError, match="quantize.sym=true"):
+        qnn.requantize_weights(rounded, tmp_path / "f.onnx", ckpt, cal, codes_from=asym)
 
 
 def test_gptq_codes_replace_the_rounded_int8_weights_on_the_same_grid(tmp_path):

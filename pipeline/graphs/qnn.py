@@ -384,7 +384,8 @@ WEIGHT_METHODS = ("gptq", "rtn")  # pack.qnn_weight_method
 
 
 def requantize_weights(qdq_model: Path, float_model: Path, checkpoint: Path, calibration: Path, *,
-                       method: str = "gptq", block: int | None = None, advance=lambda: None) -> dict[str, Any]:
+                       method: str = "gptq", block: int | None = None, advance=lambda: None,
+                       codes_from: Path | None = None) -> dict[str, Any]:
     """Each per-channel int8 MatMul weight of a w8a16 QDQ graph, as ONNX Runtime's quantizer rounded it,
     given new codes in place: `method` gptq (GPTQ from the calibrate stage's Hessians) or rtn; on the same
     grid (symmetric, one scale per output channel), or with `block` on a finer one: one scale per `block`
@@ -398,8 +399,15 @@ def requantize_weights(qdq_model: Path, float_model: Path, checkpoint: Path, cal
     per channel at finest; its activation ranges are kept.
     A graph weight is matched to its checkpoint linear by content (the export keeps the weights
     bit-exact, transposed [K, N], under its own names); a weight with no calibrated linear keeps its
-    rounded codes, and the count says so."""
-    if method not in WEIGHT_METHODS:
+    rounded codes, and the count says so.
+
+    `codes_from` (a w4a16 graph): the quantize stage's folder; each weight then takes that stage's own codes
+    (GPTQ at 4 bits by default, in its groups: the codes every CPU path packs) instead of new ones, as INT4
+    in blocks of the layer's group size (a layer the stage kept at 8 bits as INT8), so the phone's 4-bit
+    weights are the build's 4-bit weights. Symmetric codes only (quantize.sym=true)."""
+    if codes_from is not None:
+        method = "quantize"
+    elif method not in WEIGHT_METHODS:
         raise ValueError(f"pack.qnn_weight_method must be one of {', '.join(WEIGHT_METHODS)}, not {method!r}")
     import hashlib
 
@@ -414,6 +422,14 @@ def requantize_weights(qdq_model: Path, float_model: Path, checkpoint: Path, cal
 
     layers = json.loads((calibration / "calibration.json").read_text())["layers"]
     where = weight_map(checkpoint)
+    stage_codes = {}
+    if codes_from is not None:
+        from pipeline.quant.codes import PackError, read_quant
+
+        try:
+            _, stage_codes = read_quant(codes_from, bits=(4, 8))
+        except PackError as err:
+            raise QnnError(f"w4a16 from the quantize stage's codes: {err}") from None
 
     def hf_weight(name: str) -> torch.Tensor:
         with safe_open(str(checkpoint / where[f"{name}.weight"]), framework="pt") as f:
@@ -435,7 +451,7 @@ def requantize_weights(qdq_model: Path, float_model: Path, checkpoint: Path, cal
     # sha256 of each float [K, N] weight, read one at a time -> its quantized initializers
     targets = {hashlib.sha256(a.tobytes()).hexdigest(): per_channel[name]
                for name, a in onnx_initializers(float_model, per_channel)}
-    done, errors, h_key, h = 0, [], None, None
+    done, errors, h_key, h, groups = 0, [], None, None, set()
     for name, info in layers.items():
         if f"{name}.weight" not in where:
             continue
@@ -448,16 +464,35 @@ def requantize_weights(qdq_model: Path, float_model: Path, checkpoint: Path, cal
             with safe_open(str(calibration / "hessians.safetensors"), framework="pt") as f:
                 h_key, h = info["hessian"], f.get_tensor(info["hessian"]).double()
         group = w.shape[1] if block is None else int(block)  # a block not dividing K: gptq's own check
-        if method == "gptq":
+        bits = 8
+        if codes_from is not None:
+            if name not in stage_codes:
+                continue
+            qw, sc, zs, group = stage_codes[name]
+            bits = 8 if int(zs.max()) > 15 else 4  # read_quant's 8-bit layers sit at zero point 128
+            if not (zs == (1 << (bits - 1))).all():
+                raise QnnError(f"w4a16 from the quantize stage's codes: layer {name} is asymmetric (zero points "
+                               "other than the midpoint); the HTP's block-quantized weights are symmetric: build "
+                               "with quantize.sym=true")
+            q = gptq.Quantized(torch.from_numpy(qw), torch.from_numpy(sc), torch.from_numpy(zs), int(group))
+        elif method == "gptq":
             q = gptq.gptq_quantize(w, h, group_size=group, sym=True, scale_search=False, bits=8, name=name)
         else:
             q = gptq.rtn_quantize(w, None, group_size=group, sym=True, scale_search=False, bits=8, name=name)
         rtn = torch.from_numpy(numpy_helper.to_array(codes_init).astype(np.float32).T.copy()) * \
             torch.from_numpy(numpy_helper.to_array(scale_init).astype(np.float32))[:, None]
         errors.append((gptq.errors(w, q, h)["out_rel_err_h"], gptq.errors(w, rtn, h)["out_rel_err_h"]))
-        codes = (q.qweight.to(torch.int16) - 128).to(torch.int8).T.contiguous().numpy()
-        codes_init.CopyFrom(numpy_helper.from_array(codes, codes_init.name))
-        if block is None:
+        codes = (q.qweight.to(torch.int16) - (1 << (bits - 1))).to(torch.int8).T.contiguous().numpy()
+        if bits == 4:  # ONNX's INT4: two to a byte, the first in the low nibble; raw, so it can go external
+            nib = (codes.reshape(-1) & 0x0F).astype(np.uint8)
+            nib = np.concatenate([nib, np.zeros(len(nib) % 2, np.uint8)])
+            codes_init.CopyFrom(onnx.helper.make_tensor(codes_init.name, onnx.TensorProto.INT4, codes.shape,
+                                                        (nib[0::2] | (nib[1::2] << 4)).tobytes(), raw=True))
+        else:
+            codes_init.CopyFrom(numpy_helper.from_array(codes, codes_init.name))
+        blk = group if codes_from is not None else block
+        groups.add(int(group))
+        if blk is None:
             scale_init.CopyFrom(numpy_helper.from_array(q.scales[:, 0].numpy().astype(np.float32), scale_init.name))
             if zero_init is not None:
                 zero_init.CopyFrom(numpy_helper.from_array(np.zeros(codes.shape[1], np.int8), zero_init.name))
@@ -487,13 +522,16 @@ def requantize_weights(qdq_model: Path, float_model: Path, checkpoint: Path, cal
     tmp.mkdir()
     onnx.save(model, str(tmp / qdq_model.name), save_as_external_data=True, all_tensors_to_one_file=True,
               location=data, size_threshold=1024)
-    (tmp / data).replace(qdq_model.parent / data)
+    if (tmp / data).is_file():  # none where every tensor is under the threshold
+        (tmp / data).replace(qdq_model.parent / data)
     (tmp / qdq_model.name).replace(qdq_model)
     tmp.rmdir()
     gain = [10 * np.log10(r / g) for g, r in errors if g > 0 and r > 0]
     return {"method": method, "weights": done, "rounded": len(targets) - done,
             **({"granularity": "per_block", "block": int(block), "scales": sum(weight_scales(qdq_model).values())}
                if block is not None else {}),
+            **({"granularity": "per_block", "blocks": sorted(groups), "source": str(codes_from.name),
+                "scales": sum(weight_scales(qdq_model).values())} if codes_from is not None else {}),
             "output_error_db_gain": {"median": round(float(np.median(gain)), 2), "min": round(float(min(gain)), 2)}
             if gain else None}
 
