@@ -3,7 +3,10 @@
 For a phone (weight path qnn_graph), each precision the pack stage built is
 compiled by onnxruntime-qnn's HTP backend for the device's chip (`device.qnn`:
 soc_model / soc_id and htp_arch, e.g. SM8750 / v79 for the S25) into
-`<precision>/model_ctx.onnx` + its `.bin` context binary. The QNN EP is
+`<precision>/model_ctx.onnx` + its `.bin` context binary, or, where the graph's
+weights pass 90% of the HTP's per-graph limit (`device.qnn.max_graph_bytes`), into
+parts of whole layers, `<precision>/part<k>/` (pipeline/graphs/parts.py; qnn.json
+lists them in order). The QNN EP is
 registered as a plugin with CPU fallback disabled, and the compiled model must
 hold nothing but EPContext nodes: a graph that would silently run on the CPU
 is a failure (pipeline/graphs/qnn.py). The QNN SDK version the wheel bundles is in
