@@ -171,6 +171,14 @@ def test_residual_stream_follows_the_scaled_embedding_through_each_layers_adds()
     # post-norms are
     assert npu_rewrite.residual_stream(model) == {"adds": ["res0", "res1"], "norms": ["ln0", "ln1", "final"],
                                                   "writers": ["ln1"]}
+    assert npu_rewrite.residual_tensors(model) == ["r0", "r1", "r2"]
+    # carried scaled (a stream past fp16's range): the walk follows the embedding's second scaling, so the
+    # layers' boundaries (which compile_qnn cuts parts at) are still found, and the graph computes the same
+    feeds = {"ids": np.array([[3]], np.int64), "pos": np.array([1], np.int64)}
+    before = _run(model, feeds)
+    npu_rewrite.scale_residual(model, 4)
+    assert npu_rewrite.residual_tensors(model) == ["r0__scaled", "r1", "r2"]
+    np.testing.assert_allclose(_run(model, feeds)[0], before[0], rtol=1e-5, atol=1e-5)
 
 
 def test_attention_cores_are_the_products_of_two_activations_around_each_softmax():

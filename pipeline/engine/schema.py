@@ -147,12 +147,12 @@ class ParityConfig:
     # (seconds per step on a real model), over the first qnn_prompts prompts.
     # null: 4, or 1 where a prompt's run passes 128 steps (a large window).
     qnn_prompts: Optional[int] = None
-    # HTP steps a prompt for the deployed precision (null: 32; Gemma 3 270M's
+    # HTP steps a prompt for the deployed precision (null: 64; Gemma 3 270M's
     # w8a16 costs ~9-10 s a step on the emulation): the whole run when it fits,
     # else a cold run from position 0 and one across the first sliding-window
     # wrap (from the fp32 export's prefilled cache), both gated.
     qnn_steps: Optional[int] = None
-    # The other precisions: the first prompt only, cut to this many steps (null: 24).
+    # The other precisions: the first prompt only, cut to this many steps (null: 50).
     qnn_short_steps: Optional[int] = None
     # Perplexity and llama.cpp's KL statistics (pipeline/measure/kld.py) of the artifact
     # and every peer against the fp32 model, over eval_windows windows of

@@ -449,9 +449,16 @@ def _scalings(tensor: str, consts: _Consts, consumers) -> list:
 
 
 def _scaled(model: onnx.ModelProto, tensor: str) -> str:
-    """`tensor`'s scaling by a constant (Gemma's embed_scale) where it has one, else `tensor`."""
-    scaled = _scalings(tensor, _consts(model), _consumers(model))
-    return scaled[-1][0].output[0] if scaled else tensor
+    """`tensor` after its chain of scalings by a constant (Gemma's embed_scale; then, in a graph whose stream
+    is carried scaled, scale_residual's Mul), else `tensor`."""
+    consts, consumers = _consts(model), _consumers(model)
+    seen = {tensor}
+    while True:
+        scaled = _scalings(tensor, consts, consumers)
+        if not scaled or scaled[-1][0].output[0] in seen:
+            return tensor
+        tensor = scaled[-1][0].output[0]
+        seen.add(tensor)
 
 
 EMBEDS_INPUT = "inputs_embeds"
@@ -529,8 +536,8 @@ def _walk_stream(model: onnx.ModelProto) -> dict:
     consumers = _consumers(model)
     producers = _producers(model)
     start = None
-    for n, scaled in _embedding_lookups(model, _consts(model)):
-        start = scaled[-1][0].output[0] if scaled else n.output[0]
+    for n, _ in _embedding_lookups(model, _consts(model)):
+        start = _scaled(model, n.output[0])
         break
     if start is None and any(i.name == EMBEDS_INPUT for i in model.graph.input):
         start = _scaled(model, EMBEDS_INPUT)
