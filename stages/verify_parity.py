@@ -1009,9 +1009,14 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
             if use_cpu is not None:  # the CPU EP's figures on exactly the HTP's steps: does it stand for the HTP?
                 same, _ = _compare(runs, use_cpu, prompts[:m], [r.prompt for r in runs], k, ctx,
                                    f"{precision} QDQ graph on the CPU EP, the HTP's {key.replace('_', ' ')} steps")
+            t0 = time.perf_counter()
             with _timed(seconds, label or name):
                 metrics, per_prompt = _compare(runs, use, prompts[:m], [r.prompt for r in runs], k, ctx,
                                                what + ("" if key == "full" else f" ({key.replace('_', ' ')})"))
+            # what the HTP confirmation costs: the emulation's seconds a step (the reference's logits and the
+            # comparison included), so a reader sees where verify_parity's time goes and what more steps cost
+            per_step = (time.perf_counter() - t0) / max(1, int(metrics["steps"]))
+            ctx.log(f"{name} {key}: {metrics['steps']} HTP steps at {per_step:.2f} s a step on this host's emulation")
             if same is not None:  # said before the gate, so a failing HTP run shows it too
                 ctx.log(f"{name} {key}: HTP {metrics['logits_snr_db']:.1f} dB, top1 {metrics['top1_agreement']:.3f}; "
                         f"the CPU EP's QDQ {same['logits_snr_db']:.1f} dB, top1 {same['top1_agreement']:.3f} on the "
@@ -1020,7 +1025,8 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
                             no_stats="the HTP run covers parity steps only; the CPU stand-in's run over the "
                                      "evaluation windows checked it")
             parts[key] = {"metrics": _finite_metrics(metrics), "run": how, "prompts": m,
-                          "thresholds": checked, "per_prompt": per_prompt, "runtime": QNN_RUNTIME}
+                          "thresholds": checked, "per_prompt": per_prompt, "runtime": QNN_RUNTIME,
+                          "htp_s_per_step": round(per_step, 3)}
             if same is not None:
                 parts[key]["cpu_qdq_same_steps"] = _finite_metrics(same)
         if seconds is not None and name not in seconds:

@@ -217,6 +217,7 @@ def test_phone_build_end_to_end_compiles_once_and_verifies_on_the_htp(phone_buil
     for key in ("cold", "past_window"):
         same = parts[key]["cpu_qdq_same_steps"]
         assert same["steps"] == parts[key]["metrics"]["steps"]
+        assert parts[key]["htp_s_per_step"] > 0  # what the confirmation costs a step, in the report
         # the stand-in runs the graph's quantization exactly and its float residual in fp32; the HTP reaches
         # its figure, or the ceiling of its own fp16 residual (~60-70 dB: the tiny model's 74 stand-in, 70.5 HTP)
         assert parts[key]["metrics"]["logits_snr_db"] > min(same["logits_snr_db"], 60) - 3, parts
