@@ -422,12 +422,12 @@ def requantize_weights(qdq_model: Path, float_model: Path, checkpoint: Path, cal
 
     layers = json.loads((calibration / "calibration.json").read_text())["layers"]
     where = weight_map(checkpoint)
-    stage_codes = {}
+    stage_codes, stage_meta = {}, {"layers": {}}
     if codes_from is not None:
         from pipeline.quant.codes import PackError, read_quant
 
         try:
-            _, stage_codes = read_quant(codes_from, bits=(4, 8))
+            stage_meta, stage_codes = read_quant(codes_from, bits=(4, 8))
         except PackError as err:
             raise QnnError(f"w4a16 from the quantize stage's codes: {err}") from None
 
@@ -469,7 +469,7 @@ def requantize_weights(qdq_model: Path, float_model: Path, checkpoint: Path, cal
             if name not in stage_codes:
                 continue
             qw, sc, zs, group = stage_codes[name]
-            bits = 8 if int(zs.max()) > 15 else 4  # read_quant's 8-bit layers sit at zero point 128
+            bits = int(stage_meta["layers"][name].get("bits", 4))  # quant.json's width for it (read_quant's)
             if not (zs == (1 << (bits - 1))).all():
                 raise QnnError(f"w4a16 from the quantize stage's codes: layer {name} is asymmetric (zero points "
                                "other than the midpoint); the HTP's block-quantized weights are symmetric: build "
