@@ -499,13 +499,15 @@ def _qnn_embedding(info: dict, io: dict) -> dict:
 
 
 def _qnn(ctx, comp_dir) -> dict:
+    from pipeline.graphs import qnn
+
     info = json.loads((comp_dir / "qnn.json").read_text())
     io = json.loads((comp_dir / "io.json").read_text())
     t = info["target"]
 
     def variant(p):
         c = info["compiled"][p]
-        parts = c.get("parts") or [{"dir": ".", "context_model": c["context_model"], "layers": None}]
+        parts = qnn.compiled_parts(c)
         where = [f"../compile_qnn/{c['dir']}" + ("" if q["dir"] == "." else f"/{q['dir']}") for q in parts]
         entry = {"binaries": [f"../compile_qnn/{c['dir']}/{b}" for b in c["binaries"]], "bytes": c["bytes"]}
         if len(parts) == 1:
@@ -560,6 +562,7 @@ def _genie(ctx, comp_dir, info: dict, io: dict) -> dict:
     """Qualcomm Genie's bundle beside qnn.json (pipeline/runtimes/genie.py), written as far as our binary
     allows; `missing` says what Genie needs that it lacks. Unverified: no Genie or phone runs here."""
     from pipeline.engine.context import StageError
+    from pipeline.graphs import qnn
     from pipeline.runtimes import genie
 
     c = info["compiled"][info["deployed"]]
@@ -567,7 +570,7 @@ def _genie(ctx, comp_dir, info: dict, io: dict) -> dict:
         entry = genie.write_bundle(
             ctx.out, model_dir=ctx.inputs["untie_head"], io=io, target=info["target"],
             ctx_bins=[f"../compile_qnn/{c['dir']}/{b}" for b in c["binaries"]],
-            graphs=[g for q in (c.get("parts") or [{"dir": ".", "context_model": c["context_model"]}])
+            graphs=[g for q in qnn.compiled_parts(c)
                     for g in genie.context_graphs(comp_dir / c["dir"] / q["dir"] / q["context_model"])])
     except genie.GenieError as err:
         raise StageError(f"deploy_profile: Genie bundle: {err}") from None

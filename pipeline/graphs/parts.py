@@ -107,16 +107,26 @@ def boundaries(model: onnx.ModelProto, float_model: onnx.ModelProto | None = Non
     return bounds
 
 
+def _part(model: onnx.ModelProto, first: int, last: int, bounds: Sequence[str]) -> tuple[list[str], list[int]]:
+    """(the outputs, the node indices) of the part over layers [first, last): its layers' K/V, the stream
+    where it leaves it (the logits for the last part), and the nodes back to the stream it reads."""
+    n = len(bounds) - 1
+    outs = _outputs_of(model, first, last, n) + ([bounds[last]] if last < n else [])
+    return outs, _part_nodes(model, outs, bounds[first] if first else None)
+
+
+def _used_initializers(model: onnx.ModelProto, nodes: Sequence[int]) -> set[str]:
+    inits = {t.name for t in model.graph.initializer}
+    return {x for i in nodes for x in model.graph.node[i].input if x in inits}
+
+
 def part_bytes(model: onnx.ModelProto, first: int, last: int, bounds: Sequence[str],
                float_itemsize: int | None = None) -> int:
     """The weights (initializer bytes, `_tensor_bytes`) of the part over layers [first, last) (`bounds`:
     `boundaries`)."""
-    n = len(bounds) - 1
-    outs = _outputs_of(model, first, last, n) + ([bounds[last]] if last < n else [])
-    nodes = _part_nodes(model, outs, bounds[first] if first else None)
+    _, nodes = _part(model, first, last, bounds)
     inits = {t.name: t for t in model.graph.initializer}
-    used = {x for i in nodes for x in model.graph.node[i].input if x in inits}
-    return sum(_tensor_bytes(inits[x], float_itemsize) for x in used)
+    return sum(_tensor_bytes(inits[x], float_itemsize) for x in _used_initializers(model, nodes))
 
 
 def plan(model: onnx.ModelProto, budget: int, bounds: Sequence[str],
@@ -164,8 +174,7 @@ def split(model: onnx.ModelProto, ranges: Sequence[tuple[int, int]], bounds: Seq
     for k, (first, last) in enumerate(ranges):
         stream_in = bounds[first] if first else None
         stream_out = bounds[last] if last < n else None
-        outs = _outputs_of(model, first, last, n) + ([stream_out] if stream_out else [])
-        idx = _part_nodes(model, outs, stream_in)
+        outs, idx = _part(model, first, last, bounds)
         nodes = [g.node[i] for i in idx]
         used = {x for nd in nodes for x in nd.input if x}
         produced = {o for nd in nodes for o in nd.output}
@@ -181,15 +190,16 @@ def split(model: onnx.ModelProto, ranges: Sequence[tuple[int, int]], bounds: Seq
                 raise PartsError(f"node {g.node[i].name!r} would run in parts {owner[i]} and {k}")
             owner.setdefault(i, k)
         outputs = [graph_outputs[o] if o in graph_outputs else _value_info(model, o) for o in outs]
+        weights = sorted(_used_initializers(model, idx))
         part_graph = onnx.helper.make_graph(nodes, f"{g.name}_{stem}{k}", inputs, outputs,
-                                            [inits[x] for x in sorted(used) if x in inits])
+                                            [inits[x] for x in weights])
         part = onnx.helper.make_model(part_graph, opset_imports=list(model.opset_import),
                                       ir_version=model.ir_version, producer_name="edgekiln parts")
         path = out_dir / f"{stem}{k}.onnx"
         onnx.save(part, str(path))
         parts.append({"file": path.name, "layers": [first, last], "inputs": [i.name for i in inputs],
                       "outputs": list(outs), "stream_in": stream_in, "stream_out": stream_out,
-                      "weight_bytes": sum(_tensor_bytes(inits[x], float_itemsize) for x in used if x in inits)})
+                      "weight_bytes": sum(_tensor_bytes(inits[x], float_itemsize) for x in weights)})
     return parts
 
 

@@ -202,13 +202,20 @@ def compile_parts(graph: Path, float_graph: Path, out_dir: Path, target: dict, p
             "weight_bytes": whole, "budget_bytes": budget, "parts": done}
 
 
+def compiled_parts(entry: dict) -> list[dict]:
+    """A qnn.json `compiled` entry's parts in order, each with its folder (relative to the entry's) and
+    context model; a qnn.json from before parts: its one binary, in the entry's folder itself."""
+    return entry.get("parts") or [{"dir": ".", "context_model": entry.get("context_model") or CONTEXT_MODEL,
+                                   "layers": None}]
+
+
 def open_htp(comp_dir: Path, info: dict, precision: str):
     """A session over a compile_qnn folder's binaries of one precision on the HTP backend: the one
     binary's, or its parts' in order behind one session (parts.PartsSession)."""
     from pipeline.graphs.parts import PartsSession
 
     c = info["compiled"][precision]
-    ps = c.get("parts") or [{"dir": ".", "context_model": CONTEXT_MODEL}]
+    ps = compiled_parts(c)
     sessions = [htp_session(comp_dir / c["dir"] / p["dir"] / p["context_model"], info["target"], precision) for p in ps]
     return sessions[0] if len(sessions) == 1 else PartsSession(sessions, ps)
 
