@@ -75,6 +75,17 @@ def run(ctx: StageContext) -> dict:
             except qnn.QnnError as err:
                 raise StageError(f"compile_qnn: {err}") from None
             compiled[precision] = {"dir": precision, **facts}
+            prompt_graph = npu["graphs"][precision].get("prompt_graph")
+            if prompt_graph:  # the prompt graph beside the token graph, its own binaries (no weight sharing yet)
+                try:
+                    pfacts = qnn.compile_parts(pack / prompt_graph, pack / prompt_graph, out / precision / "prompt",
+                                               target, precision, progress=lambda _: bar.advance())
+                except qnn.QnnError as err:
+                    raise StageError(f"compile_qnn: the prompt graph: {err}") from None
+                compiled[precision]["prompt"] = {"dir": f"{precision}/prompt",
+                                                 "tokens": npu["prompt_graph"]["tokens"], **pfacts}
+                ctx.log(f"{precision} prompt graph ({npu['prompt_graph']['tokens']} tokens a call): "
+                        f"{pfacts['bytes'] / 1e6:.1f} MB in {len(pfacts['parts'])} part(s), {pfacts['compile_s']:.1f} s")
             n = len(facts["parts"])
             ctx.log(f"{precision}: {facts['bytes'] / 1e6:.1f} MB of context binary for {target['soc_model']} "
                     f"(HTP {target['htp_arch']}) in {facts['compile_s']:.1f} s"

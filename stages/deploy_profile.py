@@ -506,7 +506,9 @@ def _qnn(ctx, comp_dir) -> dict:
     t = info["target"]
 
     def variant(p):
-        c = info["compiled"][p]
+        return variant_of(info["compiled"][p])
+
+    def variant_of(c):
         parts = qnn.compiled_parts(c)
         where = [f"../compile_qnn/{c['dir']}" + ("" if q["dir"] == "." else f"/{q['dir']}") for q in parts]
         entry = {"binaries": [f"../compile_qnn/{c['dir']}/{b}" for b in c["binaries"]], "bytes": c["bytes"]}
@@ -548,6 +550,7 @@ def _qnn(ctx, comp_dir) -> dict:
             if sliding else None,
         },
         "context_length": io["context_length"],
+        "prompt_graph": _qnn_prompt(info, io, variant_of),
         "tokenizer": "../compile_qnn/tokenizer.json",
         "genie": _genie(ctx, comp_dir, info, io),
     }
@@ -556,6 +559,32 @@ def _qnn(ctx, comp_dir) -> dict:
             f"QNN SDK {info['qnn_sdk']}, {len(io['layers'])} KV layers ({len(sliding)} ring)")
     return {"runtime": "onnxruntime-qnn", "files": ["qnn.json", *profile["genie"]["files"]], "qnn": profile,
             "genie": profile["genie"]}
+
+
+def _qnn_prompt(info: dict, io: dict, variant_of) -> dict | None:
+    """The prompt graph beside the token graph (pipeline/graphs/decode_graph.py, "The prompt graph"): its
+    binaries per precision that has one, its I/O, and how a runtime alternates the two graphs."""
+    spec = io.get("prompt")
+    if spec is None:
+        return None
+    with_prompt = [p for p in info["precisions"] if "prompt" in info["compiled"][p]]
+    T = int(spec["tokens"])
+    return {
+        "tokens": T, "precisions": with_prompt,
+        "variants": {p: variant_of(info["compiled"][p]["prompt"]) for p in with_prompt},
+        "without": {p: "takes the prompt through the token graph, a token a call (its prompt graph is not built "
+                       "yet)" for p in info["precisions"] if p not in with_prompt},
+        "inputs": spec["inputs"], "outputs": spec["outputs"], "masks": spec["masks"],
+        "run": (f"the prompt {T} tokens a call through the prompt graph, the last chunk padded in front (its logits "
+                "output is the chunk's last row: the next token's), then each new token through the token graph; "
+                "both read the same K/V buffers, and a chunk's new_key_i / new_value_i rows (the real ones) are "
+                "written by the token graph's slot rules, on a ring only the last window-1 of them"),
+        "mask_rule": ("additive, 0 or io's mask_value, [T, cache + T]: a real row at position q sees a full layer's "
+                      "slots < the chunk's first position, a ring slot holding a position > q - window, the chunk's "
+                      "real rows up to its own (within the window on a ring); a padding row sees only itself "
+                      "(pipeline/runtimes/onnx.py prompt_masks)"),
+        "executions_for_512_prompt_tokens": {"prompt_graph": -(-512 // T), "token_graph": 512},
+    }
 
 
 def _genie(ctx, comp_dir, info: dict, io: dict) -> dict:

@@ -1,4 +1,6 @@
-"""export: the untied HF checkpoint -> an fp32 ONNX decode step with explicit per-layer KV.
+"""export: the untied HF checkpoint -> an fp32 ONNX decode step with explicit per-layer KV, and where
+export.prompt_tokens asks (a phone's device.qnn.prompt_tokens) the prompt graph beside it, that many tokens
+a call over the same weights and KV layout.
 
 The artifact (ctx.out) is self-contained: `model.onnx`, `io.json` (inputs,
 outputs, per-layer cache sizes and slot rules; see pipeline/graphs/decode_graph.py),
@@ -30,6 +32,7 @@ def run(ctx: StageContext) -> dict:
     context_length = int(cfg.context_length)
     opset = int(cfg.opset)
     mask_value = float(cfg.mask_value)
+    prompt_tokens = int(cfg.prompt_tokens or 0)
     if context_length < 2:
         raise StageError(f"export.context_length must be >= 2, got {context_length}")
     if opset < MIN_OPSET:
@@ -44,11 +47,13 @@ def run(ctx: StageContext) -> dict:
     except (OSError, ValueError, KeyError) as err:
         raise StageError(f"export: cannot read the checkpoint config at {src}: {err}") from None
 
-    ctx.log(f"exporting {src.name}: context_length={context_length} opset={opset} mask={mask_value}")
+    ctx.log(f"exporting {src.name}: context_length={context_length} opset={opset} mask={mask_value}"
+            + (f" prompt graph={prompt_tokens} tokens a call" if prompt_tokens else ""))
+    what = "the decode step" + (" and the prompt graph" if prompt_tokens else "")
     try:
-        with ctx.progress(None, "torch.onnx.export (dynamo) of the decode step, then its checks"):
+        with ctx.progress(None, f"torch.onnx.export (dynamo) of {what}, then its checks"):
             summary = export_decode_step(src, ctx.out, context_length=context_length, opset=opset,
-                                         mask_value=mask_value)
+                                         mask_value=mask_value, prompt_tokens=prompt_tokens)
     except DecodeGraphError as err:
         raise StageError(f"export: {err}") from None
 
@@ -84,6 +89,9 @@ def run(ctx: StageContext) -> dict:
         "export_s": summary["export_s"],
         "side_files": copied,
     }
+    if prompt_tokens:
+        graph["prompt"] = {"file": io["prompt"]["file"], "tokens": prompt_tokens, "bytes": summary["prompt_bytes"],
+                           "masks": io["prompt"]["masks"]}
     ctx.log(f"model.onnx {summary['bytes'] / 1e6:.1f} MB, {summary['nodes']} nodes, {summary['export_s']} s")
     return {
         "graph": graph,

@@ -254,6 +254,47 @@ def _check_and_probe_stream(float_dir: Path, want: list, check: list[int], embed
     return worst, peak
 
 
+PROMPT_MODEL = "prompt.onnx"
+
+
+def _prompt_float(export_dir: Path, float_dir: Path, C: int, embedding_out: bool, factor: int,
+                  want: list, check: list[int], embed) -> dict:
+    """The export's prompt graph made QNN-ready as the token graph was (prepare, the embedding's lookup
+    out where the token graph's is, the residual stream carried divided by the same `factor`), saved as
+    float/prompt.onnx, then run over `check` a chunk at a time against the export's decode-step logits
+    `want` at each chunk's last token: {tokens, chunks, worst_snr_db, bytes}."""
+    import gc
+
+    import onnx
+
+    from pipeline.graphs import npu_rewrite
+    from pipeline.graphs.decode_graph import snr_db
+    from pipeline.runtimes.onnx import OnnxDecoder
+    from pipeline.sources.tensorfile import load_onnx
+
+    try:
+        graph, _ = npu_rewrite.prepare(load_onnx(export_dir / PROMPT_MODEL), position="position", context_length=C)
+        if embedding_out:
+            graph, _ = npu_rewrite.embedding_input(graph)
+        if factor > 1:
+            npu_rewrite.scale_residual(graph, factor)
+    except npu_rewrite.RewriteError as err:
+        raise StageError(f"pack: the exported prompt graph cannot be made QNN-ready: {err}") from None
+    onnx.save(graph, str(float_dir / PROMPT_MODEL), save_as_external_data=True, all_tensors_to_one_file=True,
+              location=PROMPT_MODEL + ".data", size_threshold=1024)
+    del graph
+    gc.collect()
+    dec = OnnxDecoder(float_dir, threads=2, embed=embed, prompt_file=PROMPT_MODEL)
+    T = dec.prompt_tokens
+    worst = min(snr_db(want[min(i + T, len(check)) - 1], dec.prefill(check[i:i + T]))
+                for i in range(0, len(check), T))
+    chunks = dec.calls["prompt"]
+    del dec
+    gc.collect()
+    return {"graph": f"float/{PROMPT_MODEL}", "tokens": T, "chunks": chunks, "worst_snr_db": worst,
+            "bytes": sum(f.stat().st_size for f in float_dir.glob(PROMPT_MODEL + "*"))}
+
+
 def _phone_io(io: dict, embedding: dict | None, up: str = "") -> dict:
     """The export's io.json for a phone graph: with the embedding off the graph, `input_ids` is
     replaced by `inputs_embeds` and "embedding" names the lookup's model (relative to the io.json)."""
@@ -261,12 +302,19 @@ def _phone_io(io: dict, embedding: dict | None, up: str = "") -> dict:
         return io
     from pipeline.graphs.qnn import EMBED_DIR
 
-    ids = next(i for i in io["inputs"] if i["name"] == "input_ids")
-    embeds = {"name": embedding["output"], "shape": list(ids["shape"]) + [embedding["hidden"]], "dtype": "float32"}
-    inputs = [embeds if i["name"] == "input_ids" else i for i in io["inputs"]]
-    return {**io, "inputs": inputs, "embedding": {"model": f"{up}{EMBED_DIR}/{embedding['model']}",
-                                                  "input": embedding["input"], "output": embedding["output"],
-                                                  "bits": embedding["bits"], "block_size": embedding["block_size"]}}
+    def embeds_for_ids(inputs: list[dict]) -> list[dict]:
+        ids = next(i for i in inputs if i["name"] == "input_ids")
+        embeds = {"name": embedding["output"], "shape": list(ids["shape"]) + [embedding["hidden"]],
+                  "dtype": "float32"}
+        return [embeds if i["name"] == "input_ids" else i for i in inputs]
+
+    phone = {**io, "inputs": embeds_for_ids(io["inputs"]),
+             "embedding": {"model": f"{up}{EMBED_DIR}/{embedding['model']}", "input": embedding["input"],
+                           "output": embedding["output"], "bits": embedding["bits"],
+                           "block_size": embedding["block_size"]}}
+    if "prompt" in io:
+        phone["prompt"] = {**io["prompt"], "inputs": embeds_for_ids(io["prompt"]["inputs"])}
+    return phone
 
 
 def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
@@ -391,6 +439,16 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
         raise StageError(f"pack: the QNN-ready graph departs from the export ({worst:.1f} dB at worst over "
                          f"{len(check)} steps, needs {QNN_CHECK_MIN_SNR_DB:g}): a rewrite is wrong")
     ctx.log(f"QNN-ready graph matches the export: worst step {worst:.1f} dB over {len(check)} steps")
+    prompt = None
+    if "prompt" in io:  # the same rewrites on the prompt graph, checked against the same steps
+        with ctx.progress(None, f"the prompt graph ({io['prompt']['tokens']} tokens a call) made QNN-ready"):
+            prompt = _prompt_float(export_dir, float_dir, C, table is not None, scaled["factor"], want, check, embed)
+        if prompt["worst_snr_db"] < QNN_CHECK_MIN_SNR_DB:
+            raise StageError(f"pack: the QNN-ready prompt graph departs from the export's decode steps "
+                             f"({prompt['worst_snr_db']:.1f} dB at worst over {prompt['chunks']} chunks, needs "
+                             f"{QNN_CHECK_MIN_SNR_DB:g}): a rewrite is wrong")
+        ctx.log(f"QNN-ready prompt graph matches the export's decode steps: worst chunk end "
+                f"{prompt['worst_snr_db']:.1f} dB over {prompt['chunks']} chunks of {io['prompt']['tokens']}")
     # The calibration sees what the device will feed: the shipped lookup's rows.
     del want, table, embed
     gc.collect()
@@ -439,6 +497,8 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
         for p in precisions:
             if p == "fp16":
                 graphs[p] = {"graph": "float/model.onnx", "math": "fp16 on the HTP (enable_htp_fp16_precision)"}
+                if prompt is not None:
+                    graphs[p]["prompt_graph"] = f"float/{PROMPT_MODEL}"
                 continue
             (out / p).mkdir()
             with ctx.progress(None, f"QDQ {p}: ONNX Runtime's quantizer over {len(paths)} samples"):
@@ -488,6 +548,11 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
                                "measured_over": f"the rewrite check's {len(check)} steps"
                                                 + (", the BOS first" if bos is not None else "")},
             "calibration": calibration, "context_length": C,
+            "prompt_graph": prompt and {
+                **prompt, "precisions": [p for p in precisions if "prompt_graph" in graphs[p]],
+                "not_yet": [p for p in precisions if "prompt_graph" not in graphs[p]],
+                "note": "the quantized (QDQ) precisions take the prompt token by token: their prompt graph is "
+                        "not built yet; the fp16 one shares no weights with the token graph yet (two binaries)"},
             "embedding": embedding or {"in_graph": True, "note": "pack.qnn_embedding=graph: the table is in the "
                                                                   "binaries, a Gather the HTP runs"}}
     (out / "npu.json").write_text(json.dumps(info, indent=2, default=float) + "\n")

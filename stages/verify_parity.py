@@ -366,6 +366,31 @@ def _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, what: str, free
     return metrics, per_prompt
 
 
+def _prompt_graph_rows(runs, dec, ctx, what: str) -> dict:
+    """Each run's sequence (its prompt and continuation) through the prompt graph a chunk at a time
+    (`dec.prefill`), its logits at each chunk's last token against the reference's there; the figures
+    and the graph executions the sequences took, against one a token through the token graph."""
+    import numpy as np
+
+    T = dec.prompt_tokens
+    total = _Sums()
+    before = dec.calls["prompt"]
+    tokens = 0
+    with ctx.progress(sum(-(-r.steps // T) for r in runs), f"parity: {what}") as bar:
+        for r in runs:
+            seq = list(r.prompt) + list(r.continuation)
+            tokens += len(seq)
+            dec.reset()
+            for i in range(0, len(seq), T):
+                got = dec.prefill(seq[i:i + T])
+                at = min(i + T, len(seq)) - 1
+                total.add(_rows(r.logits(at, at + 1), got[None].astype(np.float64)))
+                bar.advance()
+    return {"logits_snr_db": _finite(total.snr_db()), "top1_agreement": total.top1 / total.steps,
+            "kl_nats": total.kl / total.steps, "chunk_ends": total.steps, "tokens_a_call": T,
+            "executions": dec.calls["prompt"] - before, "tokens": tokens}
+
+
 def run(ctx: StageContext) -> dict:
     from transformers import AutoTokenizer
 
@@ -927,6 +952,17 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
         def step(self, token):
             return self.htp.step(token)
 
+        def prefill(self, ids):
+            return self.htp.prefill(ids)
+
+        @property
+        def prompt_tokens(self):
+            return self.htp.prompt_tokens
+
+        @property
+        def calls(self):
+            return self.htp.calls
+
     comp = Path(ctx.inputs["compile_qnn"])
     pack = Path(ctx.inputs["pack"])
     try:
@@ -955,6 +991,9 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
                              f"backend: {str(err).strip().splitlines()[-1][:300]}") from None
         dec = OnnxDecoder(comp, session=session)
         what = f"{precision} context binary on the HTP backend"
+        # its prompt graph, where this precision has one: the same steps a chunk at a time (every segment)
+        psession = qnn.open_htp(comp, info, precision, prompt=True)
+        pdec = None if psession is None else OnnxDecoder(comp, session=session, prompt_session=psession)
         parts, stats, cpu = {}, None, None
         if precision != "fp16":
             cpu = qnn.cpu_qdq_decoder(pack, f"{precision}/model.onnx")
@@ -1003,6 +1042,9 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
                 del fp32
                 use = _Warm(dec, caches)
                 use_cpu = _Warm(cpu, caches) if cpu is not None else None
+                use_prompt = _Warm(pdec, caches) if pdec is not None else None
+            else:
+                use_prompt = pdec
             k = max(len(r.continuation) for r in runs)
             label = "" if key == "full" else f"{name}_{key}"
             same = None
@@ -1029,9 +1071,21 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
                           "htp_s_per_step": round(per_step, 3)}
             if same is not None:
                 parts[key]["cpu_qdq_same_steps"] = _finite_metrics(same)
+            if use_prompt is not None:
+                with _timed(seconds, f"{name}_prompt_graph_{key}"):
+                    pm = _prompt_graph_rows(runs, use_prompt, ctx, f"{what}, its prompt graph ({key.replace('_', ' ')})")
+                ctx.log(f"{name} {key}: the prompt graph ({pm['tokens_a_call']} tokens a call) at its "
+                        f"{pm['chunk_ends']} chunk ends: {pm['logits_snr_db']:.1f} dB, top1 {pm['top1_agreement']:.3f}; "
+                        f"{pm['executions']} executions for {pm['tokens']} tokens (the token graph: {pm['tokens']})")
+                if not pm["logits_snr_db"] >= limits.min_logits_snr_db:
+                    raise StageError(f"{name} artifact fidelity below parity.artifact.{name}: its prompt graph's "
+                                     f"logits_snr_db {pm['logits_snr_db']:.2f} at the chunk ends "
+                                     f"(needs >= {limits.min_logits_snr_db:g}; the token graph's: "
+                                     f"{metrics['logits_snr_db']:.2f})")
+                parts[key]["prompt_graph"] = pm
         if seconds is not None and name not in seconds:
             seconds[name] = round(sum(seconds.get(f"{name}_{k}", 0.0) for k in parts), 2)
-        del dec, session, cpu
+        del dec, session, cpu, pdec, psession
         # One figure per key over the parts: the worst (each part passed its gate on its own).
         worst = {}
         for key in next(iter(parts.values()))["metrics"]:

@@ -161,7 +161,7 @@ def built_repo(tmp_path_factory):
 # 2 GiB) makes compile_qnn cut both precisions' graphs into parts between layers, as a 1-2B model's are:
 # parity, the benchmark, the deploy profile and generate then run the parts in order.
 PHONE_ARGS = ["device=galaxy_s25", *TINY_MODEL, *FAST_RUN, "parity.qnn_prompts=2", "parity.qnn_steps=32",
-              "device.qnn.max_graph_bytes=500000"]
+              "device.qnn.max_graph_bytes=500000", "device.qnn.prompt_tokens=16"]
 
 
 @pytest.fixture(scope="session")

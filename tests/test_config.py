@@ -33,6 +33,13 @@ def test_every_device_class_composes():
     s24, s25 = build(["device=galaxy_s24"]), build(["device=galaxy_s25"])
     assert (s24["device"]["qnn"]["soc_model"], s24["device"]["qnn"]["htp_arch"]) == ("SM8650", "v75")
     assert (s25["device"]["qnn"]["soc_model"], s25["device"]["qnn"]["htp_arch"]) == ("SM8750", "v79")
+    # a phone exports the prompt graph its qnn block asks for; the CPU devices none
+    assert s24["export"]["prompt_tokens"] == s25["export"]["prompt_tokens"] == 128
+    assert build(["device=x86_avx512"])["export"]["prompt_tokens"] == 0
+    assert build(["device=galaxy_s25", "device.qnn.prompt_tokens=64"])["export"]["prompt_tokens"] == 64
+    assert build(["device=galaxy_s25", "export.prompt_tokens=0"])["export"]["prompt_tokens"] == 0
+    assert build(["device=galaxy_s25", "export.context_length=112", "benchmark.context_points=[32]"]  # the context
+                 )["export"]["prompt_tokens"] == 112
 
 
 def one_line(exc: ConfigError) -> str:
@@ -52,6 +59,9 @@ def one_line(exc: ConfigError) -> str:
         (["model=hf", "model.path=relative/dir"], ["model.path", "absolute"]),
         (["export.context_length=1000000000"], ["export.context_length", "outside"]),
         (["benchmark.prompt_length=0"], ["benchmark.prompt_length"]),
+        (["device=galaxy_s25", "export.prompt_tokens=1"], ["'export.prompt_tokens=1'", "0 (no prompt graph) or 2 up to"]),
+        (["device=galaxy_s25", "device.qnn.prompt_tokens=1"], ["'device.qnn.prompt_tokens=1'", "export.context_length"]),
+        (["device=galaxy_s25", "export.prompt_tokens=300"], ["'export.prompt_tokens=300'", "up to export.context_length (256)"]),
         (["benchmark.prompt_length=250"], ["exceeds export.context_length"]),
         (["build.name=../../etc"], ["build.name", "folder under artifacts"]),
         (["build.name=exp"], ["build.name"]),

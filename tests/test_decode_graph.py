@@ -15,7 +15,8 @@ torch = pytest.importorskip("torch")
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from pipeline.graphs.decode_graph import DecodeGraphError, build_decode_step, export_decode_step, snr_db  # noqa: E402
+from pipeline.graphs.decode_graph import (DecodeGraphError, build_decode_step, build_prompt_step,  # noqa: E402
+                                          export_decode_step, snr_db)
 from pipeline.runtimes.contract import ContextFull  # noqa: E402
 from pipeline.runtimes.onnx import OnnxDecoder  # noqa: E402
 from pipeline.runtimes.reference import TorchReference  # noqa: E402
@@ -237,3 +238,96 @@ def test_graph_layout(exported, name):
     assert outs[0] == "logits" and len(outs) == 1 + 2 * n_layers
     assert summary["ops"]["Softmax"] == n_layers
     assert io["vocab_size"] == VOCAB and io["bos_token_id"] == 1 and io["eos_token_id"] == [2]
+
+
+# (f) the prompt graph ------------------------------------------------------
+# T tokens a call beside the decode step (pipeline/graphs/decode_graph.py, "The prompt graph"): the
+# same logits and the same KV cache as feeding the tokens one by one, across the ring's wrap, with a
+# chunk shorter than the ring and one longer than it.
+
+PROMPT_CONTEXT = 40
+
+
+@pytest.fixture(scope="module")
+def prompt_exported(tmp_path_factory):
+    arts = {}
+    for name, tokens in (("gemma3", 5), ("gemma3", 16), ("llama", 6), ("qwen3_sliding", 4)):
+        root = tmp_path_factory.mktemp(f"{name}_p{tokens}")
+        _model(name).save_pretrained(root / "hf")
+        export_decode_step(root / "hf", root / "onnx", context_length=PROMPT_CONTEXT, prompt_tokens=tokens)
+        arts[(name, tokens)] = root
+    return arts
+
+
+@pytest.mark.parametrize("name,tokens", [("gemma3", 5), ("gemma3", 16), ("llama", 6), ("qwen3_sliding", 4)])
+def test_prompt_graph_matches_the_token_graph_and_the_reference(prompt_exported, name, tokens):
+    root = prompt_exported[(name, tokens)]
+    io = json.loads((root / "onnx" / "io.json").read_text())
+    assert io["prompt"]["tokens"] == tokens and (root / "onnx" / "prompt.onnx").is_file()
+    ids = torch.randint(3, VOCAB, (31,), generator=torch.Generator().manual_seed(7)).tolist()
+    cut = 13  # two prefills: the second starts mid-ring (ring 7 has wrapped), its chunks padded
+    tok = OnnxDecoder(root / "onnx", threads=1)
+    stepped = [tok.step(t) for t in ids]
+    ref = TorchReference(root / "hf")
+    reference = [ref.step(t) for t in ids]
+
+    dec = OnnxDecoder(root / "onnx", threads=1, prompt_file="prompt.onnx")
+    assert dec.batched_prefill
+    first = dec.prefill(ids[:cut])
+    second = dec.prefill(ids[cut:])
+    assert dec.calls == {"token": 0, "prompt": -(-cut // tokens) - (-(len(ids) - cut) // tokens)}
+    for got, at in ((first, cut - 1), (second, len(ids) - 1)):
+        assert snr_db(stepped[at], got) > 100.0, (at, snr_db(stepped[at], got))
+        assert snr_db(reference[at], got) > 95.0
+        assert int(np.argmax(got)) == int(np.argmax(reference[at]))
+    # the caches the prompt graph wrote are the token graph's, slot for slot
+    for (k1, v1, ring), (k2, v2, _) in zip(dec._caches, tok._caches):
+        assert np.abs(k1 - k2).max() < 1e-5 and np.abs(v1 - v2).max() < 1e-5, ring
+    # and decoding goes on from them as it would after a token-by-token prompt
+    nxt = int(np.argmax(second))
+    assert snr_db(tok.step(nxt), dec.step(nxt)) > 100.0
+
+
+def test_prompt_graph_layout_and_refusals(prompt_exported):
+    root = prompt_exported[("gemma3", 5)]
+    io = json.loads((root / "onnx" / "io.json").read_text())
+    spec = io["prompt"]
+    assert spec["masks"] == {"mask_full": {"cache_len": PROMPT_CONTEXT, "ring": 0},
+                             "mask_ring": {"cache_len": WINDOW - 1, "ring": WINDOW - 1}}
+    shapes = {v["name"]: v["shape"] for v in spec["inputs"]}
+    assert list(shapes)[:4] == ["input_ids", "position", "mask_full", "mask_ring"]
+    assert shapes["input_ids"] == [1, 5] and shapes["position"] == [5]
+    assert shapes["mask_ring"] == [5, WINDOW - 1 + 5] and shapes["mask_full"] == [5, PROMPT_CONTEXT + 5]
+    outs = {v["name"]: v["shape"] for v in spec["outputs"]}
+    assert outs["logits"] == [1, 1, VOCAB] and outs["new_key_0"] == [1, io["n_kv_heads"], 5, io["head_dim"]]
+    ops = [n.op_type for n in onnx.load(str(root / "onnx" / "prompt.onnx")).graph.node]
+    assert "Mod" not in ops and ops.count("Softmax") == io["n_layers"]
+    dec = OnnxDecoder(root / "onnx", threads=1, prompt_file="prompt.onnx")
+    with pytest.raises(ContextFull, match="context_length 40"):
+        dec.prefill(list(range(3, 3 + PROMPT_CONTEXT + 1)))
+    with pytest.raises(DecodeGraphError, match="at least 2 tokens"):
+        build_prompt_step(_model("gemma3"), 16, 1)
+
+
+def test_prompt_masks_follow_the_window():
+    """The masks' rule against HF's, position by position: a query at q sees keys at positions in
+    (q - W, q] on a sliding layer, [0, q] on a full one."""
+    from pipeline.runtimes.onnx import prompt_masks, ring_positions
+
+    ring, ctx, T = WINDOW - 1, 30, 6
+    specs = {"mask_full": {"cache_len": ctx, "ring": 0}, "mask_ring": {"cache_len": ring, "ring": ring}}
+    for start in (0, 3, 7, 11, 20):
+        for n in (1, 4, 6):
+            m = prompt_masks(start, n, T, specs, -100.0)
+            held = ring_positions(start, ring)
+            pad = T - n
+            for t in range(pad, T):
+                q = start + t - pad
+                keys_full = [j for j in range(ctx) if m["mask_full"][t, j] == 0] + \
+                            [start + c - pad for c in range(T) if m["mask_full"][t, ctx + c] == 0]
+                assert keys_full == list(range(q + 1)), (start, n, t)
+                keys_ring = sorted([int(held[j]) for j in range(ring) if m["mask_ring"][t, j] == 0] +
+                                   [start + c - pad for c in range(T) if m["mask_ring"][t, ring + c] == 0])
+                assert keys_ring == list(range(max(0, q - WINDOW + 1), q + 1)), (start, n, t)
+            for t in range(pad):  # a padding row sees itself only
+                assert (m["mask_ring"][t] == 0).sum() == 1 and m["mask_ring"][t, ring + t] == 0

@@ -225,6 +225,20 @@ def test_phone_build_end_to_end_compiles_once_and_verifies_on_the_htp(phone_buil
     assert set(art["precisions"]["fp16"]["parts"]) == {"cold"}  # no CPU stand-in for the HTP's fp16
     assert art["precisions"]["fp16"]["prompts"] == 1 and fp16["steps"] < w8["steps"]
     assert {"qnn_w8a16", "qnn_fp16", "qnn_w8a16_load"} <= set(parity["seconds"])
+    # the prompt graph (16 tokens a call, PHONE_ARGS): made QNN-ready beside the token graph and checked against
+    # the export's decode steps a chunk at a time, compiled for fp16 (the QDQ precisions' is not built yet: said),
+    # cut into parts under the same limit, and on the HTP its chunk ends agree with the reference as the token
+    # graph's steps do, in one execution per 16 tokens
+    assert npu["prompt_graph"]["tokens"] == 16 and npu["prompt_graph"]["chunks"] >= 2
+    assert npu["prompt_graph"]["worst_snr_db"] >= 100 and npu["prompt_graph"]["precisions"] == ["fp16"]
+    assert npu["prompt_graph"]["not_yet"] == ["w8a16"] and "not built yet" in npu["prompt_graph"]["note"]
+    pc = info["compiled"]["fp16"]["prompt"]
+    assert pc["tokens"] == 16 and len(pc["parts"]) >= 2 and "prompt" not in info["compiled"]["w8a16"]
+    assert all((build / "compile_qnn" / "fp16" / "prompt" / q["dir"] / qnn.CONTEXT_MODEL).is_file() for q in pc["parts"])
+    pg = art["precisions"]["fp16"]["parts"]["cold"]["prompt_graph"]
+    assert pg["tokens_a_call"] == 16 and pg["executions"] == -(-pg["tokens"] // 16) < pg["tokens"]
+    assert pg["logits_snr_db"] >= 40 and pg["top1_agreement"] == 1.0, pg
+    assert "prompt_graph" not in art["precisions"]["w8a16"]["parts"]["cold"]
 
     profile = json.loads((build / "deploy_profile" / "qnn.json").read_text())
     parts = info["compiled"]["w8a16"]["parts"]
@@ -236,6 +250,12 @@ def test_phone_build_end_to_end_compiles_once_and_verifies_on_the_htp(phone_buil
     names = {i["name"]: i for i in profile["inputs"]}
     assert profile["embedding"]["model"] == "../compile_qnn/embed/model.onnx" and profile["embedding"]["bits"] == 8
     assert names["inputs_embeds"]["dtype"] == "float32" and "input_ids" not in names
+    prompt = profile["prompt_graph"]
+    assert prompt["tokens"] == 16 and prompt["precisions"] == ["fp16"] and set(prompt["without"]) == {"w8a16"}
+    assert [q["layers"] for q in prompt["variants"]["fp16"]["parts"]] == [q["layers"] for q in pc["parts"]]
+    assert prompt["executions_for_512_prompt_tokens"] == {"prompt_graph": 32, "token_graph": 512}
+    pnames = {i["name"]: i["shape"] for i in prompt["inputs"]}
+    assert pnames["inputs_embeds"][:2] == [1, 16] and pnames["position"] == [16] and "mask_ring" in pnames
     assert names["past_key_0"]["dtype"] == "float32" and names["past_key_0"]["shape"][2] == 15
 
     bench = json.loads((build / "benchmark" / "report.json").read_text())

@@ -221,6 +221,7 @@ def validate(cfg, overrides: list[str] = (), source: str | None = None) -> dict:
     # A registered build file (source given) holds its derived values already, and
     # was checked against the model when it was registered.
     facts = _model_defaults(resolved, where, refuse=source is None)
+    _device_defaults(resolved)
     _check(resolved, where)
     if facts is not None:
         _refuse_unexercised(resolved, facts, where)
@@ -254,6 +255,15 @@ def _model_defaults(c: dict, where, refuse: bool):
     if "calibrate.min_samples" in unset:  # null: every window asked for
         c["calibrate"]["min_samples"] = c["calibrate"]["samples"]
     return facts if refuse else None
+
+
+def _device_defaults(c: dict) -> None:
+    """The null settings that follow the device: export.prompt_tokens, a phone's qnn.prompt_tokens (at most
+    the context: a chunk longer than the context could never be filled)."""
+    if c["export"].get("prompt_tokens") is None:
+        qnn = c["device"].get("qnn") or {}
+        tokens = int(qnn.get("prompt_tokens") or 0) if c["device"].get("accelerator") == "qnn_htp" else 0
+        c["export"]["prompt_tokens"] = min(tokens, int(c["export"]["context_length"]))
 
 
 def _facts(c: dict):
@@ -387,6 +397,12 @@ def _check(c: dict, where) -> None:
     if not 0 <= noise < 1:
         raise ConfigError(f"{where('benchmark.noise_floor')}: benchmark.noise_floor={noise} must be in [0, 1)")
     ctx = c["export"]["context_length"]
+    pt = c["export"]["prompt_tokens"]
+    if pt < 0 or pt == 1 or pt > ctx:
+        derived = c["device"].get("qnn") and not where("export.prompt_tokens").startswith("command-line")
+        key = "device.qnn.prompt_tokens" if derived else "export.prompt_tokens"
+        raise ConfigError(f"{where(key)}: {key}={pt} must be 0 (no prompt graph) or 2 up to export.context_length "
+                          f"({ctx}): the prompt graph's tokens a call")
     b = c["benchmark"]
     if b["prompt_length"] + b["decode_tokens"] + b["warmup_tokens"] > ctx:
         raise ConfigError(

@@ -30,6 +30,9 @@ class QnnTarget:
     # Hexagon's 32-bit address space, issue 100). compile_qnn cuts a graph whose weights pass 90% of it
     # into parts between layers (pipeline/graphs/parts.py; the rest is headroom for activations and I/O).
     max_graph_bytes: int = 2147483648
+    # Tokens a call of the prompt graph beside the token graph (export.prompt_tokens follows it): a prompt
+    # of 512 tokens is 4 HTP executions at 128 instead of 512. 128: Qualcomm AI Hub's LLM exports.
+    prompt_tokens: int = 128
 
 
 @dataclass
@@ -92,6 +95,9 @@ class ExportConfig:
     opset: int = 21  # the notes: opset 21 exports and runs on ORT CPU and QNN
     # A modest mask constant: -1e9 ruins 16-bit activation scales (field notes).
     mask_value: float = -100.0
+    # Tokens a call of the prompt graph exported beside the decode step (prompt.onnx; 0: none).
+    # null: the device's qnn.prompt_tokens on a phone, else 0 (the CPU devices' graphs take a prompt whole).
+    prompt_tokens: Optional[int] = None
 
 
 @dataclass

@@ -28,8 +28,26 @@ Shared by `export`, `verify_parity` and the benchmark stages. Two pieces:
   the graph from `position`. The graph holds no modulo: the runtime computes
   the ring slot from a non-negative position.
 
+- `build_prompt_step(hf_model, context_length, tokens)`: the prompt graph, T
+  tokens a call (Qualcomm's LLM exports: a prompt processor of 128 tokens beside
+  the token generator, from the same weights). Same weights, same KV layout, same
+  rope; what differs:
+
+  * inputs: input_ids [1, T], position int64 [T] (each row's position), then one
+    additive mask per kind of layer, `mask_full` [T, context_length + T] and
+    `mask_ring` [T, (W-1) + T] (columns: the cache's slots, then the chunk's own
+    T keys), then the past K/V as the decode step takes them. The masks are
+    inputs, not computed from `position` as the decode step's are: which ring
+    slot holds which position is a modulo, and the graph holds none (the runtime
+    has the slots' positions; pipeline/runtimes/onnx.py `prompt_masks`);
+  * outputs: logits [1, 1, vocab] of the LAST row only (a runtime pads a short
+    chunk in front, masked out, so the last row is always the last token), then
+    new_key_i / new_value_i [1, n_kv, T, head_dim], the runtime writing each real
+    row into its slot.
+
 - `export_decode_step(...)`: the module to `model.onnx` (dynamo exporter, static
-  shapes) plus `io.json` describing inputs, outputs and per-layer slot rules.
+  shapes) plus `io.json` describing inputs, outputs and per-layer slot rules; with
+  `prompt_tokens` > 1 the prompt graph beside it (`prompt.onnx`, io.json "prompt").
 Its runtimes are pipeline/runtimes/onnx.py (`OnnxDecoder`) and the reference,
 pipeline/runtimes/reference.py (`TorchReference`, the eager HF model).
 """
@@ -54,6 +72,7 @@ IO_VERSION = 1
 # original positions: `_rope_tables` checks the context against families.rope_limit).
 _STATIC_ROPE = set(families.STATIC_ROPE)
 _EXTERNAL_DATA_BYTES = int(1.5e9)
+PROMPT_MODEL = "prompt.onnx"
 
 
 class DecodeGraphError(ValueError):
@@ -175,6 +194,29 @@ def build_decode_step(hf_model, context_length: int, mask_value: float = -100.0,
     `sliding_layout="full"` is a plain full-history reference for sliding layers
     (slot = position, window applied by the mask); exports use the ring.
     """
+    return _step_module(hf_model, context_length, mask_value, sliding_layout, tokens=1)
+
+
+def build_prompt_step(hf_model, context_length: int, tokens: int, mask_value: float = -100.0):
+    """The prompt-step module of `hf_model`: `tokens` tokens a call over the same weights and KV layout
+    as the decode step (the module docstring, "The prompt graph")."""
+    if tokens < 2:
+        raise DecodeGraphError(f"a prompt graph takes at least 2 tokens a call, got {tokens}")
+    return _step_module(hf_model, context_length, mask_value, "ring", tokens=tokens)
+
+
+def mask_inputs(plan: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """The prompt graph's mask inputs: {name: {cache_len, ring}}, one per kind of layer the plan has
+    (full layers' `mask_full`, sliding rings' `mask_ring`), in input order."""
+    masks = {}
+    for p in plan:
+        if p["window"]:
+            raise DecodeGraphError("the prompt graph serves the ring layout only")
+        masks.setdefault("mask_ring" if p["ring"] else "mask_full", {"cache_len": p["cache_len"], "ring": p["ring"]})
+    return dict(sorted(masks.items()))
+
+
+def _step_module(hf_model, context_length: int, mask_value: float, sliding_layout: str, tokens: int):
     import torch
     from torch import nn
 
@@ -227,6 +269,8 @@ def build_decode_step(hf_model, context_length: int, mask_value: float = -100.0,
             self.embedding_multiplier = mult.get("embedding_multiplier")  # Granite's (families.MULTIPLIERS)
             self.residual_multiplier = mult.get("residual_multiplier")
             self.logits_scaling = mult.get("logits_scaling")
+            self.tokens = tokens
+            self.masks = mask_inputs(plan) if tokens > 1 else {}
 
         @staticmethod
         def _rotate(x, cos, sin):
@@ -238,16 +282,16 @@ def build_decode_step(hf_model, context_length: int, mask_value: float = -100.0,
             x1, x2 = xr[..., : rot // 2], xr[..., rot // 2:]
             return torch.cat((xr * cos + torch.cat((-x2, x1), dim=-1) * sin, xp), dim=-1)
 
-        def forward(self, input_ids, position, *past):
-            h = self.embed_tokens(input_ids)  # [1, 1, H]
-            if self.embedding_multiplier is not None:
-                h = h * self.embedding_multiplier
-            pos_f = position.to(torch.float32)  # [1]
-            trig = {}
-            for key in self.rope_scale:
-                freqs = pos_f[:, None] * getattr(self, f"inv_freq_{key}")[None, :]  # [1, rot/2]
-                emb = torch.cat((freqs, freqs), dim=-1)  # [1, rot]
-                trig[key] = (emb.cos() * self.rope_scale[key], emb.sin() * self.rope_scale[key])
+        def forward(self, input_ids, position, *rest):
+            if self.tokens > 1:  # the prompt graph: its masks are inputs, one per kind of layer
+                masks = dict(zip(self.masks, rest))
+                return self._layers(input_ids, position, {
+                    (p["cache_len"], p["ring"], p["window"]): masks["mask_ring" if p["ring"] else "mask_full"]
+                    for p in self.plan}, rest[len(self.masks):])
+            return self._layers(input_ids, position, self._step_masks(position), rest)
+
+        def _step_masks(self, position):
+            """The decode step's additive masks from `position`: [cache_len + 1] per kind of layer."""
             masks = {}
             zero = torch.zeros(1, dtype=torch.float32)
             for p in self.plan:
@@ -260,7 +304,24 @@ def build_decode_step(hf_model, context_length: int, mask_value: float = -100.0,
                 if p["window"]:  # full-history sliding reference: keys at positions > p - W
                     invalid = invalid | (slots <= position - p["window"])
                 masks[key] = torch.cat((invalid.to(torch.float32) * self.mask_value, zero))  # [cache_len + 1]
+            return masks
 
+        def _layers(self, input_ids, position, masks, past):
+            """Every layer over T = self.tokens tokens (T = 1: the decode step's ops exactly; T > 1: the
+            prompt graph's, each mask [T, cache_len + T] with rows in token order). At most 4-D tensors:
+            the HTP's ops are specified to rank 4."""
+            T = self.tokens
+            h = self.embed_tokens(input_ids)  # [1, T, H]
+            if self.embedding_multiplier is not None:
+                h = h * self.embedding_multiplier
+            pos_f = position.to(torch.float32)  # [T]
+            trig = {}
+            for key in self.rope_scale:
+                freqs = pos_f[:, None] * getattr(self, f"inv_freq_{key}")[None, :]  # [T, rot/2]
+                emb = torch.cat((freqs, freqs), dim=-1)  # [T, rot]
+                trig[key] = (emb.cos() * self.rope_scale[key], emb.sin() * self.rope_scale[key])
+            if T > 1:  # query rows are (kv head, group member, token): each group member sees its token's mask
+                masks = {key: m.repeat(self.group, 1) for key, m in masks.items()}
             new_kv = []
             for p in self.plan:
                 i = p["index"]
@@ -274,30 +335,33 @@ def build_decode_step(hf_model, context_length: int, mask_value: float = -100.0,
                         [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], dim=-1)
                 else:
                     q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-                q = q.view(1, 1, self.n_heads, self.head_dim)
-                k = k.view(1, 1, self.n_kv, self.head_dim)
-                v = v.view(1, 1, self.n_kv, self.head_dim)
+                q = q.view(1, T, self.n_heads, self.head_dim)
+                k = k.view(1, T, self.n_kv, self.head_dim)
+                v = v.view(1, T, self.n_kv, self.head_dim)
                 if hasattr(attn, "q_norm"):
                     q = attn.q_norm(q)
                     k = attn.k_norm(k)
-                q = q.transpose(1, 2)  # [1, nh, 1, hd]
-                k = k.transpose(1, 2)  # [1, nkv, 1, hd]
+                q = q.transpose(1, 2)  # [1, nh, T, hd]
+                k = k.transpose(1, 2)  # [1, nkv, T, hd]
                 v = v.transpose(1, 2)
                 if self.rotary[i]:
                     cos, sin = trig[self.rope_key[i]]
                     q = self._rotate(q, cos, sin)
                     k = self._rotate(k, cos, sin)
                 new_kv += [k, v]
-                keys = torch.cat((past_k, k), dim=2)  # [1, nkv, L+1, hd]
+                keys = torch.cat((past_k, k), dim=2)  # [1, nkv, L+T, hd]
                 values = torch.cat((past_v, v), dim=2)
-                qg = q.reshape(1, self.n_kv, self.group, self.head_dim) * attn.scaling
-                scores = torch.matmul(qg, keys.transpose(2, 3))  # [1, nkv, group, L+1]
+                qg = q.reshape(1, self.n_kv, self.group * T, self.head_dim) * attn.scaling
+                scores = torch.matmul(qg, keys.transpose(2, 3))  # [1, nkv, group*T, L+T]
                 softcap = self.attn_softcap[i]
                 if softcap is not None:
                     scores = torch.tanh(scores / softcap) * softcap
                 scores = scores + masks[(p["cache_len"], p["ring"], p["window"])]
                 probs = torch.softmax(scores, dim=-1)
-                o = torch.matmul(probs, values).reshape(1, 1, self.n_heads * self.head_dim)
+                o = torch.matmul(probs, values)  # [1, nkv, group*T, hd]
+                if T > 1:  # rows (kv head, member, token) -> [T, heads, hd] -> [1, T, heads*hd]
+                    o = o.reshape(self.n_heads, T, self.head_dim).transpose(0, 1)
+                o = o.reshape(1, T, self.n_heads * self.head_dim)
                 o = attn.o_proj(o)
                 if self.gemma_sandwich:
                     h = residual + layer.post_attention_layernorm(o)
@@ -308,6 +372,8 @@ def build_decode_step(hf_model, context_length: int, mask_value: float = -100.0,
                 else:
                     h = residual + o
                     h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if T > 1:  # the prompt graph's logits: its last row only (a runtime pads a short chunk in front)
+                h = h[:, -1:, :]
             logits = self.lm_head(self.norm(h))
             if self.logits_scaling is not None:
                 logits = logits / self.logits_scaling
@@ -316,7 +382,9 @@ def build_decode_step(hf_model, context_length: int, mask_value: float = -100.0,
             return (logits.to(torch.float32), *new_kv)
 
         def example_inputs(self, position: int = 0):
-            args = [torch.zeros(1, 1, dtype=torch.int64), torch.tensor([position], dtype=torch.int64)]
+            T = self.tokens
+            args = [torch.zeros(1, T, dtype=torch.int64), torch.arange(position, position + T, dtype=torch.int64)]
+            args += [torch.zeros(T, m["cache_len"] + T) for m in self.masks.values()]
             for p in self.plan:
                 shape = (1, self.n_kv, p["cache_len"], self.head_dim)
                 args += [torch.zeros(shape), torch.zeros(shape)]
@@ -339,58 +407,75 @@ def io_names(n_layers: int) -> tuple[list[str], list[str]]:
 # --------------------------------------------------------------------------
 
 
+def prompt_io_names(n_layers: int, masks: dict) -> tuple[list[str], list[str]]:
+    ins, outs = io_names(n_layers)
+    return ins[:2] + list(masks) + ins[2:], outs
+
+
+def _export_module(step, ins: list[str], outs: list[str], onnx_path: Path, opset: int, external: bool):
+    """torch.onnx.export (dynamo, static shapes) of `step` to `onnx_path`, checked; the graph without weights."""
+    import onnx
+    import torch
+
+    for stale in (onnx_path, onnx_path.with_name(onnx_path.name + ".data")):
+        stale.unlink(missing_ok=True)
+    with torch.no_grad():
+        program = torch.onnx.export(step, step.example_inputs(), dynamo=True, opset_version=opset, verbose=False,
+                                    input_names=ins, output_names=outs, external_data=external)
+        program.save(str(onnx_path), external_data=external)
+    onnx.checker.check_model(str(onnx_path), full_check=False)
+    graph_model = onnx.load(str(onnx_path), load_external_data=False)
+    got_in = [i.name for i in graph_model.graph.input]
+    got_out = [o.name for o in graph_model.graph.output]
+    if got_in != ins or got_out != outs:
+        raise DecodeGraphError(f"exported names differ from the contract: {got_in} / {got_out}")
+    return graph_model
+
+
+def _values(vs) -> list[dict[str, Any]]:
+    import onnx
+
+    return [{"name": v.name, "shape": [d.dim_value for d in v.type.tensor_type.shape.dim],
+             "dtype": onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name} for v in vs]
+
+
 def export_decode_step(hf_model_dir, out_dir, context_length: int, opset: int = 21,
-                       mask_value: float = -100.0) -> dict[str, Any]:
-    """Export the decode step of the checkpoint at `hf_model_dir` to `out_dir`.
+                       mask_value: float = -100.0, prompt_tokens: int = 0) -> dict[str, Any]:
+    """Export the decode step of the checkpoint at `hf_model_dir` to `out_dir`, and with `prompt_tokens`
+    > 1 its prompt graph beside it (`prompt.onnx`, io.json "prompt").
 
     Writes `model.onnx` (+ `model.onnx.data` only if weights exceed 1.5 GB) and
     `io.json`; validates with onnx.checker; returns a summary dict.
     """
-    import onnx
-    import torch
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     model = load_hf_model(hf_model_dir)
     cfg = _text_config(model.config)
     step = build_decode_step(model, context_length, mask_value)
-    args = step.example_inputs()
     ins, outs = io_names(cfg.num_hidden_layers)
     n_bytes = sum(p.numel() * p.element_size() for p in step.parameters())
     external = n_bytes > _EXTERNAL_DATA_BYTES
     onnx_path = out_dir / "model.onnx"
-    for stale in (onnx_path, out_dir / "model.onnx.data"):
+    graph_model = _export_module(step, ins, outs, onnx_path, opset, external)
+    prompt_path = out_dir / PROMPT_MODEL
+    prompt = None
+    for stale in (prompt_path, prompt_path.with_name(PROMPT_MODEL + ".data")):
         stale.unlink(missing_ok=True)
-    with torch.no_grad():
-        program = torch.onnx.export(step, args, dynamo=True, opset_version=opset, verbose=False,
-                                    input_names=ins, output_names=outs, external_data=external)
-        program.save(str(onnx_path), external_data=external)
+    if prompt_tokens > 1:
+        pstep = build_prompt_step(model, context_length, prompt_tokens, mask_value)
+        p_ins, p_outs = prompt_io_names(cfg.num_hidden_layers, pstep.masks)
+        pgraph = _export_module(pstep, p_ins, p_outs, prompt_path, opset, external)
+        prompt = {"file": PROMPT_MODEL, "tokens": prompt_tokens, "masks": pstep.masks,
+                  "inputs": _values(pgraph.graph.input), "outputs": _values(pgraph.graph.output)}
     t_export = time.perf_counter() - t0
-
-    if external:
-        onnx.checker.check_model(str(onnx_path), full_check=False)
-        graph_model = onnx.load(str(onnx_path), load_external_data=False)
-    else:
-        graph_model = onnx.load(str(onnx_path))
-        onnx.checker.check_model(graph_model, full_check=False)
-    got_in = [i.name for i in graph_model.graph.input]
-    got_out = [o.name for o in graph_model.graph.output]
-    if got_in != ins or got_out != outs:
-        raise DecodeGraphError(f"exported names differ from the contract: {got_in} / {got_out}")
-
-    def _shape(v):
-        return [d.dim_value for d in v.type.tensor_type.shape.dim]
-
-    def _dtype(v):
-        return onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name
 
     plan = layer_plan(cfg, context_length)
     gen_cfg = getattr(model, "generation_config", None)
     io = {
         "version": IO_VERSION,
-        "inputs": [{"name": v.name, "shape": _shape(v), "dtype": _dtype(v)} for v in graph_model.graph.input],
-        "outputs": [{"name": v.name, "shape": _shape(v), "dtype": _dtype(v)} for v in graph_model.graph.output],
+        "inputs": _values(graph_model.graph.input),
+        "outputs": _values(graph_model.graph.output),
         "layers": [{k: p[k] for k in ("index", "type", "cache_len", "slot_rule")} for p in plan],
         "context_length": context_length,
         "vocab_size": cfg.vocab_size,
@@ -407,6 +492,8 @@ def export_decode_step(hf_model_dir, out_dir, context_length: int, opset: int = 
         "eos_token_id": _id_list(getattr(cfg, "eos_token_id", None), getattr(gen_cfg, "eos_token_id", None)),
         "external_data": external,
     }
+    if prompt is not None:
+        io["prompt"] = prompt
     (out_dir / "io.json").write_text(json.dumps(io, indent=2) + "\n")
     ops: dict[str, int] = {}
     for node in graph_model.graph.node:
@@ -418,6 +505,8 @@ def export_decode_step(hf_model_dir, out_dir, context_length: int, opset: int = 
         "nodes": len(graph_model.graph.node),
         "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1])),
         "bytes": sum(f.stat().st_size for f in files if f.exists()),
+        "prompt_bytes": sum(f.stat().st_size for f in (prompt_path, prompt_path.with_name(PROMPT_MODEL + ".data"))
+                            if f.exists()),
         "param_bytes": n_bytes,
         "export_s": round(t_export, 2),
     }

@@ -291,13 +291,21 @@ def _rope_tables(m: onnx.ModelProto, position: str, context_length: int) -> int:
     so = ort.SessionOptions()
     so.log_severity_level = 3
     sess = ort.InferenceSession(sub.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    pos_dtype = {onnx.TensorProto.INT64: np.int64, onnx.TensorProto.INT32: np.int32}[
-        keep_inputs[0].type.tensor_type.elem_type]
+    pos_type = keep_inputs[0].type.tensor_type
+    pos_dtype = {onnx.TensorProto.INT64: np.int64, onnx.TensorProto.INT32: np.int32}[pos_type.elem_type]
+    # `position` holds one position per row: [1] in the decode step, [T] in the prompt graph, whose
+    # Cos/Sin outputs lead with that axis. Each position's row is computed with every row at it.
+    n_pos = pos_type.shape.dim[0].dim_value if len(pos_type.shape.dim) == 1 else 0
+    if n_pos < 1:
+        raise RewriteError(f"the graph input {position!r} is not a 1-D tensor of static length")
     names = [n.output[0] for n in targets]
-    rows = [sess.run(names, {position: np.array([p], dtype=pos_dtype)}) for p in range(context_length)]
+    rows = [sess.run(names, {position: np.full(n_pos, p, dtype=pos_dtype)}) for p in range(context_length)]
     for k, n in enumerate(targets):
-        table = np.stack([r[k] for r in rows]).astype(np.float32)  # [C, *shape]
-        shape = np.array(table.shape[1:], dtype=np.int64)
+        if rows[0][k].shape[0] != n_pos:
+            raise RewriteError(f"{n.output[0]}: a rotary table whose first axis ({rows[0][k].shape}) is not "
+                               f"{position!r}'s {n_pos} rows")
+        table = np.stack([r[k][0] for r in rows]).astype(np.float32)  # [C, *row shape]
+        shape = np.array((n_pos,) + table.shape[1:], dtype=np.int64)
         tname, gname = f"{n.output[0]}__table", f"{n.output[0]}__gathered"
         m.graph.initializer.append(numpy_helper.from_array(table, tname))
         m.graph.initializer.append(numpy_helper.from_array(shape, f"{n.output[0]}__shape"))

@@ -209,12 +209,17 @@ def compiled_parts(entry: dict) -> list[dict]:
                                    "layers": None}]
 
 
-def open_htp(comp_dir: Path, info: dict, precision: str):
+def open_htp(comp_dir: Path, info: dict, precision: str, prompt: bool = False):
     """A session over a compile_qnn folder's binaries of one precision on the HTP backend: the one
-    binary's, or its parts' in order behind one session (parts.PartsSession)."""
+    binary's, or its parts' in order behind one session (parts.PartsSession); with `prompt`, its prompt
+    graph's (None where that precision has none)."""
     from pipeline.graphs.parts import PartsSession
 
     c = info["compiled"][precision]
+    if prompt:
+        c = c.get("prompt")
+        if c is None:
+            return None
     ps = compiled_parts(c)
     sessions = [htp_session(comp_dir / c["dir"] / p["dir"] / p["context_model"], info["target"], precision) for p in ps]
     return sessions[0] if len(sessions) == 1 else PartsSession(sessions, ps)

@@ -102,8 +102,9 @@ def _open_qnn(profile: dict, folders: dict):
     info = json.loads((comp / "qnn.json").read_text())
     deployed = info["deployed"]
     session = qnn.open_htp(comp, info, deployed)
+    prompt = qnn.open_htp(comp, info, deployed, prompt=True)  # the prompt graph, where the build has one
     tok = AutoTokenizer.from_pretrained(str(folders["untie_head"]), local_files_only=True)
-    return OnnxDecoder(comp, session=session), tok, {
+    return OnnxDecoder(comp, session=session, prompt_session=prompt), tok, {
         "runtime": f"{profile['runtime']}, HTP backend emulated on this host (speed is not the phone's)",
         "arm": f"qnn_{deployed}", "threads": 1, "profile_threads": 1, "weight_path": profile["weight_path"]["path"]}
 
