@@ -78,7 +78,9 @@ def run(ctx: StageContext) -> dict:
             prompt_graph = npu["graphs"][precision].get("prompt_graph")
             if prompt_graph:  # the prompt graph beside the token graph, its own binaries (no weight sharing yet)
                 try:
-                    pfacts = qnn.compile_parts(pack / prompt_graph, pack / prompt_graph, out / precision / "prompt",
+                    float_prompt = pack / "float" / Path(prompt_graph).name  # where a QDQ graph's layers are found
+                    pfacts = qnn.compile_parts(pack / prompt_graph, float_prompt if float_prompt.is_file()
+                                               else pack / prompt_graph, out / precision / "prompt",
                                                target, precision, progress=lambda _: bar.advance())
                 except qnn.QnnError as err:
                     raise StageError(f"compile_qnn: the prompt graph: {err}") from None

@@ -257,12 +257,59 @@ def _check_and_probe_stream(float_dir: Path, want: list, check: list[int], embed
 PROMPT_MODEL = "prompt.onnx"
 
 
+def _qdq_graph(ctx, p: str, src: Path, dst: Path, paths: list[Path], overrides: dict, float_nodes: list,
+               cal_dir: Path, what: str = "") -> dict:
+    """One QDQ graph of precision `p` from the float graph `src`: ONNX Runtime's quantizer over the spilled
+    samples `paths`, then the weights' codes as pack.qnn_weights / qnn_weight_method ask (w8a16: GPTQ and/or
+    blocks; w4a16: the quantize stage's codes). The same for the token graph and its prompt graph, so
+    both hold the same weights (checked by the caller)."""
+    from pipeline.graphs import qnn
+
+    cfg = ctx.cfg.pack
+    weights, method = str(cfg.qnn_weights), str(cfg.qnn_weight_method)
+    block = int(cfg.qnn_weight_block) if weights == "per_block" else None
+    ort_weights = "per_channel" if weights == "per_block" else weights  # the blocks come after ORT's pass
+    label = f"QDQ {p}" + (f" ({what})" if what else "")
+    with ctx.progress(None, f"{label}: ONNX Runtime's quantizer over {len(paths)} samples"):
+        try:
+            facts = qnn.qdq_quantize(src, dst, qnn.read_samples(paths), p, overrides, ort_weights,
+                                     float_nodes=float_nodes)
+        except qnn.QnnError as err:
+            raise StageError(f"pack: {err}") from None
+    # w8a16's codes made here, not ONNX Runtime's rounding: GPTQ's, and/or on a grid in blocks
+    # (ORT's quantizer goes no finer than a scale per channel). w4a16's are the quantize stage's own
+    # 4-bit codes in its groups (the build's 4-bit weights, which every CPU path packs).
+    if p == "w4a16" and weights != "per_tensor":
+        n_w = facts["matmul_weights"]["count"]
+        with ctx.progress(n_w, f"{label}: the quantize stage's codes for {n_w} MatMul weights") as bar:
+            try:
+                facts["matmul_weights"].update(qnn.requantize_weights(
+                    dst, src, Path(ctx.inputs["untie_head"]), cal_dir, codes_from=Path(ctx.inputs["quantize"]),
+                    advance=bar.advance))
+            except qnn.QnnError as err:
+                raise StageError(f"pack: {err}") from None
+    elif p == "w8a16" and weights != "per_tensor" and (method == "gptq" or block is not None):
+        n_w = facts["matmul_weights"]["count"]
+        with ctx.progress(n_w, f"{label}: {method} codes for {n_w} MatMul weights") as bar:
+            try:
+                facts["matmul_weights"].update(qnn.requantize_weights(
+                    dst, src, Path(ctx.inputs["untie_head"]), cal_dir, method=method, block=block,
+                    advance=bar.advance))
+            except qnn.QnnError as err:
+                raise StageError(f"pack: {err}") from None
+    else:
+        facts["matmul_weights"]["method"] = "rtn"
+    return facts
+
+
 def _prompt_float(export_dir: Path, float_dir: Path, C: int, embedding_out: bool, factor: int,
-                  want: list, check: list[int], embed) -> dict:
+                  want: list, check: list[int], embed, cfg) -> tuple[dict, dict]:
     """The export's prompt graph made QNN-ready as the token graph was (prepare, the embedding's lookup
     out where the token graph's is, the residual stream carried divided by the same `factor`), saved as
     float/prompt.onnx, then run over `check` a chunk at a time against the export's decode-step logits
-    `want` at each chunk's last token: {tokens, chunks, worst_snr_db, bytes}."""
+    `want` at each chunk's last token: ({tokens, chunks, worst_snr_db, bytes}, what its QDQ variants take
+    as the token graph's do: {"overrides": the embedding's ranges, "float_nodes": the float islands
+    pack.qnn_residual and pack.qnn_attention ask for, found on this graph})."""
     import gc
 
     import onnx
@@ -274,10 +321,20 @@ def _prompt_float(export_dir: Path, float_dir: Path, C: int, embedding_out: bool
 
     try:
         graph, _ = npu_rewrite.prepare(load_onnx(export_dir / PROMPT_MODEL), position="position", context_length=C)
+        overrides = npu_rewrite.embedding_ranges(graph)
+        residual = npu_rewrite.residual_stream(graph)  # followed from the lookup: before it leaves the graph
+        float_nodes = [n for k in ("adds", "norms", "writers") for n in residual[k]] \
+            if str(cfg.qnn_residual) == "fp16" else []
+        if str(cfg.qnn_attention) == "fp16":
+            float_nodes += [n for names in npu_rewrite.attention_cores(graph).values() for n in names]
         if embedding_out:
-            graph, _ = npu_rewrite.embedding_input(graph)
+            graph, cut = npu_rewrite.embedding_input(graph)
+            if cut["gather_output"] in overrides:
+                overrides[npu_rewrite.EMBEDS_INPUT] = overrides.pop(cut["gather_output"])
+            del cut
         if factor > 1:
-            npu_rewrite.scale_residual(graph, factor)
+            muls = npu_rewrite.scale_residual(graph, factor)["muls"]
+            float_nodes += muls if str(cfg.qnn_residual) == "fp16" else []
     except npu_rewrite.RewriteError as err:
         raise StageError(f"pack: the exported prompt graph cannot be made QNN-ready: {err}") from None
     onnx.save(graph, str(float_dir / PROMPT_MODEL), save_as_external_data=True, all_tensors_to_one_file=True,
@@ -291,8 +348,9 @@ def _prompt_float(export_dir: Path, float_dir: Path, C: int, embedding_out: bool
     chunks = dec.calls["prompt"]
     del dec
     gc.collect()
-    return {"graph": f"float/{PROMPT_MODEL}", "tokens": T, "chunks": chunks, "worst_snr_db": worst,
-            "bytes": sum(f.stat().st_size for f in float_dir.glob(PROMPT_MODEL + "*"))}
+    return ({"graph": f"float/{PROMPT_MODEL}", "tokens": T, "chunks": chunks, "worst_snr_db": worst,
+             "bytes": sum(f.stat().st_size for f in float_dir.glob(PROMPT_MODEL + "*"))},
+            {"overrides": overrides, "float_nodes": float_nodes})
 
 
 def _phone_io(io: dict, embedding: dict | None, up: str = "") -> dict:
@@ -343,8 +401,8 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     except npu_rewrite.RewriteError as err:
         raise StageError(f"pack: the exported graph cannot be made QNN-ready: {err}") from None
     qdq = [p for p in precisions if p != "fp16"]
-    weights, method = str(cfg.qnn_weights), str(cfg.qnn_weight_method)
-    block = int(cfg.qnn_weight_block) if weights == "per_block" else None  # w8a16's, see the QDQ loop
+    weights = str(cfg.qnn_weights)
+    block = int(cfg.qnn_weight_block) if weights == "per_block" else None  # w8a16's, see _qdq_graph
     if "w8a16" in qdq and block is not None:
         try:
             qnn.check_weight_block(prepared, block)
@@ -442,7 +500,8 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     prompt = None
     if "prompt" in io:  # the same rewrites on the prompt graph, checked against the same steps
         with ctx.progress(None, f"the prompt graph ({io['prompt']['tokens']} tokens a call) made QNN-ready"):
-            prompt = _prompt_float(export_dir, float_dir, C, table is not None, scaled["factor"], want, check, embed)
+            prompt, prompt_quant = _prompt_float(export_dir, float_dir, C, table is not None, scaled["factor"],
+                                                 want, check, embed, cfg)
         if prompt["worst_snr_db"] < QNN_CHECK_MIN_SNR_DB:
             raise StageError(f"pack: the QNN-ready prompt graph departs from the export's decode steps "
                              f"({prompt['worst_snr_db']:.1f} dB at worst over {prompt['chunks']} chunks, needs "
@@ -456,7 +515,6 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
 
     graphs = {}
     calibration = None
-    ort_weights = "per_channel" if weights == "per_block" else weights  # the blocks come after ORT's pass
     stride = int(cfg.qnn_calibration_stride)
     # Time: every calibration token is a decode step of the float graph, and
     # every stride-th one also a run of the calibrator's augmented graph. On
@@ -494,6 +552,14 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
                 paths = qnn.spill_samples(qnn.decode_samples(new, seqs, stride, advance=bar.advance), spill)
         del new
         gc.collect()
+        prompt_paths = []
+        if qdq and prompt is not None:  # the prompt graph's own samples: the same sequences, a chunk a sample
+            pdec = OnnxDecoder(float_dir, threads=2, prompt_file=PROMPT_MODEL)
+            with ctx.progress(calibration["tokens"], "QDQ calibration: the same tokens through the prompt graph") as bar:
+                prompt_paths = qnn.spill_samples(qnn.prompt_samples(pdec, seqs, advance=bar.advance), spill / "prompt")
+            del pdec
+            gc.collect()
+            calibration["prompt_samples"] = len(prompt_paths)
         for p in precisions:
             if p == "fp16":
                 graphs[p] = {"graph": "float/model.onnx", "math": "fp16 on the HTP (enable_htp_fp16_precision)"}
@@ -501,42 +567,23 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
                     graphs[p]["prompt_graph"] = f"float/{PROMPT_MODEL}"
                 continue
             (out / p).mkdir()
-            with ctx.progress(None, f"QDQ {p}: ONNX Runtime's quantizer over {len(paths)} samples"):
-                try:
-                    facts = qnn.qdq_quantize(float_dir / "model.onnx", out / p / "model.onnx",
-                                             qnn.read_samples(paths), p, overrides, ort_weights,
-                                             float_nodes=float_nodes)
-                except qnn.QnnError as err:
-                    raise StageError(f"pack: {err}") from None
-            # w8a16's codes made here, not ONNX Runtime's rounding: GPTQ's, and/or on a grid in blocks
-            # (ORT's quantizer goes no finer than a scale per channel). w4a16's are the quantize stage's own
-            # 4-bit codes in its groups (the build's 4-bit weights, which every CPU path packs).
-            if p == "w4a16" and weights != "per_tensor":
-                n_w = facts["matmul_weights"]["count"]
-                with ctx.progress(n_w, f"QDQ {p}: the quantize stage's codes for {n_w} MatMul weights") as bar:
-                    try:
-                        facts["matmul_weights"].update(qnn.requantize_weights(
-                            out / p / "model.onnx", float_dir / "model.onnx", Path(ctx.inputs["untie_head"]),
-                            cal_dir, codes_from=Path(ctx.inputs["quantize"]), advance=bar.advance))
-                    except qnn.QnnError as err:
-                        raise StageError(f"pack: {err}") from None
-            elif p == "w8a16" and weights != "per_tensor" and (method == "gptq" or block is not None):
-                n_w = facts["matmul_weights"]["count"]
-                with ctx.progress(n_w, f"QDQ {p}: {method} codes for {n_w} MatMul weights") as bar:
-                    try:
-                        facts["matmul_weights"].update(qnn.requantize_weights(
-                            out / p / "model.onnx", float_dir / "model.onnx", Path(ctx.inputs["untie_head"]),
-                            cal_dir, method=method, block=block, advance=bar.advance))
-                    except qnn.QnnError as err:
-                        raise StageError(f"pack: {err}") from None
-            else:
-                facts["matmul_weights"]["method"] = "rtn"
+            facts = _qdq_graph(ctx, p, float_dir / "model.onnx", out / p / "model.onnx", paths, overrides,
+                               float_nodes, cal_dir)
             graphs[p] = {"graph": f"{p}/model.onnx", **facts,
                          "residual_stream": {"math": str(cfg.qnn_residual), "adds": len(residual["adds"]),
                                              "norms": len(residual["norms"]),
                                              "writers": len(residual["writers"])},
                          "attention": {"math": str(cfg.qnn_attention),
                                        **{k: len(v) for k, v in attention.items()}}}
+            if prompt_paths:  # its prompt graph: calibrated on its own samples, the token graph's weights
+                _qdq_graph(ctx, p, float_dir / PROMPT_MODEL, out / p / PROMPT_MODEL, prompt_paths,
+                           prompt_quant["overrides"], prompt_quant["float_nodes"], cal_dir, what="the prompt graph")
+                differ = qnn.same_weights(out / p / "model.onnx", float_dir / "model.onnx", out / p / PROMPT_MODEL,
+                                          float_dir / PROMPT_MODEL)
+                if differ:
+                    raise StageError(f"pack: the {p} prompt graph's weights are not the token graph's "
+                                     f"({len(differ)} differ, first {differ[0]}): both must read the same codes")
+                graphs[p]["prompt_graph"] = f"{p}/{PROMPT_MODEL}"
     finally:
         shutil.rmtree(spill, ignore_errors=True)
     copy_side_files(export_dir, out)
@@ -551,8 +598,9 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
             "prompt_graph": prompt and {
                 **prompt, "precisions": [p for p in precisions if "prompt_graph" in graphs[p]],
                 "not_yet": [p for p in precisions if "prompt_graph" not in graphs[p]],
-                "note": "the quantized (QDQ) precisions take the prompt token by token: their prompt graph is "
-                        "not built yet; the fp16 one shares no weights with the token graph yet (two binaries)"},
+                "weights": "each QDQ precision's prompt graph holds its token graph's weights (checked: the same "
+                           "codes, scales and zero points), calibrated on its own samples (a chunk each)",
+                "note": "two graphs, two binaries: no weight sharing in one context yet"},
             "embedding": embedding or {"in_graph": True, "note": "pack.qnn_embedding=graph: the table is in the "
                                                                   "binaries, a Gather the HTP runs"}}
     (out / "npu.json").write_text(json.dumps(info, indent=2, default=float) + "\n")

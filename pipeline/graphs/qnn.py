@@ -737,6 +737,52 @@ def decode_samples(decoder, sequences: list[list[int]], stride: int, advance=lam
             advance()
 
 
+def prompt_samples(decoder, sequences: list[list[int]], advance=lambda: None) -> Iterator[dict]:
+    """The prompt graph's calibration samples, one a chunk: `decoder` (an OnnxDecoder with a prompt graph)
+    runs each sequence through it a chunk at a time, each chunk's inputs a sample (the KV it reads
+    written by the chunks before it)."""
+    T = decoder.prompt_tokens
+    for seq in sequences:
+        decoder.reset()
+        for i in range(0, len(seq), T):
+            chunk = seq[i:i + T]
+            yield decoder.next_prompt_inputs(chunk)
+            decoder.prefill(chunk)
+            advance(len(chunk))
+
+
+def same_weights(a: Path, a_float: Path, b: Path, b_float: Path) -> list[str]:
+    """The MatMul weights two QDQ graphs (`a`, `b`, each quantized from its float graph) quantize
+    differently: the codes, scales, zero points and DequantizeLinear attributes each MatMul reads its
+    weight through, matched by the float weight's content (the exports name the same weight differently,
+    `val_<n>`, as requantize_weights matches them), or that one of them lacks. [] when the prompt graph's
+    weights are the token graph's; else the differing weights' names in `a` (or `b`)."""
+    import hashlib
+
+    from onnx import numpy_helper
+
+    from pipeline.sources.tensorfile import load_onnx, onnx_initializers
+
+    def weights(path: Path, float_path: Path) -> dict[str, tuple[str, tuple]]:
+        m = load_onnx(path)
+        inits = {i.name: i for i in m.graph.initializer}
+        dq = {n.output[0]: n for n in m.graph.node if n.op_type == "DequantizeLinear"}
+        quantized = {}  # the float weight's name -> what the MatMul reads
+        for n in m.graph.node:
+            if n.op_type == "MatMul" and n.input[1] in dq and dq[n.input[1]].input[0].endswith("_quantized"):
+                d = dq[n.input[1]]
+                quantized[d.input[0][: -len("_quantized")]] = tuple(
+                    [(inits[x].data_type, tuple(inits[x].dims), numpy_helper.to_array(inits[x]).tobytes())
+                     for x in d.input if x in inits] + [a.SerializeToString() for a in d.attribute])
+        del m, inits
+        return {hashlib.sha256(w.tobytes()).hexdigest(): (name, quantized[name])
+                for name, w in onnx_initializers(float_path, quantized)}
+
+    wa, wb = weights(a, a_float), weights(b, b_float)
+    return sorted((wa.get(k) or wb[k])[0] for k in set(wa) | set(wb)
+                  if k not in wa or k not in wb or wa[k][1] != wb[k][1])
+
+
 # --------------------------------------------------------------------------
 # The token embedding, off the HTP
 # --------------------------------------------------------------------------

@@ -175,8 +175,11 @@ class OnnxDecoder(Runtime):
             logits = self._prompt_chunk(ids[i:i + T])
         return logits
 
-    def _prompt_chunk(self, chunk: list[int]) -> np.ndarray:
+    def _fill_prompt(self, chunk: list[int]) -> int:
+        """The prompt graph's feed for `chunk` at the current position (rows, positions, masks); its padding."""
         T, n, p = self.prompt_tokens, len(chunk), self.position
+        if not 1 <= n <= T:
+            raise ValueError(f"a chunk of {n} tokens for a prompt graph of {T}")
         pad = T - n
         name, rows = self._p_in
         rows.fill(0)
@@ -188,6 +191,16 @@ class OnnxDecoder(Runtime):
         self._p_pos.fill(p)
         self._p_pos[pad:] = np.arange(p, p + n)
         self._p_feed.update(prompt_masks(p, n, T, self.io["prompt"]["masks"], float(self.io["mask_value"])))
+        return pad
+
+    def next_prompt_inputs(self, chunk: Sequence[int]) -> dict[str, np.ndarray]:
+        """A copy of the inputs the prompt graph gets for `chunk` next (a calibration sample)."""
+        self._fill_prompt([int(t) for t in chunk])
+        return {k: v.copy() for k, v in self._p_feed.items()}
+
+    def _prompt_chunk(self, chunk: list[int]) -> np.ndarray:
+        n, p = len(chunk), self.position
+        pad = self._fill_prompt(chunk)
         res = self._prompt.run(self._p_outputs, self._p_feed)
         self.calls["prompt"] += 1
         for j, (k, v, ring) in enumerate(self._caches):
