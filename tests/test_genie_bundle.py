@@ -149,7 +149,8 @@ def test_the_profile_says_the_bundle_is_unverified_and_what_genie_lacks(tmp_path
         assert entry["graphs"] == [{"name": "QNNExecutionProvider_QNN_0_0", "spill_fill_bytes": 0}]
         missing = "\n".join(entry["missing"])
         assert "token_ar1_cl256_1_of_1" in missing and "QNNExecutionProvider_QNN_0_0" in missing  # graph names
-        assert "no prompt processor" in missing and "past_key_{l}_in" in missing and "position_ids_cos" in missing
+        assert "the prompt processor is a binary of its own" in missing and "(ar128)" in missing
+        assert "past_key_{l}_in" in missing and "position_ids_cos" in missing
         assert "ring of 15 slots" in missing  # the sliding layer's KV
         assert "embed/model.onnx" in missing  # the token embedding off the binary
         assert "float32" in missing  # I/O types

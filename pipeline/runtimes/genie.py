@@ -222,8 +222,11 @@ def missing(io: dict, graph_names: list[str], *, tokenizer: bool, extra: list[st
         f"graph names: Genie picks a graph by its name, {GENIE_GRAPH.format(context=C)} for the token "
         f"generator (and prompt_ar<N>_cl{C}_1_of_1 for a prompt processor); ours is {graph_names} as "
         "onnxruntime-qnn named it",
-        "no prompt processor: our binary holds one decode-step graph (one token a call); Qualcomm's Genie "
-        "exports link a prompt graph (ar128) and a token graph (ar1) over one set of weights into each binary",
+        ("the prompt processor is a binary of its own: " + (f"ours takes {io['prompt']['tokens']} tokens a call "
+         "(compile_qnn's <precision>/prompt/), its weights the token graph's but compiled apart" if "prompt" in io
+         else "none: our binary holds one decode-step graph (one token a call)") +
+         "; Qualcomm's Genie exports link a prompt graph (ar128) and a token graph (ar1) over one set of "
+         "weights into each binary (weight sharing, which this host's HTP emulation cannot load to check)"),
         f"graph I/O: ours {ours_in}, ... -> {ours_out}, ... (the mask and rotary computed inside from "
         f"`position`); Genie's HTP engine feeds {GENIE_IO}",
         "I/O types: ours float32 at the binary's boundary; Qualcomm's Genie exports quantize the I/O "
