@@ -331,3 +331,36 @@ def test_prompt_masks_follow_the_window():
                 assert keys_ring == list(range(max(0, q - WINDOW + 1), q + 1)), (start, n, t)
             for t in range(pad):  # a padding row sees itself only
                 assert (m["mask_ring"][t] == 0).sum() == 1 and m["mask_ring"][t, ring + t] == 0
+
+
+def test_prompt_graph_takes_the_phone_rewrites(prompt_exported, tmp_path):
+    """The phone's rewrites on both graphs (pack): prepare, the embedding's lookup out, the residual stream
+    carried divided by a factor (which needs the stream read by Adds and norms only: the prompt graph cuts
+    its last row after the final norm); the rewritten pair prefills and steps as the export does."""
+    from pipeline.graphs import npu_rewrite
+    from pipeline.graphs.decode_graph import _values
+
+    root = prompt_exported[("gemma3", 5)]
+    io = json.loads((root / "onnx" / "io.json").read_text())
+    out = tmp_path / "phone"
+    out.mkdir()
+    rewritten = {}
+    for name in ("model.onnx", "prompt.onnx"):
+        graph, report = npu_rewrite.prepare(onnx.load(str(root / "onnx" / name)), position="position",
+                                            context_length=io["context_length"])
+        assert report["rope_tables"] > 0 and report["rms_norms_fused"] > 0
+        graph, cut = npu_rewrite.embedding_input(graph)
+        scaled = npu_rewrite.scale_residual(graph, 8)
+        assert scaled["factor"] == 8 and scaled["muls"]
+        onnx.save(graph, str(out / name))
+        rewritten[name] = _values(graph.graph.input)
+    shapes = {i["name"]: i["shape"] for i in rewritten["prompt.onnx"]}
+    assert shapes["inputs_embeds"] == [1, 5, cut["table"].shape[1]]
+    phone_io = {**io, "inputs": rewritten["model.onnx"], "prompt": {**io["prompt"], "inputs": rewritten["prompt.onnx"]},
+                "embedding": {"model": "unused", "input": "input_ids", "output": "inputs_embeds"}}
+    (out / "io.json").write_text(json.dumps(phone_io))
+    ids = torch.randint(3, VOCAB, (23,), generator=torch.Generator().manual_seed(9)).tolist()
+    export = OnnxDecoder(root / "onnx", threads=1, prompt_file="prompt.onnx")
+    phone = OnnxDecoder(out, threads=1, embed=cut["table"].__getitem__, prompt_file="prompt.onnx")
+    assert snr_db(export.prefill(ids), phone.prefill(ids)) > 100.0
+    assert snr_db(export.step(7), phone.step(7)) > 100.0

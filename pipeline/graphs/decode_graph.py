@@ -372,9 +372,12 @@ def _step_module(hf_model, context_length: int, mask_value: float, sliding_layou
                 else:
                     h = residual + o
                     h = h + layer.mlp(layer.post_attention_layernorm(h))
-            if T > 1:  # the prompt graph's logits: its last row only (a runtime pads a short chunk in front)
+            h = self.norm(h)
+            if T > 1:  # the prompt graph's logits: its last row only (a runtime pads a short chunk in front).
+                # Cut after the final norm: the residual stream's readers stay Adds and norms, which the
+                # phone's rewrite needs to carry it scaled (npu_rewrite.scale_residual).
                 h = h[:, -1:, :]
-            logits = self.lm_head(self.norm(h))
+            logits = self.lm_head(h)
             if self.logits_scaling is not None:
                 logits = logits / self.logits_scaling
             if self.final_softcap is not None:
