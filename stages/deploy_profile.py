@@ -572,8 +572,10 @@ def _qnn_prompt(info: dict, io: dict, variant_of) -> dict | None:
     return {
         "tokens": T, "precisions": with_prompt,
         "variants": {p: variant_of(info["compiled"][p]["prompt"]) for p in with_prompt},
-        "without": {p: "takes the prompt through the token graph, a token a call (its prompt graph is not built "
-                       "yet)" for p in info["precisions"] if p not in with_prompt},
+        "without": {p: "takes the prompt through the token graph, a token a call: " + (
+            f"the HTP refused its prompt graph ({info['compiled'][p]['prompt_refused']})"
+            if "prompt_refused" in info["compiled"][p] else "the pack built no prompt graph for it")
+            for p in info["precisions"] if p not in with_prompt},
         "inputs": spec["inputs"], "outputs": spec["outputs"], "masks": spec["masks"],
         "run": (f"the prompt {T} tokens a call through the prompt graph, the last chunk padded in front (its logits "
                 "output is the chunk's last row: the next token's), then each new token through the token graph; "

@@ -1060,3 +1060,37 @@ def test_decode_samples_is_lazy_and_samples_every_stride_th_step():
     got = list(gen)
     assert [(s["tok"], s["pos"]) for s in got] == [(1, 0), (3, 2), (5, 4), (6, 0), (8, 2)]
     assert dec.steps == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+@pytest.mark.slow
+@pytest.mark.optional
+@needs_qnn
+def test_a_prompt_graph_the_htp_refuses_leaves_that_precision_token_by_token(phone_build, tmp_path, monkeypatch):
+    """compile_qnn on the tiny phone build's pack, the HTP made to refuse w8a16's prompt graph (as it refuses
+    Gemma 3 270M's at 128 tokens: QNN_COMMON_ERROR_MEM_ALLOC): the build goes on, w8a16 ships its token
+    graph alone with the reason in qnn.json, fp16 keeps its prompt graph, and nothing of the refused one
+    is left in the folder."""
+    from stages import compile_qnn
+
+    repo, _ = phone_build
+    pack = repo / "artifacts" / "galaxy_s25-embedded-speed" / "pack"
+    real = qnn.compile_parts
+
+    def refusing(graph, float_graph, out_dir, target, precision, progress=lambda _: None):
+        if precision == "w8a16" and graph.name == "prompt.onnx":
+            (out_dir / "part0").mkdir(parents=True)  # what a failed compile leaves behind
+            raise qnn.QnnError("QNN HTP (SM8750, v79) refused the w8a16 graph: QNN_COMMON_ERROR_MEM_ALLOC")
+        return real(graph, float_graph, out_dir, target, precision, progress)
+
+    monkeypatch.setattr(qnn, "compile_parts", refusing)
+    out = tmp_path / "out"
+    out.mkdir()
+    lines = []
+    ctx = StageContext(stage="compile_qnn", build="b", inputs={"pack": pack}, out=out,
+                       cfg=OmegaConf.create({"device": {"name": "galaxy_s25", "accelerator": "qnn_htp",
+                                                        "qnn": {**S25, "max_graph_bytes": 500000}}}))
+    monkeypatch.setattr(ctx, "log", lines.append)
+    info = compile_qnn.run(ctx)
+    assert "prompt" not in info["compiled"]["w8a16"] and "MEM_ALLOC" in info["compiled"]["w8a16"]["prompt_refused"]
+    assert info["compiled"]["fp16"]["prompt"]["tokens"] == 16 and not (out / "w8a16" / "prompt").exists()
+    assert any(x.startswith("warning: w8a16: the HTP refused its prompt graph") for x in lines), lines
