@@ -81,11 +81,13 @@ def run(ctx: StageContext) -> dict:
                     float_prompt = pack / "float" / Path(prompt_graph).name  # where a QDQ graph's layers are found
                     pfacts = qnn.compile_parts(pack / prompt_graph, float_prompt if float_prompt.is_file()
                                                else pack / prompt_graph, out / precision / "prompt",
-                                               target, precision, progress=lambda _: bar.advance())
+                                               target, precision, progress=lambda _: bar.advance(),
+                                               options=qnn.PROMPT_COMPILE_OPTIONS)
                 except qnn.QnnError as err:
                     # The token graph is the artifact; the prompt graph only shortens a prompt's way in. A
                     # precision whose prompt graph the HTP refuses ships without it, said here and in qnn.json
-                    # (Gemma 3 270M's w8a16 one at 128 tokens: QNN_COMMON_ERROR_MEM_ALLOC at finalize).
+                    # (Gemma 3 270M's w8a16 one at 128 tokens did, QNN_COMMON_ERROR_MEM_ALLOC, before
+                    # qnn.PROMPT_COMPILE_OPTIONS).
                     shutil.rmtree(out / precision / "prompt", ignore_errors=True)
                     compiled[precision]["prompt_refused"] = str(err)
                     ctx.log(f"warning: {precision}: the HTP refused its prompt graph ({err}); this precision takes "

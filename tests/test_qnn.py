@@ -1076,11 +1076,15 @@ def test_a_prompt_graph_the_htp_refuses_leaves_that_precision_token_by_token(pho
     pack = repo / "artifacts" / "galaxy_s25-embedded-speed" / "pack"
     real = qnn.compile_parts
 
-    def refusing(graph, float_graph, out_dir, target, precision, progress=lambda _: None):
+    seen = {}  # the provider options each prompt graph was compiled with
+
+    def refusing(graph, float_graph, out_dir, target, precision, progress=lambda _: None, options=None):
+        if graph.name == "prompt.onnx":
+            seen[precision] = options
         if precision == "w8a16" and graph.name == "prompt.onnx":
             (out_dir / "part0").mkdir(parents=True)  # what a failed compile leaves behind
             raise qnn.QnnError("QNN HTP (SM8750, v79) refused the w8a16 graph: QNN_COMMON_ERROR_MEM_ALLOC")
-        return real(graph, float_graph, out_dir, target, precision, progress)
+        return real(graph, float_graph, out_dir, target, precision, progress, options)
 
     monkeypatch.setattr(qnn, "compile_parts", refusing)
     out = tmp_path / "out"
@@ -1094,3 +1098,6 @@ def test_a_prompt_graph_the_htp_refuses_leaves_that_precision_token_by_token(pho
     assert "prompt" not in info["compiled"]["w8a16"] and "MEM_ALLOC" in info["compiled"]["w8a16"]["prompt_refused"]
     assert info["compiled"]["fp16"]["prompt"]["tokens"] == 16 and not (out / "w8a16" / "prompt").exists()
     assert any(x.startswith("warning: w8a16: the HTP refused its prompt graph") for x in lines), lines
+    # both compiled at QNN's highest finalization mode (the default mode refused Gemma 3 270M's w8a16 one)
+    assert seen == {"w8a16": qnn.PROMPT_COMPILE_OPTIONS, "fp16": qnn.PROMPT_COMPILE_OPTIONS}
+    assert qnn.PROMPT_COMPILE_OPTIONS == {"htp_graph_finalization_optimization_mode": "3"}

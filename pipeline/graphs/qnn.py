@@ -105,16 +105,23 @@ def provider_options(target: dict, precision: str) -> dict[str, str]:
             "enable_htp_fp16_precision": "1"}
 
 
-def session_options(target: dict, precision: str, *, context_file: Path | None = None):
+# The prompt graph's compile: QNN's graph finalization at its highest optimization mode (3, as Qualcomm's
+# own LLM exports compile). At the default mode Gemma 3 270M's w8a16 prompt graph (128 tokens a call) fails
+# to finalize with QNN_COMMON_ERROR_MEM_ALLOC, every part of it alike; at 3 it compiles (295.3 MB in 58.5 s).
+PROMPT_COMPILE_OPTIONS = {"htp_graph_finalization_optimization_mode": "3"}
+
+
+def session_options(target: dict, precision: str, *, context_file: Path | None = None, options: dict | None = None):
     """QNN-only session options: CPU fallback disabled; with `context_file`,
-    the session writes the context binary there (a separate .bin beside it)."""
+    the session writes the context binary there (a separate .bin beside it); `options`: more provider
+    options (PROMPT_COMPILE_OPTIONS)."""
     ort, _ = _module()
     devices = [d for d in ort.get_ep_devices() if d.ep_name == EP_NAME]
     if not devices:
         raise QnnError("onnxruntime-qnn is installed but exposes no QNN device to ONNX Runtime")
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    so.add_provider_for_devices(devices, provider_options(target, precision))
+    so.add_provider_for_devices(devices, {**provider_options(target, precision), **(options or {})})
     so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     if context_file is not None:
         so.add_session_config_entry("ep.context_enable", "1")
@@ -123,14 +130,17 @@ def session_options(target: dict, precision: str, *, context_file: Path | None =
     return so
 
 
-def compile_context(model: Path, out_dir: Path, target: dict, precision: str) -> dict[str, Any]:
-    """Compile `model` offline into out_dir/model_ctx.onnx + its context binary."""
+def compile_context(model: Path, out_dir: Path, target: dict, precision: str,
+                    options: dict | None = None) -> dict[str, Any]:
+    """Compile `model` offline into out_dir/model_ctx.onnx + its context binary (`options`: more provider
+    options for the compile)."""
     ort, _ = _module()
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx_model = out_dir / CONTEXT_MODEL
     t0 = time.perf_counter()
     try:
-        ort.InferenceSession(str(model), sess_options=session_options(target, precision, context_file=ctx_model))
+        ort.InferenceSession(str(model), sess_options=session_options(target, precision, context_file=ctx_model,
+                                                                      options=options))
     except Exception as err:  # noqa: BLE001 - ORT raises its own pybind types
         raise QnnError(f"QNN HTP ({target['soc_model']}, {target['htp_arch']}) refused the {precision} graph: "
                        f"{str(err).strip().splitlines()[-1][:400]}") from None
@@ -155,7 +165,7 @@ PART_WEIGHT_SHARE = 0.9
 
 
 def compile_parts(graph: Path, float_graph: Path, out_dir: Path, target: dict, precision: str,
-                  progress=lambda _: None) -> dict[str, Any]:
+                  progress=lambda _: None, options: dict | None = None) -> dict[str, Any]:
     """Compile `graph` into context binaries under out_dir: one (out_dir/model_ctx.onnx, as compile_context)
     where its weights fit PART_WEIGHT_SHARE of the target's max_graph_bytes, else one per part cut between
     layers (out_dir/part<k>/, pipeline/graphs/parts.py; the layer boundaries found on `float_graph`, the
@@ -173,7 +183,7 @@ def compile_parts(graph: Path, float_graph: Path, out_dir: Path, target: dict, p
     width = 2 if precision == "fp16" else None  # the HTP holds an fp16 graph's float32 weights as fp16
     whole = parts.weight_bytes(model, width)
     if whole <= budget:
-        facts = compile_context(graph, out_dir, target, precision)
+        facts = compile_context(graph, out_dir, target, precision, options)
         progress(1)
         return {**facts, "weight_bytes": whole, "budget_bytes": budget,
                 "parts": [{"dir": ".", "layers": None, "stream_in": None, "stream_out": None,
@@ -194,7 +204,7 @@ def compile_parts(graph: Path, float_graph: Path, out_dir: Path, target: dict, p
         del model, float_model
         done = []
         for k, part in enumerate(cut):
-            facts = compile_context(Path(tmp) / part.pop("file"), out_dir / f"part{k}", target, precision)
+            facts = compile_context(Path(tmp) / part.pop("file"), out_dir / f"part{k}", target, precision, options)
             done.append({"dir": f"part{k}", **part, **facts})
             progress(1)
     return {"context_model": None, "binaries": [f"{d['dir']}/{b}" for d in done for b in d["binaries"]],
