@@ -341,7 +341,7 @@ def _prompt_float(export_dir: Path, float_dir: Path, C: int, embedding_out: bool
               location=PROMPT_MODEL + ".data", size_threshold=1024)
     del graph
     gc.collect()
-    dec = OnnxDecoder(float_dir, threads=2, embed=embed, prompt_file=PROMPT_MODEL)
+    dec = OnnxDecoder(float_dir, threads=2, embed=embed, model_file=None, prompt_file=PROMPT_MODEL)
     T = dec.prompt_tokens
     # at least 3 calls, so the check reads a cache that earlier calls wrote (96 steps under a chunk of 128
     # would otherwise be one padded call); a call shorter than T is padded as a prompt's last one is
@@ -557,7 +557,7 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
         gc.collect()
         prompt_paths = []
         if qdq and prompt is not None:  # the prompt graph's own samples: the same sequences, a chunk a sample
-            pdec = OnnxDecoder(float_dir, threads=2, prompt_file=PROMPT_MODEL)
+            pdec = OnnxDecoder(float_dir, threads=2, model_file=None, prompt_file=PROMPT_MODEL)
             with ctx.progress(calibration["tokens"], "QDQ calibration: the same tokens through the prompt graph") as bar:
                 prompt_paths = qnn.spill_samples(qnn.prompt_samples(pdec, seqs, advance=bar.advance), spill / "prompt")
             del pdec

@@ -305,6 +305,13 @@ def test_prompt_graph_layout_and_refusals(prompt_exported):
     dec = OnnxDecoder(root / "onnx", threads=1, prompt_file="prompt.onnx")
     with pytest.raises(ContextFull, match="context_length 40"):
         dec.prefill(list(range(3, 3 + PROMPT_CONTEXT + 1)))
+    # the prompt graph alone (no token graph's session: the pack's check on a large model)
+    alone = OnnxDecoder(root / "onnx", threads=1, model_file=None, prompt_file="prompt.onnx")
+    ids = list(range(3, 15))
+    dec.reset()
+    assert snr_db(dec.prefill(ids), alone.prefill(ids)) > 120.0
+    with pytest.raises(ValueError, match="prefill only"):
+        alone.step(3)
     with pytest.raises(DecodeGraphError, match="at least 2 tokens"):
         build_prompt_step(_model("gemma3"), 16, 1)
 

@@ -65,7 +65,7 @@ class OnnxDecoder(Runtime):
     _prompt = None  # the prompt graph's session, where it has one
 
     def __init__(self, artifact_dir, threads: int = 1, providers: Iterable = ("CPUExecutionProvider",), *,
-                 model_file: str = "model.onnx", session=None, embed=None, extra_outputs: Sequence[str] = (),
+                 model_file: str | None = "model.onnx", session=None, embed=None, extra_outputs: Sequence[str] = (),
                  config: dict | None = None, prompt_file: str | None = None, prompt_session=None):
         """`artifact_dir` holds io.json; the graph is `model_file` inside it, or
         `session` when given (a graph of the same io.json compiled elsewhere,
@@ -89,9 +89,11 @@ class OnnxDecoder(Runtime):
 
         self.dir = Path(artifact_dir)
         self.io = json.loads((self.dir / "io.json").read_text())
-        self.session = session or ort.InferenceSession(str(self.dir / model_file),
-                                                       sess_options=session_options(threads, config=config),
-                                                       providers=list(providers))
+        # model_file=None: no token graph (a caller that only prefills through the prompt graph, e.g. the
+        # pack's check of it: on a 1.75B model each session holds 8 GB of weights)
+        self.session = session or (None if model_file is None else ort.InferenceSession(
+            str(self.dir / model_file), sess_options=session_options(threads, config=config),
+            providers=list(providers)))
         self.context_length = int(self.io["context_length"])
         self.vocab_size = int(self.io["vocab_size"])
         shapes = {i["name"]: i["shape"] for i in self.io["inputs"]}
@@ -237,6 +239,8 @@ class OnnxDecoder(Runtime):
         return feed
 
     def step(self, token_id: int) -> np.ndarray:
+        if self.session is None:
+            raise ValueError(f"{self.dir}: opened without its token graph (model_file=None): prefill only")
         p = self.position
         if p >= self.context_length:
             raise ContextFull(f"position {p} is past the exported context_length {self.context_length}; "
