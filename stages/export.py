@@ -32,7 +32,7 @@ def run(ctx: StageContext) -> dict:
     context_length = int(cfg.context_length)
     opset = int(cfg.opset)
     mask_value = float(cfg.mask_value)
-    prompt_tokens = int(cfg.prompt_tokens or 0)
+    prompt_tokens = int(cfg.get("prompt_tokens") or 0)  # null or absent (a config before it): none
     if context_length < 2:
         raise StageError(f"export.context_length must be >= 2, got {context_length}")
     if opset < MIN_OPSET:

@@ -145,8 +145,10 @@ class Builds:
         self.checkpoint(family)
         base = self.done[(family, False, ())]
         if not (base / "export" / "io.json").is_file():
+            # with a prompt graph of 8 tokens a call (longer than the ring of 7): every family's phone pack
+            # builds, checks and quantizes it beside the token graph
             export.run(ctx("export", base / "export", {"export": {"context_length": 32, "opset": 21,
-                                                                  "mask_value": -100.0}},
+                                                                  "mask_value": -100.0, "prompt_tokens": 8}},
                            {"untie_head": base / "untied"}))
         return base / "export"
 
@@ -594,6 +596,18 @@ def test_the_phone_graphs_of_every_family_stay_close_to_its_export(builds, famil
     # (Qwen2), top-1 0.92 to 1.00
     assert snr_db(export, w8) > 22.0, snr_db(export, w8)
     assert top1(export, w8) >= 0.9
+    # the prompt graph, 8 tokens a call: made QNN-ready as the token graph (checked in pack against the
+    # export's steps), its w8a16 QDQ graph holding the token graph's weights; a chunk at a time it ends
+    # each chunk where the token graph is, on the float graph and in the QDQ arithmetic alike
+    assert npu["prompt_graph"]["worst_snr_db"] >= 100.0 and npu["prompt_graph"]["precisions"] == ["w8a16", "fp16"]
+    assert qnn.same_weights(pdir / "w8a16/model.onnx", pdir / "float/model.onnx",
+                            pdir / "w8a16/prompt.onnx", pdir / "float/prompt.onnx") == []
+    ends = [7, 15, 23]
+    for graph, token_logits, config in (("float/", fp, {}), ("w8a16/", w8, qnn.CPU_QDQ_CONFIG)):
+        pg = OnnxDecoder(pdir, model_file=None, prompt_file=f"{graph}prompt.onnx", config=config) \
+            if graph != "float/" else OnnxDecoder(pdir / "float", model_file=None, prompt_file="prompt.onnx")
+        got = np.stack([pg.prefill(TOKENS[i:i + 8]) for i in range(0, 24, 8)])
+        assert snr_db(token_logits[ends], got) > (60.0 if graph == "float/" else 25.0), (graph, snr_db(token_logits[ends], got))
 
 
 @pytest.mark.slow
