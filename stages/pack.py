@@ -257,6 +257,32 @@ def _check_and_probe_stream(float_dir: Path, want: list, check: list[int], embed
 PROMPT_MODEL = "prompt.onnx"
 
 
+def _float_islands(graph, cfg) -> tuple[list[str], dict, dict]:
+    """(the nodes a QDQ graph leaves float, as pack.qnn_residual and pack.qnn_attention ask; the residual
+    stream's nodes; the attention cores' nodes) of a QNN-ready float graph, its embedding lookup still in
+    it (the stream is followed from the lookup)."""
+    from pipeline.graphs import npu_rewrite
+
+    residual = npu_rewrite.residual_stream(graph)
+    attention = npu_rewrite.attention_cores(graph)
+    float_nodes = [n for k in ("adds", "norms", "writers") for n in residual[k]] \
+        if str(cfg.qnn_residual) == "fp16" else []
+    if str(cfg.qnn_attention) == "fp16":
+        float_nodes += [n for names in attention.values() for n in names]
+    return float_nodes, residual, attention
+
+
+def _embedding_out(graph, overrides: dict):
+    """npu_rewrite.embedding_input on `graph` (RewriteError as it raises), the embedding's range override
+    moved to the input that replaces its lookup: (graph, the cut)."""
+    from pipeline.graphs import npu_rewrite
+
+    graph, cut = npu_rewrite.embedding_input(graph)
+    if cut["gather_output"] in overrides:
+        overrides[npu_rewrite.EMBEDS_INPUT] = overrides.pop(cut["gather_output"])
+    return graph, cut
+
+
 def _qdq_graph(ctx, p: str, src: Path, dst: Path, paths: list[Path], overrides: dict, float_nodes: list,
                cal_dir: Path, what: str = "") -> dict:
     """One QDQ graph of precision `p` from the float graph `src`: ONNX Runtime's quantizer over the spilled
@@ -322,16 +348,9 @@ def _prompt_float(export_dir: Path, float_dir: Path, C: int, embedding_out: bool
     try:
         graph, _ = npu_rewrite.prepare(load_onnx(export_dir / PROMPT_MODEL), position="position", context_length=C)
         overrides = npu_rewrite.embedding_ranges(graph)
-        residual = npu_rewrite.residual_stream(graph)  # followed from the lookup: before it leaves the graph
-        float_nodes = [n for k in ("adds", "norms", "writers") for n in residual[k]] \
-            if str(cfg.qnn_residual) == "fp16" else []
-        if str(cfg.qnn_attention) == "fp16":
-            float_nodes += [n for names in npu_rewrite.attention_cores(graph).values() for n in names]
+        float_nodes, _, _ = _float_islands(graph, cfg)
         if embedding_out:
-            graph, cut = npu_rewrite.embedding_input(graph)
-            if cut["gather_output"] in overrides:
-                overrides[npu_rewrite.EMBEDS_INPUT] = overrides.pop(cut["gather_output"])
-            del cut
+            graph, _ = _embedding_out(graph, overrides)
         if factor > 1:
             muls = npu_rewrite.scale_residual(graph, factor)["muls"]
             float_nodes += muls if str(cfg.qnn_residual) == "fp16" else []
@@ -412,23 +431,16 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
         except qnn.QnnError as err:
             raise StageError(f"pack: {err}") from None
     overrides = npu_rewrite.embedding_ranges(prepared) if qdq else {}  # before the save moves the data out
-    residual = npu_rewrite.residual_stream(prepared)
-    float_nodes = [n for k in ("adds", "norms", "writers") for n in residual[k]] \
-        if str(cfg.qnn_residual) == "fp16" else []
-    attention = npu_rewrite.attention_cores(prepared)
-    if str(cfg.qnn_attention) == "fp16":
-        float_nodes += [n for names in attention.values() for n in names]
+    float_nodes, residual, attention = _float_islands(prepared, cfg)
     table, embedding = None, None
     if str(cfg.qnn_embedding) != "graph":
         # The lookup leaves the graph (npu_rewrite.embedding_input says why): the binaries take
         # inputs_embeds, and embed/model.onnx, an 8- or 4-bit GatherBlockQuantized, runs on the CPU.
         try:
-            prepared, cut = npu_rewrite.embedding_input(prepared)
+            prepared, cut = _embedding_out(prepared, overrides)
         except npu_rewrite.RewriteError as err:
             raise StageError(f"pack: pack.qnn_embedding={cfg.qnn_embedding}: {err} (pack.qnn_embedding=graph "
                              "keeps the lookup in the binary)") from None
-        if cut["gather_output"] in overrides:
-            overrides[npu_rewrite.EMBEDS_INPUT] = overrides.pop(cut["gather_output"])
         table = cut["table"]
         with ctx.progress(None, f"embedding: {table.shape[0]} x {table.shape[1]} table, {cfg.qnn_embedding} "
                                 f"blocks of {gptq.EMBED_BLOCK} for the CPU"):

@@ -91,9 +91,8 @@ class OnnxDecoder(Runtime):
         self.io = json.loads((self.dir / "io.json").read_text())
         # model_file=None: no token graph (a caller that only prefills through the prompt graph, e.g. the
         # pack's check of it: on a 1.75B model each session holds 8 GB of weights)
-        self.session = session or (None if model_file is None else ort.InferenceSession(
-            str(self.dir / model_file), sess_options=session_options(threads, config=config),
-            providers=list(providers)))
+        self._session_args = (threads, list(providers), config)  # the prompt graph's session opens alike
+        self.session = session or (None if model_file is None else self._open(model_file))
         self.context_length = int(self.io["context_length"])
         self.vocab_size = int(self.io["vocab_size"])
         shapes = {i["name"]: i["shape"] for i in self.io["inputs"]}
@@ -132,19 +131,21 @@ class OnnxDecoder(Runtime):
         self.extra: dict[str, np.ndarray] = {}
         self.position = 0
         self.calls = {"token": 0, "prompt": 0}
-        self._prompt = None
         if prompt_file is not None or prompt_session is not None:
-            self._open_prompt(prompt_file, prompt_session, threads, providers, config)
+            self._open_prompt(prompt_file, prompt_session)
 
-    def _open_prompt(self, prompt_file, session, threads, providers, config) -> None:
+    def _open(self, name: str):
         import onnxruntime as ort
 
+        threads, providers, config = self._session_args
+        return ort.InferenceSession(str(self.dir / name), sess_options=session_options(threads, config=config),
+                                    providers=providers)
+
+    def _open_prompt(self, prompt_file, session) -> None:
         spec = self.io.get("prompt")
         if spec is None:
             raise ValueError(f"{self.dir}/io.json describes no prompt graph (export with a prompt_tokens)")
-        self._prompt = session or ort.InferenceSession(str(self.dir / prompt_file),
-                                                        sess_options=session_options(threads, config=config),
-                                                        providers=list(providers))
+        self._prompt = session or self._open(prompt_file)
         self.prompt_tokens = T = int(spec["tokens"])
         shapes = {i["name"]: i["shape"] for i in spec["inputs"]}
         self._p_pos = np.zeros((T,), dtype=np.int64)
