@@ -321,14 +321,19 @@ VLLM_GEOMETRY = {"hidden": 128, "intermediate": 256, "head_dim": 32}
 # vLLM's top token after each prefix of TOKENS (its prompt logprobs: the prompt teacher-forced), then its
 # greedy next token: the positions the reference's decode scores
 VLLM_PROBE = """
-import json, sys
+import json, os, sys
 from vllm import LLM, SamplingParams
 if __name__ == "__main__":
     llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 26, max_model_len=64)
     out = llm.generate([{"prompt_token_ids": json.loads(sys.argv[2])}],
                        SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
     top = [max(d.items(), key=lambda kv: kv[1].logprob)[0] for d in out.prompt_logprobs[1:]]
-    print("TOP " + json.dumps(top + [out.outputs[0].token_ids[0]]))
+    print("TOP " + json.dumps(top + [out.outputs[0].token_ids[0]]), flush=True)
+    # vLLM's CPU engine aborted now and then in the interpreter's teardown ("terminate called without an
+    # active exception", exit -6, after the answer was out: the clean-clone CI run of 4daf959): stop the
+    # engine's processes (else they hold the captured stdout open), then leave without that teardown
+    llm.llm_engine.engine_core.shutdown()
+    os._exit(0)
 """
 
 
