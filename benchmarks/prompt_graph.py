@@ -29,16 +29,12 @@ sys.path.insert(0, str(ROOT))
 
 
 def _figures(refs: list[np.ndarray], outs: list[np.ndarray]) -> dict:
-    from pipeline.graphs.decode_graph import snr_db
-    from stages.verify_parity import _log_softmax
+    """verify_parity's own figures (its running sums over steps) at the chunk ends."""
+    from stages.verify_parity import _rows, _Sums
 
-    kl = []
-    for r, o in zip(refs, outs):
-        lr, pr = _log_softmax(r.astype(np.float64))
-        lo, _ = _log_softmax(o.astype(np.float64))
-        kl.append(float((pr * (lr - lo)).sum()))
-    return {"snr_db": snr_db(np.stack(refs), np.stack(outs)), "top1": float(np.mean(
-        [np.argmax(r) == np.argmax(o) for r, o in zip(refs, outs)])), "kl_nats": float(np.mean(kl))}
+    total = _Sums()
+    total.add(_rows(np.stack(refs).astype(np.float64), np.stack(outs).astype(np.float64)))
+    return {"snr_db": total.snr_db(), "top1": total.top1 / total.steps, "kl_nats": total.kl / total.steps}
 
 
 def main() -> int:
