@@ -343,7 +343,7 @@ def _prompt_float(export_dir: Path, float_dir: Path, C: int, embedding_out: bool
     from pipeline.graphs import npu_rewrite
     from pipeline.graphs.decode_graph import snr_db
     from pipeline.runtimes.onnx import OnnxDecoder
-    from pipeline.sources.tensorfile import load_onnx
+    from pipeline.sources.tensorfile import load_onnx, share_external_data
 
     try:
         graph, _ = npu_rewrite.prepare(load_onnx(export_dir / PROMPT_MODEL), position="position", context_length=C)
@@ -360,6 +360,8 @@ def _prompt_float(export_dir: Path, float_dir: Path, C: int, embedding_out: bool
               location=PROMPT_MODEL + ".data", size_threshold=1024)
     del graph
     gc.collect()
+    # its weights read from the token graph's data file (the same bytes; checked below through them)
+    shared = share_external_data(float_dir / "model.onnx", float_dir / PROMPT_MODEL)
     dec = OnnxDecoder(float_dir, threads=2, embed=embed, model_file=None, prompt_file=PROMPT_MODEL)
     T = dec.prompt_tokens
     # at least 3 calls, so the check reads a cache that earlier calls wrote (96 steps under a chunk of 128
@@ -371,7 +373,8 @@ def _prompt_float(export_dir: Path, float_dir: Path, C: int, embedding_out: bool
     del dec
     gc.collect()
     return ({"graph": f"float/{PROMPT_MODEL}", "tokens": T, "chunks": chunks, "worst_snr_db": worst,
-             "bytes": sum(f.stat().st_size for f in float_dir.glob(PROMPT_MODEL + "*"))},
+             "bytes": sum(f.stat().st_size for f in float_dir.glob(PROMPT_MODEL + "*")),
+             "shared_bytes": shared["shared_bytes"]},
             {"overrides": overrides, "float_nodes": float_nodes})
 
 
@@ -408,7 +411,7 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     from pipeline.graphs import npu_rewrite, qnn
     from pipeline.runtimes.onnx import OnnxDecoder
     from pipeline.graphs.decode_graph import snr_db
-    from pipeline.sources.tensorfile import load_onnx
+    from pipeline.sources.tensorfile import load_onnx, share_external_data
 
     cfg = ctx.cfg.pack
     precisions = [str(p) for p in cfg.qnn_precisions]
@@ -598,6 +601,9 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
                 if differ:
                     raise StageError(f"pack: the {p} prompt graph's weights are not the token graph's "
                                      f"({len(differ)} differ, first {differ[0]}): both must read the same codes")
+                shared = share_external_data(out / p / "model.onnx", out / p / PROMPT_MODEL)
+                ctx.log(f"{p} prompt graph: {shared['shared']} tensors ({shared['shared_bytes'] / 1e6:.1f} MB) read "
+                        f"from the token graph's data file, {shared['own_bytes'] / 1e6:.1f} MB of its own")
                 graphs[p]["prompt_graph"] = f"{p}/{PROMPT_MODEL}"
     finally:
         shutil.rmtree(spill, ignore_errors=True)
@@ -615,7 +621,8 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
                 "not_yet": [p for p in precisions if "prompt_graph" not in graphs[p]],
                 "weights": "each QDQ precision's prompt graph holds its token graph's weights (checked: the same "
                            "codes, scales and zero points), calibrated on its own samples (a chunk each)",
-                "note": "two graphs, two binaries: no weight sharing in one context yet"},
+                "note": "two graphs, two binaries: no weight sharing in one context yet (on disk, each prompt "
+                        "graph reads its weights from its token graph's data file)"},
             "embedding": embedding or {"in_graph": True, "note": "pack.qnn_embedding=graph: the table is in the "
                                                                   "binaries, a Gather the HTP runs"}}
     (out / "npu.json").write_text(json.dumps(info, indent=2, default=float) + "\n")

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
+from pipeline.graphs import decode_graph  # noqa: E402
 from pipeline.graphs.decode_graph import (DecodeGraphError, build_decode_step, build_prompt_step,  # noqa: E402
                                           export_decode_step, snr_db)
 from pipeline.runtimes.contract import ContextFull  # noqa: E402
@@ -254,9 +255,23 @@ def prompt_exported(tmp_path_factory):
     for name, tokens in (("gemma3", 5), ("gemma3", 16), ("llama", 6), ("qwen3_sliding", 4)):
         root = tmp_path_factory.mktemp(f"{name}_p{tokens}")
         _model(name).save_pretrained(root / "hf")
-        export_decode_step(root / "hf", root / "onnx", context_length=PROMPT_CONTEXT, prompt_tokens=tokens)
+        with pytest.MonkeyPatch.context() as mp:
+            if name == "llama":  # its weights external, as a real model's are: the prompt graph reads them there
+                mp.setattr(decode_graph, "_EXTERNAL_DATA_BYTES", 0)
+            export_decode_step(root / "hf", root / "onnx", context_length=PROMPT_CONTEXT, prompt_tokens=tokens)
         arts[(name, tokens)] = root
     return arts
+
+
+def test_the_prompt_graph_reads_its_weights_from_the_decode_steps_file(prompt_exported):
+    """Where the weights are external (a real model's), the prompt graph's are the decode step's bytes,
+    written once (tensorfile.share_external_data); its logits are checked with the others above."""
+    out = prompt_exported[("llama", 6)] / "onnx"
+    io = json.loads((out / "io.json").read_text())
+    assert io["external_data"] and io["prompt"]["weights_from"] == "model.onnx.data"
+    whole = (out / "model.onnx.data").stat().st_size
+    own = (out / "prompt.onnx.data").stat().st_size if (out / "prompt.onnx.data").exists() else 0
+    assert io["prompt"]["shared_bytes"] > 0.9 * whole and own < 0.1 * whole, (whole, own)
 
 
 @pytest.mark.parametrize("name,tokens", [("gemma3", 5), ("gemma3", 16), ("llama", 6), ("qwen3_sliding", 4)])

@@ -607,6 +607,9 @@ def test_the_phone_graphs_of_every_family_stay_close_to_its_export(builds, famil
     assert npu["prompt_graph"]["worst_snr_db"] >= 100.0 and npu["prompt_graph"]["precisions"] == ["w8a16", "fp16"]
     assert qnn.same_weights(pdir / "w8a16/model.onnx", pdir / "float/model.onnx",
                             pdir / "w8a16/prompt.onnx", pdir / "float/prompt.onnx") == []
+    for graph in ("float", "w8a16"):  # on disk the weights are the token graph's bytes, not a second copy
+        own = pdir / graph / "prompt.onnx.data"
+        assert (own.stat().st_size if own.exists() else 0) < 0.1 * (pdir / graph / "model.onnx.data").stat().st_size
     ends = [7, 15, 23]
     for graph, token_logits, config in (("float/", fp, {}), ("w8a16/", w8, qnn.CPU_QDQ_CONFIG)):
         pg = OnnxDecoder(pdir, model_file=None, prompt_file=f"{graph}prompt.onnx", config=config) \

@@ -74,3 +74,67 @@ def test_load_onnx_reads_external_data_that_dvc_hardlinked(tmp_path):
     onnx.save(bad, str(tmp_path / "bad.onnx"))
     with pytest.raises(TensorFileError, match="not a file beside the model"):
         load_onnx(tmp_path / "bad.onnx")
+
+
+def test_a_second_graph_reads_the_weights_it_shares_from_the_first_graphs_file(tmp_path, monkeypatch):
+    """share_external_data: the prompt graph's copy of the token graph's weights is dropped from its own
+    data file (matched by content, whatever the names), ONNX Runtime computes the same, a tensor of its own
+    stays its own, the first graph's file is untouched, a hardlink to the old data file (DVC's cache) keeps
+    its bytes, and a second call changes nothing."""
+    import os
+
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from pipeline.sources import tensorfile
+    from pipeline.sources.tensorfile import load_onnx, share_external_data
+
+    monkeypatch.setattr(tensorfile, "_CHUNK", 1000)  # each 16 kB tensor read and copied in pieces
+    rng = np.random.default_rng(0)
+    w1, w2, own = (rng.standard_normal((64, 64)).astype(np.float32) for _ in range(3))
+
+    def save(name, weights, rows):
+        nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("MatMul", ["h", "w2"], ["y"])]
+        inits = [numpy_helper.from_array(w1, weights[0]), numpy_helper.from_array(w2, weights[1])]
+        if len(weights) > 2:
+            nodes.append(helper.make_node("MatMul", ["y", weights[2]], ["z"]))
+            inits.append(numpy_helper.from_array(own, weights[2]))
+        out = "z" if len(weights) > 2 else "y"
+        for n in nodes:
+            n.input[1] = {"w1": weights[0], "w2": weights[1]}.get(n.input[1], n.input[1])
+        g = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, 64])],
+                              [helper.make_tensor_value_info(out, TensorProto.FLOAT, [rows, 64])], inits)
+        path = tmp_path / f"{name}.onnx"
+        onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), str(path),
+                  save_as_external_data=True, location=f"{name}.onnx.data", size_threshold=1024)
+        return path
+
+    def run(path, x):
+        return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+    token = save("model", ["w1", "w2"], 1)
+    prompt = save("prompt", ["val_7", "val_9", "own"], 4)  # the exporter names them its own way
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    want, want_token = run(prompt, x), run(token, x[:1])
+    token_data = (tmp_path / "model.onnx.data").read_bytes()
+    old = (tmp_path / "prompt.onnx.data").read_bytes()
+    os.link(tmp_path / "prompt.onnx.data", tmp_path / "cache-entry")
+
+    got = share_external_data(token, prompt)
+    assert got == {"shared": 2, "shared_bytes": 2 * w1.nbytes, "own_bytes": own.nbytes}
+    assert (tmp_path / "prompt.onnx.data").stat().st_size == own.nbytes
+    assert (tmp_path / "model.onnx.data").read_bytes() == token_data
+    assert (tmp_path / "cache-entry").read_bytes() == old  # replaced, not written through the link
+    np.testing.assert_array_equal(run(prompt, x), want)
+    np.testing.assert_array_equal(run(token, x[:1]), want_token)
+    m = load_onnx(prompt)
+    assert np.array_equal(numpy_helper.to_array(next(i for i in m.graph.initializer if i.name == "own")), own)
+    skeleton = onnx.load(str(prompt), load_external_data=False)
+    where = {i.name: {e.key: e.value for e in i.external_data}["location"] for i in skeleton.graph.initializer}
+    assert where == {"val_7": "model.onnx.data", "val_9": "model.onnx.data", "own": "prompt.onnx.data"}
+
+    assert share_external_data(token, prompt) == got  # idempotent
+    np.testing.assert_array_equal(run(prompt, x), want)
+    assert not list(tmp_path.glob(".*"))  # no temporaries left

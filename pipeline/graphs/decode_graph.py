@@ -448,7 +448,8 @@ def export_decode_step(hf_model_dir, out_dir, context_length: int, opset: int = 
     > 1 its prompt graph beside it (`prompt.onnx`, io.json "prompt").
 
     Writes `model.onnx` (+ `model.onnx.data` only if weights exceed 1.5 GB) and
-    `io.json`; validates with onnx.checker; returns a summary dict.
+    `io.json`; validates with onnx.checker; returns a summary dict. The prompt graph's weights, where
+    they are external, are read from `model.onnx.data` (`prompt.onnx.data` holds only its own tensors).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -469,7 +470,13 @@ def export_decode_step(hf_model_dir, out_dir, context_length: int, opset: int = 
         pstep = build_prompt_step(model, context_length, prompt_tokens, mask_value)
         p_ins, p_outs = prompt_io_names(cfg.num_hidden_layers, pstep.masks)
         pgraph = _export_module(pstep, p_ins, p_outs, prompt_path, opset, external)
+        if external:  # the same weights: read from the decode step's data file, not written twice
+            from pipeline.sources.tensorfile import share_external_data
+
+            shared = share_external_data(onnx_path, prompt_path)
         prompt = {"file": PROMPT_MODEL, "tokens": prompt_tokens, "masks": pstep.masks,
+                  **({"weights_from": onnx_path.name + ".data", "shared_bytes": shared["shared_bytes"]}
+                     if external else {}),
                   "inputs": _values(pgraph.graph.input), "outputs": _values(pgraph.graph.output)}
     t_export = time.perf_counter() - t0
 

@@ -157,17 +157,14 @@ def load_onnx(path) -> "onnx.ModelProto":  # noqa: F821 - onnx is imported insid
 def _fill(model, base: Path, path: Path) -> None:
     """Read every external tensor of `model` (whose files lie in `base`) into the model (load_onnx)."""
     import onnx
-    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+    from onnx.external_data_helper import uses_external_data
 
     handles = {}
     try:
         for tensor in _all_tensors(model):
             if not uses_external_data(tensor):
                 continue
-            info = ExternalDataInfo(tensor)
-            if Path(info.location).name != info.location or info.location in ("", ".", ".."):
-                raise TensorFileError(f"{path}: tensor {tensor.name!r} names external data "
-                                      f"{info.location!r}, not a file beside the model")
+            info = _external_info(tensor, path)
             f = handles.get(info.location)
             if f is None:
                 f = handles[info.location] = open(base / info.location, "rb")
@@ -181,6 +178,20 @@ def _fill(model, base: Path, path: Path) -> None:
     finally:
         for f in handles.values():
             f.close()
+
+
+def _external_info(tensor, path):
+    """The tensor's external data entry, refused unless its location is a plain file name beside the model."""
+    from onnx.external_data_helper import ExternalDataInfo
+
+    info = ExternalDataInfo(tensor)
+    if Path(info.location).name != info.location or info.location in ("", ".", ".."):
+        raise TensorFileError(f"{path}: tensor {tensor.name!r} names external data "
+                              f"{info.location!r}, not a file beside the model")
+    return info
+
+
+_CHUNK = 64 << 20  # share_external_data reads and copies a tensor's bytes this much at a time
 
 
 def onnx_initializers(path, names):
@@ -205,3 +216,98 @@ def _all_tensors(model):
     from onnx.external_data_helper import _get_all_tensors
 
     return _get_all_tensors(model)
+
+
+def share_external_data(primary, secondary) -> dict:
+    """Point every external tensor of the ONNX model `secondary` whose bytes equal one of the model
+    `primary`'s (both in one folder) at the primary's copy, and rewrite the secondary's own data file
+    with the rest: a phone build's prompt graph and its token graph hold the same weights (their
+    codes checked equal by `qnn.same_weights`), written twice by onnx.save, which knows one model at a time.
+
+    Matched by content (sha256 of the bytes), not by name: the exporter names a graph's constants by
+    where they are used. Read and copied in chunks (a 1.75B model's embedding is 2 GB in one tensor).
+    The secondary's data file is written beside and renamed over the old one, never changed in place:
+    DVC's hardlink cache shares a stage output's inode with the cache.
+    Returns {"shared": tensors, "shared_bytes", "own_bytes"}."""
+    import hashlib
+    import os
+
+    import onnx
+    from onnx.external_data_helper import uses_external_data
+
+    primary, secondary = Path(primary), Path(secondary)
+    if primary.parent != secondary.parent:
+        raise TensorFileError(f"{secondary} and {primary}: external data is shared only within one folder")
+    base = primary.parent
+    handles = {}
+
+    def chunks(path, tensor):
+        info = _external_info(tensor, path)
+        f = handles.get(info.location)
+        if f is None:
+            f = handles[info.location] = open(base / info.location, "rb")
+        f.seek(info.offset or 0)
+        left = info.length
+        while left is None or left > 0:
+            data = f.read(_CHUNK if left is None else min(_CHUNK, left))
+            if not data:
+                break
+            left = None if left is None else left - len(data)
+            yield data
+
+    def digest(path, tensor) -> tuple[bytes, int]:
+        h, n = hashlib.sha256(), 0
+        for data in chunks(path, tensor):
+            h.update(data)
+            n += len(data)
+        return h.digest(), n
+
+    first = onnx.load(str(primary), load_external_data=False)
+    second = onnx.load(str(secondary), load_external_data=False)
+    own_name = secondary.name + ".data"
+    tmp = base / f".{own_name}.tmp"
+    shared = shared_bytes = own_bytes = 0
+    try:
+        by_content = {}
+        for tensor in _all_tensors(first):
+            if uses_external_data(tensor):
+                key, n = digest(primary, tensor)
+                info = _external_info(tensor, primary)
+                by_content.setdefault(key, (info.location, info.offset or 0, n))
+        with open(tmp, "wb") as out:
+            for tensor in _all_tensors(second):
+                if not uses_external_data(tensor):
+                    continue
+                key, n = digest(secondary, tensor)
+                hit = by_content.get(key)
+                if hit is not None:
+                    location, offset, length = hit
+                    shared, shared_bytes = shared + 1, shared_bytes + length
+                else:  # its own: aligned to a page as onnx.save aligns large tensors (ORT maps those)
+                    if n > 1 << 20 and out.tell() % 4096:
+                        out.write(b"\0" * (4096 - out.tell() % 4096))
+                    location, offset, length = own_name, out.tell(), n
+                    for data in chunks(secondary, tensor):
+                        out.write(data)
+                    own_bytes += n
+                del tensor.external_data[:]
+                for k, v in (("location", location), ("offset", offset), ("length", length)):
+                    entry = tensor.external_data.add()
+                    entry.key, entry.value = k, str(v)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        for f in handles.values():
+            f.close()
+    # Both written beside and renamed over (the data file first): a stage's outputs are moved into place
+    # only once it completes, so a stop between the renames leaves nothing a build reads.
+    graph_tmp = base / f".{secondary.name}.tmp"
+    graph_tmp.write_bytes(second.SerializeToString())
+    if own_bytes:
+        os.replace(tmp, base / own_name)
+    else:
+        tmp.unlink()
+        (base / own_name).unlink(missing_ok=True)
+    os.replace(graph_tmp, secondary)
+    return {"shared": shared, "shared_bytes": shared_bytes, "own_bytes": own_bytes}
