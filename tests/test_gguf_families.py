@@ -148,6 +148,8 @@ def test_a_mistral_written_as_llama_keeps_its_window(tmp_path):
     assert cfg["architectures"] == ["MistralForCausalLM"] and cfg["sliding_window"] == WINDOW
     facts = model_facts.of({"source": "gguf", "name": "m", "path": str(tmp_path / "tiny-mistral.gguf")})
     assert (facts.family, facts.sliding_window) == ("MistralForCausalLM", WINDOW)  # what compose time derives from
+    # the parameter count from the file's tensor infos (no tensor read): the model's own
+    assert facts.parameters == sum(p.numel() for p in model.parameters()), facts.parameters
 
 
 @pytest.mark.parametrize("arch", ["smollm3", "granite"])

@@ -86,6 +86,16 @@ def test_no_window_and_unused_window(tmp_path):
         assert (c["calibrate"]["seq_len"], c["calibrate"]["samples"], c["parity"]["max_prompts"]) == (128, 64, 12)
 
 
+def test_a_real_size_model_confirms_its_phone_build_on_one_prompt():
+    """The HTP emulation's step grows with the weights: from QNN_FEW_PROMPTS_PARAMETERS the phone's HTP
+    confirmation runs one prompt (SmolLM2-135M's 4 planned 245 steps, hours), windowed or not."""
+    small = model_facts.ModelFacts("small", 0, 2048, 5_000_000, source="hf")
+    real = model_facts.ModelFacts("real", 0, 2048, 134_515_008, source="gguf")
+    assert model_facts.derive(small)["parity.qnn_prompts"] == 4
+    assert model_facts.derive(real)["parity.qnn_prompts"] == 1
+    assert model_facts.derive(real)["parity.max_prompts"] == 12  # the CPU bulk keeps every prompt
+
+
 def test_context_within_positions(tmp_path):
     d = _hf_dir(tmp_path, "short", sliding_window=200, max_position_embeddings=300)
     c = build(["model=hf", f"model.path={d}"])

@@ -151,7 +151,8 @@ class ParityConfig:
     # arithmetic) over every prompt and the evaluation windows, the bulk measure;
     # the context binaries confirm it on the HTP backend's x86 emulation
     # (seconds per step on a real model), over the first qnn_prompts prompts.
-    # null: 4, or 1 where a prompt's run passes 128 steps (a large window).
+    # null: 4, or 1 where a prompt's run passes 128 steps (a large window) or the
+    # model has 50M parameters or more (model_facts.QNN_FEW_PROMPTS_PARAMETERS).
     qnn_prompts: Optional[int] = None
     # HTP steps a prompt for the deployed precision (null: 64; Gemma 3 270M's
     # w8a16 costs ~9-10 s a step on the emulation): the whole run when it fits,

@@ -16,6 +16,7 @@ file cut in pieces, so nothing is assembled to read them).
 from __future__ import annotations
 
 import importlib
+import math
 import json
 import struct
 from dataclasses import dataclass, field, replace
@@ -63,8 +64,14 @@ CALIBRATION_TOKENS = 8192  # samples x seq_len: GPTQ's Hessians saw 64 x 128 on 
 MIN_CALIBRATION_SAMPLES = 16
 # The HTP emulation costs seconds per step on a real model (the ~135M model's
 # 4 prompts x 85 steps x 2 precisions ran 32 minutes): past a 128-token run,
-# one prompt that leaves the window is what the phone gate measures.
+# one prompt that leaves the window is what the phone gate measures. And from
+# QNN_FEW_PROMPTS_PARAMETERS one prompt whatever the run: the emulation's
+# step grows with the weights (0.7 s a w8a16 step on the embedded model; 28 s
+# on SmolLM2-135M with the cores shared, whose 4 prompts planned 245 HTP
+# steps, over 2 hours at that rate; Gemma 3 270M 10-47 s), so its time is bounded by the steps of
+# one prompt: 64 on the deployed binary, 50 on the other.
 QNN_PROMPTS_SHORT, QNN_PROMPTS_LONG, QNN_LONG_RUN = 4, 1, 128
+QNN_FEW_PROMPTS_PARAMETERS = 50_000_000
 # Parity's steps over all prompts (each prompt + decode_tokens): the embedded
 # model's 12 prompts x ~88 steps; a 512-token window gets 2 prompts past it.
 PARITY_STEPS, PROMPT_TOKENS = 1024, 8
@@ -254,9 +261,12 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 _BOOL = 7
 
 
+GGUF_PARAMETERS = "edgekiln.parameters"  # gguf_metadata's own entry: the tensors' element count
+
+
 def gguf_metadata(parts: list[Path], wanted: tuple[str, ...] = ()) -> dict:
     """The GGUF header's key/values (arrays skipped, but for per-layer flag lists), stopping once `wanted`
-    are read.
+    are read; read to the end, with GGUF_PARAMETERS, the parameter count of its tensor infos.
 
     Written by hand because gguf's GGUFReader maps and parses the whole file,
     tensors and the 262k-token vocabulary included: 7.7 s for Gemma 3 270M on
@@ -297,13 +307,21 @@ def gguf_metadata(parts: list[Path], wanted: tuple[str, ...] = ()) -> dict:
         if f.read(4) != b"GGUF":
             raise FactsError(f"{parts[0]} is not a GGUF file (no GGUF magic)")
         take("I")  # version
-        take("Q")  # tensor count
+        tensors = take("Q")
         out = {}
         for _ in range(take("Q")):
             key = string()
             out[key] = value(take("I"))
             if wanted and all(k in out for k in wanted):
-                break
+                return out
+        # the tensor infos follow the key/values: their element counts are the parameter count
+        total = 0
+        for _ in range(tensors):
+            string()  # name
+            total += math.prod(take("Q") for _ in range(take("I")))
+            take("I")  # type
+            take("Q")  # offset
+        out[GGUF_PARAMETERS] = total
         return out
     except OSError as e:
         raise FactsError(f"{parts[0]}: {e.strerror or e}") from None
@@ -333,7 +351,8 @@ def _gguf_facts(name: str, parts: list[Path]) -> ModelFacts:
     kv = geometry if all(isinstance(geometry[k], int) for k in GEOMETRY) else None
     # LongRoPE in a GGUF: llama.cpp writes the factors as tensors and the short factor's positions here.
     limit = int(meta.get(f"{arch}.rope.scaling.original_context_length") or 0) if arch == "phi3" else 0
-    return ModelFacts(name, window, int(meta.get(f"{arch}.context_length") or 0), source="gguf",
+    return ModelFacts(name, window, int(meta.get(f"{arch}.context_length") or 0), int(meta.get(GGUF_PARAMETERS, 0)),
+                      source="gguf",
                       family=fam.architecture, rope_limit=limit, kv_config=kv)
 
 
@@ -427,7 +446,8 @@ def derive(facts: ModelFacts, memory_gib: float = 0.0, device: str = "", acceler
         "calibrate.seq_len": seq_len,
         "calibrate.samples": samples,
         "calibrate.min_samples": samples,
-        "parity.qnn_prompts": QNN_PROMPTS_SHORT if decode <= QNN_LONG_RUN else QNN_PROMPTS_LONG,
+        "parity.qnn_prompts": QNN_PROMPTS_SHORT if decode <= QNN_LONG_RUN and facts.parameters < QNN_FEW_PROMPTS_PARAMETERS
+        else QNN_PROMPTS_LONG,
         "parity.max_prompts": 1 if facts.parameters >= LARGE_MODEL_PARAMETERS
         else max(1, -(-PARITY_STEPS // (decode + PROMPT_TOKENS))),
     }
