@@ -16,8 +16,8 @@ file cut in pieces, so nothing is assembled to read them).
 from __future__ import annotations
 
 import importlib
-import math
 import json
+import math
 import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -68,8 +68,8 @@ MIN_CALIBRATION_SAMPLES = 16
 # QNN_FEW_PROMPTS_PARAMETERS one prompt whatever the run: the emulation's
 # step grows with the weights (0.7 s a w8a16 step on the embedded model; 28 s
 # on SmolLM2-135M with the cores shared, whose 4 prompts planned 245 HTP
-# steps, over 2 hours at that rate; Gemma 3 270M 10-47 s), so its time is bounded by the steps of
-# one prompt: 64 on the deployed binary, 50 on the other.
+# steps, over 2 hours at that rate; Gemma 3 270M 10-47 s), so its time is
+# bounded by the steps of one prompt: 64 on the deployed binary, 50 on fp16.
 QNN_PROMPTS_SHORT, QNN_PROMPTS_LONG, QNN_LONG_RUN = 4, 1, 128
 QNN_FEW_PROMPTS_PARAMETERS = 50_000_000
 # Parity's steps over all prompts (each prompt + decode_tokens): the embedded
@@ -352,8 +352,7 @@ def _gguf_facts(name: str, parts: list[Path]) -> ModelFacts:
     # LongRoPE in a GGUF: llama.cpp writes the factors as tensors and the short factor's positions here.
     limit = int(meta.get(f"{arch}.rope.scaling.original_context_length") or 0) if arch == "phi3" else 0
     return ModelFacts(name, window, int(meta.get(f"{arch}.context_length") or 0), int(meta.get(GGUF_PARAMETERS, 0)),
-                      source="gguf",
-                      family=fam.architecture, rope_limit=limit, kv_config=kv)
+                      source="gguf", family=fam.architecture, rope_limit=limit, kv_config=kv)
 
 
 def _next_pow2(n: int) -> int:
@@ -446,8 +445,8 @@ def derive(facts: ModelFacts, memory_gib: float = 0.0, device: str = "", acceler
         "calibrate.seq_len": seq_len,
         "calibrate.samples": samples,
         "calibrate.min_samples": samples,
-        "parity.qnn_prompts": QNN_PROMPTS_SHORT if decode <= QNN_LONG_RUN and facts.parameters < QNN_FEW_PROMPTS_PARAMETERS
-        else QNN_PROMPTS_LONG,
+        "parity.qnn_prompts": QNN_PROMPTS_SHORT
+        if decode <= QNN_LONG_RUN and facts.parameters < QNN_FEW_PROMPTS_PARAMETERS else QNN_PROMPTS_LONG,
         "parity.max_prompts": 1 if facts.parameters >= LARGE_MODEL_PARAMETERS
         else max(1, -(-PARITY_STEPS // (decode + PROMPT_TOKENS))),
     }
