@@ -327,6 +327,11 @@ def test_prompt_graph_layout_and_refusals(prompt_exported):
     assert snr_db(dec.prefill(ids), alone.prefill(ids)) > 120.0
     with pytest.raises(ValueError, match="prefill only"):
         alone.step(3)
+    # the pack's calibration samples of it: one a chunk (its default progress callback takes the count)
+    from pipeline.graphs import qnn
+
+    samples = list(qnn.prompt_samples(alone, [ids, ids[:4]]))
+    assert len(samples) == 3 + 1 and all(s["input_ids"].shape == (1, 5) for s in samples)
     with pytest.raises(DecodeGraphError, match="at least 2 tokens"):
         build_prompt_step(_model("gemma3"), 16, 1)
 

@@ -747,7 +747,7 @@ def decode_samples(decoder, sequences: list[list[int]], stride: int, advance=lam
             advance()
 
 
-def prompt_samples(decoder, sequences: list[list[int]], advance=lambda: None) -> Iterator[dict]:
+def prompt_samples(decoder, sequences: list[list[int]], advance=lambda n: None) -> Iterator[dict]:
     """The prompt graph's calibration samples, one a chunk: `decoder` (an OnnxDecoder with a prompt graph)
     runs each sequence through it a chunk at a time, each chunk's inputs a sample (the KV it reads
     written by the chunks before it)."""
