@@ -191,9 +191,6 @@ def _external_info(tensor, path):
     return info
 
 
-_CHUNK = 64 << 20  # share_external_data reads and copies a tensor's bytes this much at a time
-
-
 def onnx_initializers(path, names):
     """(name, numpy array) for each initializer of the ONNX model at `path` named in `names`, read one at a
     time (load_onnx's reading, without holding the model's weights)."""
@@ -216,6 +213,9 @@ def _all_tensors(model):
     from onnx.external_data_helper import _get_all_tensors
 
     return _get_all_tensors(model)
+
+
+_CHUNK = 64 << 20  # share_external_data reads and copies a tensor's bytes this much at a time
 
 
 def share_external_data(primary, secondary) -> dict:
@@ -241,8 +241,7 @@ def share_external_data(primary, secondary) -> dict:
     base = primary.parent
     handles = {}
 
-    def chunks(path, tensor):
-        info = _external_info(tensor, path)
+    def chunks(info):
         f = handles.get(info.location)
         if f is None:
             f = handles[info.location] = open(base / info.location, "rb")
@@ -255,9 +254,9 @@ def share_external_data(primary, secondary) -> dict:
             left = None if left is None else left - len(data)
             yield data
 
-    def digest(path, tensor) -> tuple[bytes, int]:
+    def digest(info) -> tuple[bytes, int]:
         h, n = hashlib.sha256(), 0
-        for data in chunks(path, tensor):
+        for data in chunks(info):
             h.update(data)
             n += len(data)
         return h.digest(), n
@@ -271,14 +270,15 @@ def share_external_data(primary, secondary) -> dict:
         by_content = {}
         for tensor in _all_tensors(first):
             if uses_external_data(tensor):
-                key, n = digest(primary, tensor)
                 info = _external_info(tensor, primary)
+                key, n = digest(info)
                 by_content.setdefault(key, (info.location, info.offset or 0, n))
         with open(tmp, "wb") as out:
             for tensor in _all_tensors(second):
                 if not uses_external_data(tensor):
                     continue
-                key, n = digest(secondary, tensor)
+                info = _external_info(tensor, secondary)
+                key, n = digest(info)
                 hit = by_content.get(key)
                 if hit is not None:
                     location, offset, length = hit
@@ -287,7 +287,7 @@ def share_external_data(primary, secondary) -> dict:
                     if n > 1 << 20 and out.tell() % 4096:
                         out.write(b"\0" * (4096 - out.tell() % 4096))
                     location, offset, length = own_name, out.tell(), n
-                    for data in chunks(secondary, tensor):
+                    for data in chunks(info):
                         out.write(data)
                     own_bytes += n
                 del tensor.external_data[:]
