@@ -594,8 +594,15 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
                          "attention": {"math": str(cfg.qnn_attention),
                                        **{k: len(v) for k, v in attention.items()}}}
             if prompt_paths:  # its prompt graph: calibrated on its own samples, the token graph's weights
+                # and the token graph's ranges for the head (calibrated there on every step; the prompt
+                # graph's head sees one row a chunk: qnn.head_ranges)
+                try:
+                    heads = qnn.head_ranges(out / p / "model.onnx", float_dir / "model.onnx", float_dir / PROMPT_MODEL)
+                except qnn.QnnError as err:
+                    raise StageError(f"pack: the {p} prompt graph: {err}") from None
                 _qdq_graph(ctx, p, float_dir / PROMPT_MODEL, out / p / PROMPT_MODEL, prompt_paths,
-                           prompt_quant["overrides"], prompt_quant["float_nodes"], cal_dir, what="the prompt graph")
+                           {**prompt_quant["overrides"], **heads}, prompt_quant["float_nodes"], cal_dir,
+                           what="the prompt graph")
                 differ = qnn.same_weights(out / p / "model.onnx", float_dir / "model.onnx", out / p / PROMPT_MODEL,
                                           float_dir / PROMPT_MODEL)
                 if differ:
@@ -605,6 +612,7 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
                 ctx.log(f"{p} prompt graph: {shared['shared']} tensors ({shared['shared_bytes'] / 1e6:.1f} MB) read "
                         f"from the token graph's data file, {shared['own_bytes'] / 1e6:.1f} MB of its own")
                 graphs[p]["prompt_graph"] = f"{p}/{PROMPT_MODEL}"
+                graphs[p]["prompt_graph_head_ranges"] = {"from": "the token graph's", "tensors": sorted(heads)}
     finally:
         shutil.rmtree(spill, ignore_errors=True)
     copy_side_files(export_dir, out)
@@ -620,7 +628,8 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
                 **prompt, "precisions": [p for p in precisions if "prompt_graph" in graphs[p]],
                 "not_yet": [p for p in precisions if "prompt_graph" not in graphs[p]],
                 "weights": "each QDQ precision's prompt graph holds its token graph's weights (checked: the same "
-                           "codes, scales and zero points), calibrated on its own samples (a chunk each)",
+                           "codes, scales and zero points), calibrated on its own samples (a chunk each), the head's "
+                           "input and output at the token graph's ranges (qnn.head_ranges)",
                 "note": "two graphs, two binaries: no weight sharing in one context yet (on disk, each prompt "
                         "graph reads its weights from its token graph's data file)"},
             "embedding": embedding or {"in_graph": True, "note": "pack.qnn_embedding=graph: the table is in the "

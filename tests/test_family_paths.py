@@ -607,6 +607,14 @@ def test_the_phone_graphs_of_every_family_stay_close_to_its_export(builds, famil
     assert npu["prompt_graph"]["worst_snr_db"] >= 100.0 and npu["prompt_graph"]["precisions"] == ["w8a16", "fp16"]
     assert qnn.same_weights(pdir / "w8a16/model.onnx", pdir / "float/model.onnx",
                             pdir / "w8a16/prompt.onnx", pdir / "float/prompt.onnx") == []
+    # its head (the chunk's last row: one row a calibration chunk) quantized at the token graph's ranges,
+    # calibrated there on every step (qnn.head_ranges): the same scales and zero points in both QDQ graphs
+    theirs = qnn.head_ranges(pdir / "w8a16/model.onnx", pdir / "float/model.onnx", pdir / "float/prompt.onnx")
+    own = qnn.head_ranges(pdir / "w8a16/prompt.onnx", pdir / "float/prompt.onnx", pdir / "float/prompt.onnx")
+    assert len(own) >= 2 and set(own) == set(theirs), (own, theirs)  # the head's input and the logits at least
+    for t in own:
+        assert np.allclose([own[t][0]["rmin"], own[t][0]["rmax"]], [theirs[t][0]["rmin"], theirs[t][0]["rmax"]],
+                           rtol=1e-5, atol=1e-6), (t, own[t], theirs[t])
     for graph in ("float", "w8a16"):  # on disk the weights are the token graph's bytes, not a second copy
         own = pdir / graph / "prompt.onnx.data"
         assert (own.stat().st_size if own.exists() else 0) < 0.1 * (pdir / graph / "model.onnx.data").stat().st_size

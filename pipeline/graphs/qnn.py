@@ -761,6 +761,64 @@ def prompt_samples(decoder, sequences: list[list[int]], advance=lambda n: None) 
             advance(len(chunk))
 
 
+def _head_chain(model) -> list[str]:
+    """The tensors from the head MatMul's activation input to the graph's first output (the logits), in
+    order, and the op types between them: [input, op, tensor, op, ..., logits]. The head is the last
+    MatMul on the way back from the output (Gemma 2's soft-capping puts Div, Tanh and Mul after it)."""
+    producers = {o: n for n in model.graph.node for o in n.output}
+    inits = {i.name for i in model.graph.initializer}
+    t = model.graph.output[0].name
+    chain = [t]
+    while True:
+        n = producers.get(t)
+        if n is None or len(chain) > 16:
+            raise QnnError(f"no head MatMul found on the way back from the graph output {chain[0]!r}")
+        acts = [i for i in n.input if i and i not in inits]
+        if n.op_type == "MatMul":
+            return [acts[0], n.op_type] + chain
+        if len(acts) != 1:
+            raise QnnError(f"the graph output {chain[0]!r} is computed by {n.op_type} {n.name!r} from "
+                           f"{len(acts)} activations, not from the head MatMul's output alone")
+        t = acts[0]
+        chain = [t, n.op_type] + chain
+
+
+def head_ranges(token_qdq: Path, token_float: Path, prompt_float: Path) -> dict[str, list[dict]]:
+    """The token graph's quantization ranges for the head's input, output and what follows it to the
+    logits, as range overrides (ONNX Runtime's init_overrides) for the prompt graph's same tensors.
+
+    Why (docs/phone-fidelity.md): the prompt graph computes its logits for a chunk's last row only (a
+    Slice of the final norm's output before the head), so those tensors were calibrated on one row a
+    calibration chunk: on Gemma 3 270M 32 rows, against the token graph's every step for the same
+    tensors. At a parity prompt's 32nd token the head's input held 70.2, clipped at the calibrated
+    [-62.4, 56.0]: 18.3 dB on that tensor, the logits 19.4 dB where the token graph's had 46.5; and the
+    logits' own range clipped the top logits of other rows (KL up to 1.6 nats at 40 dB). The head is the
+    same function in both graphs; with the token graph's ranges, the prompt graph's chunk-end logits are
+    quantized as the token graph's are (Qualcomm's LLM exports share one set of encodings likewise)."""
+    import onnx
+    from onnx import numpy_helper
+
+    # the structure only (no weights read): which tensors, and the token graph's scales and zero points
+    token, prompt = (_head_chain(onnx.load(str(f), load_external_data=False)) for f in (token_float, prompt_float))
+    if token[1::2] != prompt[1::2]:
+        raise QnnError(f"the prompt graph's head ({' -> '.join(prompt[1::2])}) is not the token graph's "
+                       f"({' -> '.join(token[1::2])})")
+    qdq = onnx.load(str(token_qdq), load_external_data=False)
+    inits = {i.name: i for i in qdq.graph.initializer}
+    quant = {n.input[0]: n for n in qdq.graph.node if n.op_type == "QuantizeLinear"}
+    out: dict[str, list[dict]] = {}
+    for t, p in zip(token[::2], prompt[::2]):
+        q = quant.get(t) or quant.get(f"{t}_QuantizeLinear_Input")  # a graph output's Q reads it renamed
+        if q is None:
+            continue  # left float in the token graph: nothing to match
+        scale = numpy_helper.to_array(inits[q.input[1]]).astype(np.float64)
+        zp = numpy_helper.to_array(inits[q.input[2]])
+        info = np.iinfo(zp.dtype)
+        lo, hi = (info.min - zp.astype(np.float64)) * scale, (info.max - zp.astype(np.float64)) * scale
+        out[p] = [{"rmin": np.float32(lo), "rmax": np.float32(hi)}]
+    return out
+
+
 def same_weights(a: Path, a_float: Path, b: Path, b_float: Path) -> list[str]:
     """The MatMul weights two QDQ graphs (`a`, `b`, each quantized from its float graph) quantize
     differently: the codes, scales, zero points and DequantizeLinear attributes each MatMul reads its
