@@ -864,6 +864,28 @@ def _gate(ctx, name: str, limits, metrics: dict, n_prompts: int, note: str = "",
     return {k: want for k, _, want in checks}
 
 
+def _prompt_gate(ctx, name: str, limits, pm: dict, where: str, token: dict) -> dict:
+    """A prompt graph's figures at its chunk ends (`_prompt_graph_rows`), logged beside the token graph's
+    (`token`, the same steps or prompts) and gated on parity.artifact.<name>'s logit-SNR floor and KL
+    ceiling; the thresholds checked. Top-1 is reported, not gated: a run has a few chunk ends (the HTP's
+    cold run of a 32-token prompt, one), and one near tie there reads 0.0.
+
+    Why KL beside the SNR (docs/phone-fidelity.md, finding 9): the prompt graph's logits clipped at their
+    calibrated range changed rows' distributions (KL up to 1.6 nats) at 40 dB of whole-vocabulary SNR."""
+    checks = [("logits_snr_db", pm["logits_snr_db"] >= limits.min_logits_snr_db, f">= {limits.min_logits_snr_db:g}"),
+              ("kl_nats", pm["kl_nats"] <= limits.max_kl_nats, f"<= {limits.max_kl_nats:g}")]
+    ctx.log(f"{name} {where}: the prompt graph ({pm['tokens_a_call']} tokens a call) at its {pm['chunk_ends']} "
+            f"chunk ends: {pm['logits_snr_db']:.1f} dB, top1 {pm['top1_agreement']:.3f}, KL {pm['kl_nats']:.4f}; "
+            f"{pm['executions']} executions for {pm['tokens']} tokens (the token graph: {pm['tokens']}; its "
+            f"steps: {token['logits_snr_db']:.1f} dB, KL {token['kl_nats']:.4f})")
+    failed = [f"{k} {pm[k]:.4g} (needs {want})" for k, ok, want in checks if not ok]
+    if failed:
+        raise StageError(f"{name} artifact fidelity below parity.artifact.{name}: its prompt graph's "
+                         f"{'; '.join(failed)} at the chunk ends ({where}; the token graph's: "
+                         f"{token['logits_snr_db']:.2f} dB, KL {token['kl_nats']:.4g})")
+    return {k: want for k, _, want in checks}
+
+
 def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
                   evaluation: _Evaluation | None = None) -> dict:
     """Each phone precision against the eager fp32 model, gated by
@@ -1007,6 +1029,14 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
             checked = _gate(ctx, name, limits, metrics, len(prompts), note=f"{name} cpu_qdq: {how}", stats=stats)
             parts["cpu_qdq"] = {"metrics": _finite_metrics(metrics), "run": how, "prompts": len(prompts),
                                 "thresholds": checked, "per_prompt": per_prompt, "runtime": CPU_QDQ_RUNTIME}
+            if pdec is not None:  # its prompt graph's stand-in over the same prompts, a chunk at a time
+                cpu_prompt = OnnxDecoder(pack, threads=2, model_file=None, prompt_file=f"{precision}/prompt.onnx",
+                                         config=qnn.CPU_QDQ_CONFIG)
+                with _timed(seconds, f"{name}_cpu_qdq_prompt_graph"):
+                    pm = _prompt_graph_rows(teacher, cpu_prompt, ctx, f"{on_cpu}, its prompt graph")
+                del cpu_prompt
+                pm["thresholds"] = _prompt_gate(ctx, name, limits, pm, "cpu_qdq", metrics)
+                parts["cpu_qdq"]["prompt_graph"] = pm
         segs = []
         if not deployed:
             runs = [_Cut(teacher[0], short - len(teacher[0].prompt))]
@@ -1074,14 +1104,7 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
             if use_prompt is not None:
                 with _timed(seconds, f"{name}_prompt_graph_{key}"):
                     pm = _prompt_graph_rows(runs, use_prompt, ctx, f"{what}, its prompt graph ({key.replace('_', ' ')})")
-                ctx.log(f"{name} {key}: the prompt graph ({pm['tokens_a_call']} tokens a call) at its "
-                        f"{pm['chunk_ends']} chunk ends: {pm['logits_snr_db']:.1f} dB, top1 {pm['top1_agreement']:.3f}; "
-                        f"{pm['executions']} executions for {pm['tokens']} tokens (the token graph: {pm['tokens']})")
-                if not pm["logits_snr_db"] >= limits.min_logits_snr_db:
-                    raise StageError(f"{name} artifact fidelity below parity.artifact.{name}: its prompt graph's "
-                                     f"logits_snr_db {pm['logits_snr_db']:.2f} at the chunk ends "
-                                     f"(needs >= {limits.min_logits_snr_db:g}; the token graph's: "
-                                     f"{metrics['logits_snr_db']:.2f})")
+                pm["thresholds"] = _prompt_gate(ctx, name, limits, pm, key.replace("_", " "), metrics)
                 parts[key]["prompt_graph"] = pm
         if seconds is not None and name not in seconds:
             seconds[name] = round(sum(seconds.get(f"{name}_{k}", 0.0) for k in parts), 2)

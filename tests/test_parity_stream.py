@@ -333,3 +333,30 @@ def test_the_gate_in_llama_cpps_units():
     ctx = _Ctx()
     assert "kld_mean" not in verify_parity._gate(ctx, "p", limits, metrics, 2, stats=None)
     assert any("not checked" in m and "eval_windows=0" in m for m in ctx.logged)
+
+
+def test_a_prompt_graphs_gate_reads_kl_beside_the_snr():
+    """A prompt graph is gated at its chunk ends on parity.artifact.<path>'s SNR floor and KL ceiling
+    (verify_parity._prompt_gate): logits clipped at their calibrated range moved distributions (KL 1.6
+    nats) at 40 dB (docs/phone-fidelity.md, finding 9), so a high SNR with a high KL fails, naming the
+    prompt graph and the token graph's figures; top-1 over a few chunk ends is reported, not gated."""
+    from omegaconf import OmegaConf
+
+    from pipeline.engine.context import StageError
+
+    limits = OmegaConf.create({"min_logits_snr_db": 20.0, "min_top1_agreement": 0.95, "min_greedy_match": 0,
+                               "max_kl_nats": 0.05})
+    token = {"logits_snr_db": 41.2, "kl_nats": 0.0005}
+    pm = {"logits_snr_db": 40.0, "top1_agreement": 1.0, "kl_nats": 1.6, "chunk_ends": 1, "tokens_a_call": 128,
+          "executions": 1, "tokens": 32}
+    with pytest.raises(StageError, match=r"its prompt graph's kl_nats 1\.6 \(needs <= 0\.05\)") as exc:
+        verify_parity._prompt_gate(_Ctx(), "qnn_w8a16", limits, pm, "cold", token)
+    assert "41.20 dB" in str(exc.value) and "logits_snr_db" not in str(exc.value) and "\n" not in str(exc.value)
+    with pytest.raises(StageError, match=r"logits_snr_db 19\.39 \(needs >= 20\)"):
+        verify_parity._prompt_gate(_Ctx(), "qnn_w8a16", limits, {**pm, "logits_snr_db": 19.39, "kl_nats": 0.004},
+                                   "cold", token)
+    ctx = _Ctx()  # a near tie at the one chunk end: top-1 0.0 at KL 0.0001 passes, and is said
+    checked = verify_parity._prompt_gate(ctx, "qnn_w8a16", limits, {**pm, "top1_agreement": 0.0, "kl_nats": 1e-4},
+                                         "cold", token)
+    assert checked == {"logits_snr_db": ">= 20", "kl_nats": "<= 0.05"}
+    assert any("top1 0.000" in m and "1 chunk ends" in m for m in ctx.logged)

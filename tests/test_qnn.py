@@ -255,8 +255,16 @@ def test_phone_build_end_to_end_compiles_once_and_verifies_on_the_htp(phone_buil
         pc = info["compiled"][p]["prompt"]
         assert pc["tokens"] == 16 and len(pc["parts"]) >= 2, (p, pc)
         assert all((build / "compile_qnn" / p / "prompt" / q["dir"] / qnn.CONTEXT_MODEL).is_file() for q in pc["parts"])
+    # ... and the w8a16 prompt graph's CPU stand-in over every parity prompt in full, a chunk at a time,
+    # gated as the HTP's runs are (SNR floor and KL: verify_parity._prompt_gate)
+    bulk = art["precisions"]["w8a16"]["parts"]["cpu_qdq"]["prompt_graph"]
+    assert bulk["thresholds"] == {"logits_snr_db": ">= 20", "kl_nats": "<= 0.05"}, bulk
+    assert bulk["chunk_ends"] >= 12 and bulk["executions"] == bulk["chunk_ends"] < bulk["tokens"], bulk
+    assert bulk["logits_snr_db"] >= 30 and bulk["kl_nats"] <= 0.01 and bulk["top1_agreement"] >= 0.9, bulk
+    assert "qnn_w8a16_cpu_qdq_prompt_graph" in parity["seconds"]
     for p, key in (("fp16", "cold"), ("w8a16", "cold"), ("w8a16", "past_window")):
         pg = art["precisions"][p]["parts"][key]["prompt_graph"]
+        assert set(pg["thresholds"]) == {"logits_snr_db", "kl_nats"}, pg
         assert pg["tokens_a_call"] == 16 and pg["executions"] == -(-pg["tokens"] // 16) < pg["tokens"], (p, key, pg)
         floor = 40 if p == "fp16" else 30
         assert pg["logits_snr_db"] >= floor and pg["top1_agreement"] >= 0.5, (p, key, pg)
