@@ -10,7 +10,9 @@ rest, and reports, over the parity prompts teacher-forced along the fp32 export'
 raw SNR (the gate's), centred SNR (each step's mean removed from both: what softmax sees), the
 offset's share of the error, SNR over the reference's top-64 entries, KL(ref || test) and top-1.
 The reference is the build's fp32 export (tested at 115+ dB against eager PyTorch); the test is
-each QDQ graph in the pack on ONNX Runtime's CPU EP (the HTP's quantization arithmetic).
+each QDQ graph in the pack on ONNX Runtime's CPU EP (the HTP's quantization arithmetic), and with
+`--htp PRECISION` that precision's compiled context binary on the HTP backend (onnxruntime-qnn's x86
+emulation: seconds a step; fp16 has no CPU stand-in, so this is its only measure).
 """
 
 from __future__ import annotations
@@ -42,11 +44,15 @@ def main() -> int:
     ap.add_argument("--build", required=True, type=Path, help="artifacts/<build> of a galaxy_s25 build")
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--steps", type=int, default=40, help="decode steps per prompt (teacher-forced)")
+    ap.add_argument("--htp", action="append", default=[], metavar="PRECISION",
+                    help="also this precision's context binary on the HTP backend (compile_qnn; repeatable)")
     ap.add_argument("--json")
     a = ap.parse_args()
     art = a.build
-    cfg = yaml.safe_load((art.parent.parent / "builds" / f"{art.name}.yaml").read_text())
-    prompts = cfg["parity"]["prompts"][: a.prompts]
+    registered = art.parent.parent / "builds" / f"{art.name}.yaml"  # a failed build's is not kept
+    parity = yaml.safe_load(registered.read_text())["parity"] if registered.is_file() else \
+        yaml.safe_load((ROOT / "conf" / "parity" / "default.yaml").read_text())
+    prompts = parity["prompts"][: a.prompts]
     hf = next((art.parent / "_models").glob("*/config.json"), None)
     tok_dir = art / "untie_head" if (art / "untie_head" / "tokenizer.json").is_file() else hf.parent
     tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
@@ -55,6 +61,10 @@ def main() -> int:
     ref = OnnxDecoder(art / "export", threads=2)
     tests = {p.name: qnn.cpu_qdq_decoder(art / "pack", f"{p.name}/model.onnx")
              for p in sorted((art / "pack").iterdir()) if (p / "model.onnx").is_file() and p.name not in ("fp16", "embed")}
+    if a.htp:
+        info, _ = qnn.compiled_for_htp(art / "compile_qnn")
+        for p in a.htp:
+            tests[f"{p} (HTP)"] = OnnxDecoder(art / "compile_qnn", session=qnn.open_htp(art / "compile_qnn", info, p))
     rows = {name: [] for name in tests}
     for text in prompts:
         ids = _prompt_ids(tokenizer, text, bos, str(model_cfg.get("model_type", "")))
