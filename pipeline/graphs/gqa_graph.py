@@ -35,7 +35,10 @@ The graph (`build_gqa_graph`):
   bound by the runtime to the past buffers. Past the last GroupQueryAttention
   (which needs every row's K/V) the last layer runs on the last row only
   (`last_layer_rows`), so prefill never computes the other rows' o_proj, MLP,
-  final norm or vocab projection.
+  final norm or vocab projection. A speculative decoder's verify feeds the
+  last input, `logits_rows` (int64 scalar, 1 when not fed: `_last_rows`), and
+  fetches the last output, `row_logits` [1, logits_rows, vocab]: those last
+  rows' logits, from which `logits` is the last.
 - per layer (defaults): [Skip]RMSNorm -> MatMulNBits(q|k|v) -> Split(q|k, v)
   -> Reshape -> one RMSNormalization over [1, S, n_heads + n_kv, head_dim]
   with a stacked per-head gamma (q_norm / k_norm: ORT's CPU GQA refuses its
@@ -92,7 +95,7 @@ import numpy as np
 from pipeline.quant import int4_layouts as L
 from pipeline.graphs.decode_graph import SLIDING, DecodeGraphError, _applies_attn_softcap, _first_id, _id_list, _rope_tables, _text_config, layer_types, load_hf_model
 from pipeline.sources import families
-from edgekiln_runtime.io import IO_FORMAT, KV_NAMES  # the folder's contract, which the device runtime reads
+from edgekiln_runtime.io import IO_FORMAT, KV_NAMES, ROW_LOGITS_IO  # the folder's contract, which the device runtime reads
 
 # Initializer bytes past which they go to model.onnx.data: 0, always. ONNX Runtime maps an external data
 # file instead of reading the weights into the protobuf it parses, so what the session does not use after
@@ -129,6 +132,7 @@ DEFAULT_OPTIONS = {
 }
 KV_DTYPES = ("float16", "float32")
 IO_LAYOUTS = ("genai", "edgekiln")
+LOGITS_ROWS, ROW_LOGITS = ROW_LOGITS_IO["input"], ROW_LOGITS_IO["output"]
 class GqaGraphError(DecodeGraphError):
     """A model, checkpoint or request the GQA graph cannot serve (user-facing)."""
 
@@ -889,11 +893,9 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
         if kv16:
             a = g.node("Cast", [a], [f"{pre}.attn"], f"{pre}.attn32", to=TensorProto.FLOAT)
         if last and opts["last_layer_rows"] == "last":
-            # Only the last position's logits leave the graph: past the last GQA (whose K/V every row
-            # feeds), the last layer runs one row.
-            # a scalar index: [1, S, X] -> [1, X]; genai's layout keeps the axis, [1, 1, X]: onnxruntime-genai
-            # reads logits of a static length 1 as the last position's only (its Model::IsPruned)
-            idx = g.const_i64([-1] if genai else -1)
+            # Only the last `logits_rows` positions' logits leave the graph (1 unless fed: see _last_rows):
+            # past the last GQA (whose K/V every row feeds), the last layer runs those rows only.
+            idx = _last_rows(g, a)
             a = g.node("Gather", [a, idx], [f"{pre}.attn_last"], f"{pre}.attn_last", axis=1)
             h = g.node("Gather", [h, idx], [f"{pre}.res_last"], f"{pre}.res_last", axis=1)
         o = linear(g, a, f"{pre}.self_attn.o_proj", [f"{pre}.self_attn.o_proj"], layers, f"{pre}.o", acc,
@@ -941,20 +943,22 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
 
     xf, _ = norm_into(x_pending, h, g.init("model.norm.gamma", gamma(base.norm)), "model.norm")
     if opts["last_layer_rows"] != "last":
-        xf = g.node("Gather", [xf, g.const_i64([-1] if genai else -1)], ["final_last"], "final_last",
-                    axis=1)  # [1, H] ([1, 1, H]: genai)
+        xf = g.node("Gather", [xf, _last_rows(g, xf)], ["final_last"], "final_last", axis=1)  # [1, R, H]
     final_cap = getattr(cfg, "final_logit_softcapping", None)
     post = [n for n, on in (("scaling", "logits_scaling" in mult), ("softcap", bool(final_cap))) if on]
-    logits = linear(g, xf, "lm_head", ["lm_head"], layers, "logits_raw" if post else "logits", acc, True, records,
-                    bias_of)[0]  # [1, V]
+    logits = linear(g, xf, "lm_head", ["lm_head"], layers, "logits_raw" if post else ROW_LOGITS, acc, True,
+                    records, bias_of)[0]  # [1, R, V]
     if "logits_scaling" in mult:  # Granite: logits / logits_scaling, before any softcap
         logits = g.node("Div", [logits, g.init("logits_scaling", np.asarray(mult["logits_scaling"], np.float32))],
-                        ["logits" if post == ["scaling"] else "logits_scaled"], "logits_scaling")
+                        [ROW_LOGITS if post == ["scaling"] else "logits_scaled"], "logits_scaling")
     if final_cap:
         c = g.init("final_softcap", np.asarray(final_cap, np.float32))
         t = g.node("Div", [logits, c], ["logits_div"], "softcap_div")
         t = g.node("Tanh", [t], ["logits_tanh"], "softcap_tanh")
-        g.node("Mul", [t, c], ["logits"], "softcap_mul")
+        g.node("Mul", [t, c], [ROW_LOGITS], "softcap_mul")
+    # `logits`, the last row: a scalar index gives [1, V]; genai's layout keeps the axis, [1, 1, V], because
+    # onnxruntime-genai reads logits of a static length 1 as the last position's only (its Model::IsPruned)
+    g.node("Gather", [ROW_LOGITS, g.const_i64([-1] if genai else -1)], ["logits"], "logits_last", axis=1)
 
     vi = helper.make_tensor_value_info
     if genai:
@@ -976,6 +980,9 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
         inputs += [vi(kv_names["past_key"] % i, kv_proto, kv_shape), vi(kv_names["past_value"] % i, kv_proto, kv_shape)]
         outputs += [vi(kv_names["present_key"] % i, kv_proto, kv_shape),
                     vi(kv_names["present_value"] % i, kv_proto, kv_shape)]
+    # the speculative decoder's input and output (last in each list: a runtime that feeds neither is unaffected)
+    inputs.append(vi(LOGITS_ROWS, TensorProto.INT64, []))
+    outputs.append(vi(ROW_LOGITS, TensorProto.FLOAT, [1, LOGITS_ROWS, cfg.vocab_size]))
     # the initializers are in g's spill file (model.onnx gets them in this order: `_write_model`)
     graph = helper.make_graph(g.nodes, f"{family}_gqa", inputs, outputs, [])
     onnx_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
@@ -1033,6 +1040,8 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
         "pad_token_id": _first_id(getattr(cfg, "pad_token_id", None), getattr(gen_cfg, "pad_token_id", None)),
         "external_data": external,
         "opset": OPSET,
+        # verify(tokens) (edgekiln_runtime/speculative.py): feed LOGITS_ROWS = n, fetch ROW_LOGITS [1, n, V]
+        "row_logits": {"input": LOGITS_ROWS, "output": ROW_LOGITS, "default_rows": 1},
     }
     (out_dir / "io.json").write_text(json.dumps(io, indent=2) + "\n")
     ops: dict[str, int] = {}
@@ -1057,6 +1066,24 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
         "external_data": external,
         "build_s": round(time.perf_counter() - t0, 2),
     }
+
+
+def _last_rows(g: "_G", x: str) -> str:
+    """The index [S - R, ..., S - 1] of x's last R rows (x: [1, S, X]), R the graph input LOGITS_ROWS.
+
+    LOGITS_ROWS is an initializer (1) that is also a graph input, ONNX's way to give an input a default: a
+    caller that does not feed it (a prefill, a decode step, onnxruntime-genai, which binds only the inputs
+    its config names and does not list such an input) gets the last row alone; a speculative decoder's
+    verify feeds R = its draft + 1 and fetches ROW_LOGITS. (An optional-typed input would say the same
+    without ONNX Runtime's load-time warning about it, but onnxruntime-genai 0.18 crashes loading one.)
+    Why by hand: ONNX has no "last R rows" op; Shape/Squeeze/Sub/Range is its usual spelling."""
+    if not getattr(g, "has_logits_rows", False):
+        g.init(LOGITS_ROWS, np.asarray(1, dtype=np.int64))
+        g.has_logits_rows = True
+    n = g.node("Shape", [x], [f"{x}.rows"], f"{x}.rows", start=1, end=2)
+    n = g.node("Squeeze", [n], [f"{x}.rows0"], f"{x}.rows0")
+    start = g.node("Sub", [n, LOGITS_ROWS], [f"{x}.rows_from"], f"{x}.rows_from")
+    return g.node("Range", [start, n, g.const_i64(1)], [f"{x}.last_rows"], f"{x}.last_rows")
 
 
 def _theta(cfg, key: str):

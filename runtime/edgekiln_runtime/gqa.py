@@ -10,7 +10,7 @@ from typing import Sequence
 import numpy as np
 
 from edgekiln_runtime.contract import ContextFull, Runtime
-from edgekiln_runtime.io import KV_NAMES, read_io
+from edgekiln_runtime.io import KV_NAMES, ROW_LOGITS_IO, read_io
 from edgekiln_runtime.pages import anon_mappings, collapse_to_huge_pages, page_out_file, release_heap
 from edgekiln_runtime.session import session_options
 
@@ -31,7 +31,9 @@ class GqaDecoder(Runtime):
     genai io_layout's attention_mask [1, T] is a view of one preallocated row
     of max_len ones, bound at each call with its length (one bind, no copy).
     `step` and `prefill` return a copy of the logits (the bound buffer is
-    overwritten by the next call).
+    overwritten by the next call). `verify` / `rewind` / `verify_room`: a
+    speculative decoder's (edgekiln_runtime/speculative.py) check of a draft
+    in one call, every row's logits, and the drop of the rows it rejects.
 
     Session: intra_op `threads`, inter_op 1, sequential, spinning on (ORT's
     default: decode measured 1.26x (~100M) to 1.43x (5M) faster than with
@@ -59,6 +61,9 @@ class GqaDecoder(Runtime):
         self.io = read_io(self.dir)
         so = session_options(threads, spinning=spinning, opt_level=opt_level, profile=profile, config=session_config)
         so.enable_cpu_mem_arena = bool(memory_arena)
+        # errors only: ONNX Runtime warns at every load that the graph's logits_rows initializer is also an
+        # input, which is how the graph gives the speculative decoder's input its default (gqa_graph._last_rows)
+        so.log_severity_level = 3
         self.session = ort.InferenceSession(str(self.dir / "model.onnx"), sess_options=so,
                                             providers=["CPUExecutionProvider"])
         self.max_len = self.context_length = int(self.io["max_len"])
@@ -83,6 +88,10 @@ class GqaDecoder(Runtime):
         self._logits = np.zeros(self._logits_shape, np.float32)
         self._step_binding, self._step_values = self._binding(self._ids, self._seqlens, self._total, self._logits)
         self.position = 0
+        self._rewindable = 0  # rows of the last verify that rewind may drop
+        # (C, W) of each window buffer (verify_room)
+        self._windows = sorted({(int(x["cache_len"]), int(x["local_window_size"])) for x in self.io["layers"]
+                                if x.get("window_cache")})
         data = self.dir / "model.onnx.data"
         self.paged_out_bytes = page_out_file(data) if page_out and data.is_file() else 0
         # Back the session's weights (and the KV) with 2 MiB pages (edgekiln_runtime/pages.py).
@@ -118,6 +127,7 @@ class GqaDecoder(Runtime):
     def reset(self) -> None:
         # GQA never reads rows at or past seqlens_k + 1, so stale K/V need not be cleared.
         self.position = 0
+        self._rewindable = 0
 
     def _check(self, n: int) -> None:
         if self.position + n > self.max_len:
@@ -133,6 +143,7 @@ class GqaDecoder(Runtime):
         self._bind_mask(self._step_binding, p + 1)
         self.session.run_with_iobinding(self._step_binding)
         self.position = p + 1
+        self._rewindable = 0
         return self._logits.reshape(-1).copy()
 
     def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -152,9 +163,77 @@ class GqaDecoder(Runtime):
         self._bind_mask(b, p + n)
         self.session.run_with_iobinding(b)
         self.position = p + n
+        self._rewindable = 0
         if n >= _TRIM_AFTER_ROWS:
             release_heap()  # the prefill's freed workspace leaves the resident set (pages.release_heap)
         return logits.reshape(-1)
+
+    def rewind_refusal(self) -> str | None:
+        """Why `verify` / `rewind` (a speculative decoder's) cannot run on this graph; None where they can."""
+        if self.io.get("row_logits") is None:
+            return "its graph has no row_logits output (built before speculative decoding): rebuild the pack stage"
+        return None
+
+    def verify_room(self) -> int:
+        """The most rows `verify` may write now: what the graph still holds, and, with window buffers, what
+        keeps every rewind of it exact.
+
+        A sliding layer's window buffer (C = W + slack rows, GQA sliding_window_cache) is laid out by the
+        stream's length L alone: positions from start(L) on, from slot 0, where start(L) = 0 up to L = C,
+        then L - W - ((L - C - 1) mod (slack + 1)): the op keeps the last W rows and compacts again every
+        slack + 1 positions (measured on ONNX Runtime 1.32, stepping and in chunks; tests/test_speculative.py
+        pins it). A rewind from L1 back to L0 is exact while start(L0) = start(L1); across a compaction the
+        rows it moved out are gone. So a verify at position p writes at most up to the end of the epoch
+        that holds p + 1 (its first row, always kept)."""
+        p = self.position
+        room = self.max_len - p
+        for c, w in self._windows:
+            first = p + 1
+            if first <= c:
+                end = c
+            else:
+                span = c - w + 1  # slack + 1
+                end = c + ((first - c - 1) // span + 1) * span
+            room = min(room, end - p)
+        return room
+
+    def verify(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Run `token_ids` (1 <= n <= verify_room()) on top of the cache in one call and return every row's
+        logits [n, V]: row i is what `step` would return after token_ids[i]. A speculative decoder's check
+        of its draft; `rewind` then drops the rows it rejects."""
+        ids = np.asarray([list(token_ids)], dtype=np.int64)
+        n = ids.shape[1]
+        why = self.rewind_refusal()
+        if why:
+            raise ValueError(f"{self.dir}: cannot verify a draft: {why}")
+        if not 1 <= n <= self.verify_room():
+            self._check(n)
+            raise ValueError(f"verify of {n} rows at position {self.position}: at most {self.verify_room()} "
+                             "keep a rewind exact here (verify_room)")
+        p = self.position
+        seqlens = np.asarray([p + n - 1], np.int32)
+        total = np.asarray(p + n, np.int32)
+        rows = np.zeros((1, n, self.vocab_size), np.float32)
+        b, keep = self._binding(ids, seqlens, total, np.zeros(self._logits_shape, np.float32))
+        r = self._ort.OrtValue.ortvalue_from_numpy(np.asarray(n, np.int64))
+        rv = self._ort.OrtValue.ortvalue_from_numpy(rows)
+        keep += [r, rv]
+        b.bind_ortvalue_input(ROW_LOGITS_IO["input"], r)
+        b.bind_ortvalue_output(ROW_LOGITS_IO["output"], rv)
+        self._bind_mask(b, p + n)
+        self.session.run_with_iobinding(b)
+        self.position = p + n
+        self._rewindable = n - 1
+        return rows[0]
+
+    def rewind(self, n: int) -> None:
+        """Drop the last `n` rows of the last `verify` (its rejected draft; n < the rows it ran): GQA reads
+        only rows below the length it is given, so the stale rows are overwritten, never read."""
+        if not 0 <= n <= self._rewindable:
+            raise ValueError(f"rewind {n}: only the last verify's rows but its first can be dropped "
+                             f"({self._rewindable} now)")
+        self.position -= n
+        self._rewindable = 0
 
     def kv_bytes(self) -> int:
         return int(sum(self.kv_dtype.itemsize * (np.prod(k.shape()) + np.prod(v.shape())) for k, v in self._kv))

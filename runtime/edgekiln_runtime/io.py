@@ -17,6 +17,10 @@ KV_NAMES = {
                  "present_key": "present_key_%d", "present_value": "present_value_%d"},
 }
 
+# The speculative decoder's graph input (how many of the last rows get logits; an overridable initializer,
+# 1 when not fed) and its output, those rows' logits [1, R, V] (pipeline/graphs/gqa_graph.py: _last_rows).
+ROW_LOGITS_IO = {"input": "logits_rows", "output": "row_logits"}
+
 
 class ArtifactError(ValueError):
     """A folder this runtime cannot run (not a pack folder, or one of another format)."""
