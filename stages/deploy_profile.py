@@ -318,6 +318,7 @@ def _onnxruntime(ctx, device, host, pack_dir) -> dict:
         "kv_layout": io["layers"],
         "context_length": io["max_len"],
         **_genai_route(pack_dir, io, int(chosen["intra_op_num_threads"])),
+        **_speculative(io),
         "tuning": evidence,
     }
     (ctx.out / "onnxruntime.json").write_text(json.dumps(session, indent=2) + "\n")
@@ -609,6 +610,24 @@ def _genie(ctx, comp_dir, info: dict, io: dict) -> dict:
             f"or phone here), {len(entry['missing'])} things Genie needs that our binary lacks, listed in "
             "qnn.json genie.missing (graph names, a prompt graph, its I/O and KV conventions)")
     return entry
+
+
+def _speculative(io: dict) -> dict:
+    """The device runtime's prompt-lookup speculative decoding, as this graph supports it: off by default
+    (on free text it finds few drafts and a rejected one costs more than a step: docs/devices.md)."""
+    if io.get("row_logits") is None:
+        return {}
+    from edgekiln_runtime import speculative
+
+    return {"speculative": {
+        "method": "prompt lookup, greedy-exact (edgekiln_runtime.speculative): the same tokens as greedy decoding",
+        "default": "off", "enable": "--speculate (python -m edgekiln_runtime, python -m pipeline generate)",
+        "draft_max": speculative.DRAFT_MAX, "ngram": [speculative.MAX_NGRAM, speculative.MIN_NGRAM],
+        "pays_on": "output that repeats the context: editing or continuing given code or text",
+        "graph": {"input": io["row_logits"]["input"], "output": io["row_logits"]["output"]},
+        "onnxruntime-genai": "not this graph: genai 0.18's n-gram mode needs every row's logits, which the graph "
+                             "prunes for prefill",
+        "measured": "benchmarks/speculative.py (figures: docs/devices.md, docs/results.md)"}}
 
 
 # The build's own runner on a device: the edgekiln-runtime package (runtime/ in this repository:

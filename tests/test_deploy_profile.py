@@ -121,6 +121,16 @@ def test_a_cross_built_onnxruntime_profile_takes_the_device_threads(tmp_path):
     assert session["context_length"] == 256 and session["tuning"]["measured"] is False
     assert "cross-build" in session["tuning"]["reason"] and session["session_config"] == {}
     assert session["huge_pages"] is None  # the target's pages are not known on the builder
+    assert "speculative" not in session  # a graph without row_logits: nothing to offer
+
+
+def test_a_graph_with_row_logits_offers_speculative_decoding_off_by_default(tmp_path):
+    rows = {"input": "logits_rows", "output": "row_logits", "default_rows": 1}
+    out, _ = run(tmp_path, "w4_ort_matmulnbits", {"io.json": json.dumps({**IO, "row_logits": rows})},
+                 device={"name": "x86_avx2", "threads": 4})
+    spec = json.loads((out / "onnxruntime.json").read_text())["speculative"]
+    assert spec["default"] == "off" and spec["enable"].startswith("--speculate")
+    assert spec["graph"] == {"input": "logits_rows", "output": "row_logits"} and spec["draft_max"] >= 1
 
 
 def test_a_genai_layout_graph_gets_the_onnxruntime_genai_route_and_its_command(tmp_path):

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_speculative import greedy_or_near_tie
 from tests.conftest import check_against_parity, report_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,6 +95,14 @@ def test_the_pack_folder_generates_in_edgekiln_runtime_alone(built_repo, runtime
         assert got["threads"] == json.loads((art / "deploy_profile" / "onnxruntime.json").read_text())[
             "intra_op_num_threads"]
     assert agreed > 0, "no prompt's greedy decode matched the reference: the comparison shows nothing"
+
+    # --speculate (prompt lookup) in the runtime alone: the same tokens, fewer calls where the text repeats
+    spec = subprocess.run([str(py), "-I", "-m", "edgekiln_runtime", str(pack), want["prompt"], "-n", str(n),
+                           "--json", "--speculate"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert spec.returncode == 0, spec.stderr[-3000:]
+    spec = json.loads(spec.stdout.strip().splitlines()[-1])
+    assert spec["speculative"]["calls"] <= len(spec["tokens"]) - 1
+    greedy_or_near_tie(dec, got["prompt_ids"], got["tokens"], spec["tokens"])
 
     # the profile's own command, from deploy_profile/ with the runtime venv's python: text out
     command = json.loads((art / "deploy_profile" / "profile.json").read_text())["on_device"]["alternative"]["command"]

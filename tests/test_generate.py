@@ -41,6 +41,32 @@ def test_generate_streams_the_greedy_continuation_of_the_artifact(built_repo):
     assert proc.stdout == "def read" + expected + "\n"  # the streamed pieces, then a newline
 
 
+def test_speculative_generation_streams_greedy_text(built_repo):
+    """--speculate streams the text of greedy decoding (here on a prompt whose continuation repeats it) and
+    says what it drafted; with sampling it is refused in one line. The tokens: generate()'s own, plain
+    against speculative, are greedy's (or part at a near-tie: tests/test_speculative.py)."""
+    repo, _ = built_repo
+    prompt = 'def read(path):\n    """Return the text of the file."""\n    return open(path).read()\n\n\ndef read'
+    spec = gen(repo, BUILD, prompt, "--max-new-tokens", "24", "--speculate")
+    assert spec.returncode == 0 and spec.stdout.startswith(prompt), spec.stderr
+    assert "(speculative: " in spec.stderr and " calls, " in spec.stderr, spec.stderr
+    bad = gen(repo, BUILD, prompt, "--speculate", "--temperature", "0.7")
+    assert bad.returncode == 1 and "needs --temperature 0" in bad.stderr and "Traceback" not in bad.stderr
+    sys.path.insert(0, str(repo))
+    from transformers import AutoTokenizer
+
+    from pipeline.runtimes.generate import generate, prompt_ids
+    from pipeline.runtimes.open import open_runtime
+    from tests.test_speculative import greedy_or_near_tie
+
+    tok = AutoTokenizer.from_pretrained(str(repo / "artifacts" / BUILD / "untie_head"))
+    dec = open_runtime("ort_int4", str(repo / "artifacts" / BUILD / "pack"), 2)
+    plain = generate(dec, tok, prompt, 24)
+    fast = generate(dec, tok, prompt, 24, speculate=True)
+    assert "speculative" in fast["decode_how"]
+    greedy_or_near_tie(dec, prompt_ids(tok, prompt), plain["ids"], fast["ids"])
+
+
 def test_generate_samples_reproducibly_with_a_seed(built_repo):
     repo, _ = built_repo
     a = gen(repo, BUILD, "The", "--max-new-tokens", "10", "--temperature", "1.0", "--seed", "3")

@@ -8,6 +8,7 @@ deploy profile as `python -m pipeline serve` starts it (about a minute), then st
 
     python -m pipeline generate x86_avx512-embedded-speed "def read_file(path):"
     python -m pipeline generate BUILD "prompt" --max-new-tokens 64 --temperature 0.8 --seed 1
+    python -m pipeline generate BUILD "$(cat notes.txt) Fix the typos:" --speculate
 
 Tokens are printed as they are decoded; prefill and decode speed go to stderr.
 """
@@ -132,9 +133,10 @@ def prompt_ids(tok, prompt: str, chat_template: bool = False) -> list[int]:
 
 
 def generate(dec, tok, prompt: str, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-             emit=None, chat_template: bool = False) -> dict:
+             emit=None, chat_template: bool = False, speculate: bool = False) -> dict:
     """Prefill the prompt, then decode up to `max_new_tokens`, calling `emit`
-    with each new piece of text. Returns the ids and timings."""
+    with each new piece of text. Returns the ids and timings. `speculate`: greedy tokens through
+    prompt-lookup speculative decoding (edgekiln_runtime/speculative.py; the ONNX Runtime artifact's)."""
     import numpy as np
 
     from pipeline.runtimes.contract import ContextFull
@@ -143,6 +145,8 @@ def generate(dec, tok, prompt: str, max_new_tokens: int, temperature: float = 0.
     if not ids:
         raise GenerateError("the prompt encodes to no tokens")
     eos = set(filter(lambda x: x is not None, [tok.eos_token_id]))
+    if speculate:
+        return _generate_speculative(dec, tok, ids, max_new_tokens, temperature, eos, emit)
     rng = np.random.default_rng(seed)
     dec.reset()
     t0 = time.perf_counter()
@@ -179,6 +183,47 @@ def generate(dec, tok, prompt: str, max_new_tokens: int, temperature: float = 0.
             "prefill_s": t1 - t0, "decode_s": t2 - t1}
 
 
+def _generate_speculative(dec, tok, ids: list[int], max_new_tokens: int, temperature: float, eos: set,
+                          emit) -> dict:
+    """generate() through edgekiln_runtime.speculative: the same greedy tokens, and its counts."""
+    from edgekiln_runtime import speculative
+
+    if temperature > 0:
+        raise GenerateError("--speculate is greedy-exact: it needs --temperature 0")
+    if not hasattr(dec, "verify"):
+        raise GenerateError("--speculate runs on the ONNX Runtime artifact's runtime (GqaDecoder) only")
+    if len(ids) >= dec.max_len:
+        raise GenerateError(f"the prompt ({len(ids)} tokens) does not fit the artifact's context ({dec.max_len})")
+    out: list[int] = []
+    shown = ""
+
+    def on_token(t: int) -> None:
+        nonlocal shown
+        if t in eos:
+            return
+        out.append(t)
+        text = tok.decode(out, skip_special_tokens=True)
+        if emit and text.startswith(shown):
+            emit(text[len(shown):])
+            shown = text
+
+    t0 = time.perf_counter()
+    try:
+        st = speculative.generate(dec, ids, max_new_tokens, eos, on_token=on_token)
+    except ValueError as err:
+        raise GenerateError(f"--speculate: {err}") from None
+    total = time.perf_counter() - t0
+    text = tok.decode(out, skip_special_tokens=True)
+    if emit and text != shown and text.startswith(shown):
+        emit(text[len(shown):])
+    stop = ("eos" if st.tokens and st.tokens[-1] in eos else
+            "max_new_tokens" if len(st.tokens) >= max_new_tokens else "context full")
+    rate = f"{st.accepted}/{st.drafted} draft tokens kept" if st.drafted else "no drafts"
+    return {"prompt_tokens": len(ids), "new_tokens": len(out), "ids": out, "text": text, "stop": stop,
+            "prefill_s": total - st.decode_s, "decode_s": st.decode_s,
+            "decode_how": f" (speculative: {len(st.tokens) - 1} tokens in {st.calls} calls, {rate})"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline generate", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -191,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="default: the deploy profile's, capped at this host's CPUs")
     parser.add_argument("--chat-template", action="store_true",
                         help="send the prompt as a user message through the checkpoint's chat template")
+    parser.add_argument("--speculate", action="store_true",
+                        help="prompt-lookup speculative decoding (greedy, ONNX Runtime builds): the same tokens, "
+                             "several a model call where the output repeats the prompt")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.max_new_tokens > 1_000_000:
         print("error: --max-new-tokens must be between 1 and 1000000", file=sys.stderr)
@@ -211,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     before = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         if _runtime(args.build) == "vllm-cpu":
+            if args.speculate:
+                raise GenerateError("--speculate runs on the ONNX Runtime artifact; vLLM has speculative "
+                                    "decoding of its own (its --speculative-config)")
             res = _generate_vllm(args)
         else:
             dec, tok, facts = open_build(args.build, args.threads)
@@ -220,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
             res = generate(dec, tok, args.prompt, args.max_new_tokens, args.temperature, args.seed,
                            emit=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
-                           chat_template=args.chat_template)
+                           chat_template=args.chat_template, speculate=args.speculate)
     except GenerateError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -239,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     timed = res.get("decode_tokens", res["new_tokens"])
     dec_rate = timed / res["decode_s"] if res["decode_s"] > 0 else float("inf")
     print(f"[{res['prompt_tokens']} prompt tokens at {pre:.1f} tok/s{res.get('prefill_how', '')}; "
-          f"{res['new_tokens']} new at {dec_rate:.1f} tok/s; stopped: {res['stop']}]", file=sys.stderr)
+          f"{res['new_tokens']} new at {dec_rate:.1f} tok/s{res.get('decode_how', '')}; stopped: {res['stop']}]",
+          file=sys.stderr)
     return 0
 
 

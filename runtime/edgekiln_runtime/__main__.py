@@ -3,7 +3,9 @@
 Settings come from the build's deploy profile beside the folder (../deploy_profile/onnxruntime.json:
 the threads, spinning and pages its sweep chose for the device) unless --profile names another or
 --no-profile is given; --threads overrides. --json prints one JSON line instead of text (the prompt's
-ids, the tokens, the text, the decode speed): what a script or a fleet check compares.
+ids, the tokens, the text, the decode speed): what a script or a fleet check compares. --speculate
+decodes the same greedy tokens with prompt-lookup drafts (edgekiln_runtime/speculative.py): faster where
+the output repeats the prompt, a little slower where it does not.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", type=Path, help="a deploy profile's onnxruntime.json (default: FOLDER/../deploy_profile/onnxruntime.json)")
     p.add_argument("--no-profile", action="store_true", help="ignore any deploy profile")
     p.add_argument("--json", action="store_true", help="print one JSON line (prompt_ids, tokens, text, decode_tok_s) instead of text")
+    p.add_argument("--speculate", action="store_true",
+                   help="prompt-lookup speculative decoding: the same greedy tokens, several a model call where "
+                        "the output repeats the prompt (editing or continuing given code or text); off by default")
+    p.add_argument("--draft-max", type=int, default=None, help="with --speculate: draft tokens a call at most (default 8)")
     p.add_argument("--version", action="version", version=f"edgekiln-runtime {__version__}")
     return p
 
@@ -75,29 +81,48 @@ def main(argv=None) -> int:
 
     import numpy as np
 
-    logits = dec.prefill(ids)
     tokens: list = []
     shown = ""
-    t0 = time.perf_counter()
-    while len(tokens) < n:
-        token = int(np.argmax(logits))
-        tokens.append(token)
+
+    def show(token: int) -> None:
+        nonlocal shown
         if not args.json:  # stream: print what the text gained (decoding the whole tail keeps multi-byte runes whole)
-            text = tok.decode(tokens)
+            text = tok.decode(tokens + [token])
             if text.startswith(shown) and not text.endswith("\ufffd"):
                 sys.stdout.write(text[len(shown):])
                 sys.stdout.flush()
                 shown = text
-        if token in eos or len(tokens) == n:
-            break
-        logits = dec.step(token)
-    took = time.perf_counter() - t0
+
+    spec = None
+    if args.speculate:
+        from edgekiln_runtime import speculative
+
+        try:
+            spec = speculative.generate(dec, ids, n, eos, draft_max=args.draft_max or speculative.DRAFT_MAX,
+                                        on_token=lambda t: (show(t), tokens.append(t)))
+        except ValueError as err:
+            print(f"edgekiln-runtime: --speculate: {err}", file=sys.stderr)
+            return 2
+        took = spec.decode_s
+    else:
+        logits = dec.prefill(ids)
+        t0 = time.perf_counter()
+        while len(tokens) < n:
+            token = int(np.argmax(logits))
+            show(token)
+            tokens.append(token)
+            if token in eos or len(tokens) == n:
+                break
+            logits = dec.step(token)
+        took = time.perf_counter() - t0
     text = tok.decode(tokens)
     steps = len(tokens) - 1  # the first token comes from the prefill's logits
     speed = steps / took if steps > 0 and took > 0 else None
     if args.json:
+        extra = ({"speculative": {"calls": spec.calls, "drafted": spec.drafted, "accepted": spec.accepted}}
+                 if spec else {})
         print(json.dumps({"prompt_ids": ids, "tokens": tokens, "text": text, "decode_tok_s": speed,
-                          "threads": settings["threads"], "runtime": f"edgekiln-runtime {__version__}"}))
+                          "threads": settings["threads"], "runtime": f"edgekiln-runtime {__version__}", **extra}))
     else:
         sys.stdout.write(text[len(shown):] if text.startswith(shown) else "")
         sys.stdout.write("\n")
