@@ -613,8 +613,10 @@ def _genie(ctx, comp_dir, info: dict, io: dict) -> dict:
 
 
 def _speculative(io: dict) -> dict:
-    """The device runtime's prompt-lookup speculative decoding, as this graph supports it: off by default
-    (on free text it finds few drafts and a rejected one costs more than a step: docs/devices.md)."""
+    """The device runtime's prompt-lookup speculative decoding, as this graph supports it. Off by default:
+    it measured faster or level everywhere (docs/results.md), but a multi-row call rounds int8 activations
+    otherwise than a step, so a near-tie can fall the other way, and parity and the fleet's health check
+    compare plain decoding's tokens."""
     if io.get("row_logits") is None:
         return {}
     from edgekiln_runtime import speculative
@@ -623,7 +625,10 @@ def _speculative(io: dict) -> dict:
         "method": "prompt lookup, greedy-exact (edgekiln_runtime.speculative): the same tokens as greedy decoding",
         "default": "off", "enable": "--speculate (python -m edgekiln_runtime, python -m pipeline generate)",
         "draft_max": speculative.DRAFT_MAX, "ngram": [speculative.MAX_NGRAM, speculative.MIN_NGRAM],
-        "pays_on": "output that repeats the context: editing or continuing given code or text",
+        "pays_on": "output that repeats the context: editing or continuing given code or text (and a small "
+                   "model repeating itself)",
+        "why_off": "it can take the other token at a near-tie (a multi-row call rounds otherwise than a step); "
+                   "parity and the health check compare plain decoding's tokens",
         "graph": {"input": io["row_logits"]["input"], "output": io["row_logits"]["output"]},
         "onnxruntime-genai": "not this graph: genai 0.18's n-gram mode needs every row's logits, which the graph "
                              "prunes for prefill",

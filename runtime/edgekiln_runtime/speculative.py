@@ -4,9 +4,10 @@ A draft is what followed the latest earlier occurrence of the context's last n t
 `max_ngram` down to `min_ngram`), up to `draft_max` tokens; the model checks the token it just chose and
 the draft in one call (GqaDecoder.verify: every row's logits) and keeps the draft's longest prefix that
 equals its own greedy choices, plus its own next token. The output is greedy decoding's token for token:
-a draft only decides how many positions one call covers. It pays where the output copies the input
-(editing or continuing code that is in the prompt, quoting a given text) and costs a little where it
-does not (a verify of a rejected draft is a step that also wrote rows that are then dropped).
+a draft only decides how many positions one call covers (up to how a multi-row call rounds: see
+`generate`). It pays where the output copies the input (editing or continuing code that is in the
+prompt, quoting a given text) or a small model repeats itself; where drafts fail, a verify is a step
+that also wrote rows that are then dropped, which the adaptive draft length keeps short.
 
 Why by hand: onnxruntime has no decode loop, and onnxruntime-genai's speculative decoding needs a draft
 model. The n-gram table is a dict per n, updated as tokens arrive, so a lookup is O(max_ngram), not a
@@ -22,7 +23,9 @@ from typing import Sequence
 import numpy as np
 
 # The defaults: drafts of up to 8 tokens, matched on the last 3 or 2 tokens (a single token matches too
-# often on free text, where its drafts are mostly rejected). benchmarks/speculative.py measures them.
+# often on free text, where its drafts are mostly rejected), their length adaptive. benchmarks/speculative.py
+# measured them (docs/results.md): fixed-length drafts lost up to 30% on SmolLM2's free text where adaptive
+# ones were level, and gained up to 15% more on Gemma 3 270M, whose extra verify rows cost less.
 DRAFT_MAX = 8
 MAX_NGRAM = 3
 MIN_NGRAM = 2
