@@ -199,8 +199,10 @@ class GqaDecoder(Runtime):
 
     def verify(self, token_ids: Sequence[int]) -> np.ndarray:
         """Run `token_ids` (1 <= n <= verify_room()) on top of the cache in one call and return every row's
-        logits [n, V]: row i is what `step` would return after token_ids[i]. A speculative decoder's check
-        of its draft; `rewind` then drops the rows it rejects."""
+        logits [n, V]: row i is the logits after token_ids[i], what `step` would return up to how a
+        multi-row call rounds (at accuracy_level 4 MatMulNBits quantizes its activations otherwise than a
+        step's: benchmarks/speculative.py). A speculative decoder's check of its draft; `rewind` then drops
+        the rows it rejects."""
         ids = np.asarray([list(token_ids)], dtype=np.int64)
         n = ids.shape[1]
         why = self.rewind_refusal()
