@@ -356,6 +356,9 @@ def run(ctx) -> dict:
         }
 
     roofline = _roofline(ctx, b, threads, figures, context, on_disk)
+    spec = _speculative(ctx, b, threads, packed_arm, env)
+    if not spec["ran"]:
+        notes.append(f"speculative decoding not measured: {spec['skipped']}")
     vs_eager = versus("torch_eager_fp32")
     vs_llama = versus(LLAMA_ARM) if LLAMA_ARM in runs else None
     vs_llama_q4_0 = versus(LLAMA_Q4_0_ARM) if LLAMA_Q4_0_ARM in runs and packed_arm else None
@@ -385,6 +388,7 @@ def run(ctx) -> dict:
         "arm_descriptions": {a: _describe(a) for a in runs},
         "weights_mb": on_disk,
         "roofline": roofline,
+        "speculative": spec,
         "memory": memory,
         "context": {a: {str(p): v for p, v in c.items()} for a, c in context.items()},
         "prefill_mode": {a: rs[0]["prefill_mode"] for a, rs in runs.items()},
@@ -425,6 +429,10 @@ def run(ctx) -> dict:
     if vs_genai:
         metrics["decode_vs_ortgenai"] = vs_genai["decode_tok_s"]["ratio"]
         metrics["prefill_vs_ortgenai"] = vs_genai["prefill_tok_s"]["ratio"]
+    for kind, arms_ in (spec.get("by_kind") or {}).items():  # the default drafts' figures
+        a = next(iter(arms_.values()))
+        metrics[f"speculative_speedup_{kind}"] = a["speedup"]["median"]
+        metrics[f"speculative_accept_rate_{kind}"] = a["accept_rate"]
     (ctx.out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     (ctx.out / "plots").mkdir()
     rows = _plot_rows(context, list(runs), headline if packed_arm else None)
@@ -445,9 +453,44 @@ def run(ctx) -> dict:
             f"{arm}{label}: decode {fmt(f['decode_tok_s'])} tok/s, prefill {fmt(f['prefill_tok_s'])} tok/s, "
             f"peak RSS {fmt(f['peak_rss_mib'], 0)} MiB, warm start {_fmt(f, 'warm_start_s', 2)} s"
         )
+    for kind, arms_ in (spec.get("by_kind") or {}).items():
+        a = next(iter(arms_.values()))
+        rate = f"{a['accept_rate']:.0%} of draft tokens kept" if a["accept_rate"] is not None else "no drafts"
+        ctx.log(f"speculative decoding{label}, {kind} prompts ({a['prompts']}): decode x{fmt(a['speedup'], 2)} "
+                f"plain greedy's, {rate}")
     for n in notes:
         ctx.log(n)
     return {"metrics": metrics, "summary": summary_table(report), "on_target": on_target}
+
+
+def _speculative(ctx, b, threads: int, packed_arm: str | None, env: dict) -> dict:
+    """Prompt-lookup speculative decoding against plain greedy decoding on the ONNX Runtime artifact, in a
+    process of its own (pipeline/measure/speculative.py): per prompt and by kind (input-grounded, free
+    text), the speedup, the draft tokens kept, and how many of greedy's tokens it reproduced."""
+    from pipeline.measure import speculative  # imported so that it is in this stage's code deps
+
+    if packed_arm != "ort_int4":
+        return {"ran": False, "skipped": "it runs on the ONNX Runtime artifact (GqaDecoder) only"}
+    if str(b.speculative) == "off":
+        return {"ran": False, "skipped": "benchmark.speculative=off"}
+    pack = Path(ctx.inputs["pack"])
+    if json.loads((pack / "io.json").read_text()).get("row_logits") is None:
+        return {"ran": False, "skipped": "the graph has no row_logits"}
+    with tempfile.TemporaryDirectory(prefix="edgekiln-spec-") as tmp, \
+            ctx.progress(None, f"speculative decoding against plain greedy, {b.passes} passes"):
+        out = Path(tmp) / "speculative.json"
+        proc = subprocess.run([sys.executable, "-m", speculative.__name__, str(pack), "--passes", str(b.passes),
+                               "--threads", str(threads), "--new", str(b.speculative_tokens), "--json", str(out)],
+                              capture_output=True, text=True, env=env)
+        if proc.returncode != 0 or not out.is_file():
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            return {"ran": False, "skipped": f"its run failed (exit {proc.returncode}): {last}"}
+        figures = json.loads(out.read_text())
+    if not figures["prompts"]:
+        return {"ran": False, "skipped": "no prompt fits: " + "; ".join(figures["skipped"])}
+    return {"ran": True, "how": "pipeline/measure/speculative.py: plain greedy and speculative (adaptive drafts "
+                                "up to draft_max) interleaved in one process; speedup = plain time a token over "
+                                "speculative's, median [min-max] over passes", **figures}
 
 
 # ms per decode-step layer on a Galaxy S25 (SM8750, HTP v79), the 1.7B hybrid's

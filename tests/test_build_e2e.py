@@ -67,6 +67,15 @@ def test_first_build_runs_every_stage_and_prints_parity_and_speed(built_repo):
     else:
         assert any(n.startswith("4 KiB pages for every arm") for n in report["notes"])
     assert "decode tok/s" in proc.stdout and "logits_snr_db" in proc.stdout
+    # speculative decoding against plain greedy on the artifact, per prompt kind, in the report and metrics
+    spec = report["speculative"]
+    assert spec["ran"], spec
+    for row in spec["prompts"]:
+        arm = row["arms"]["8"]
+        assert 0 <= arm["accepted"] <= arm["drafted"] and arm["speedup"]["n"] == report["settings"]["passes"]
+        assert arm["same_as_greedy"] <= row["new_tokens"] and arm["calls"] >= 1
+    for kind in spec["by_kind"]:
+        assert bench[f"speculative_speedup_{kind}"] > 0
     assert (repo / "builds" / f"{BUILD}.yaml").is_file()
     assert not (repo / "outputs").exists() and not (repo / "multirun").exists()
 

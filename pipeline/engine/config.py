@@ -60,6 +60,7 @@ CHOICES = {
     "benchmark.vllm": ("auto", "off"),
     "parity.vllm": ("auto", "off"),
     "benchmark.huge_pages": ("auto", "off"),
+    "benchmark.speculative": ("auto", "off"),
     "quantize.scale_dtype": ("fp32", "fp16"),  # pipeline/quant/gptq.py SCALE_DTYPES
     "pack.gguf_token_embedding": ("auto", "shared", "keep", "q8_0", "q4_0"),  # pipeline/quant/gguf_q4.py OTHERS
     "pack.qnn_weights": ("per_block", "per_channel", "per_tensor"),  # pipeline/graphs/qnn.py WEIGHT_GRANULARITIES

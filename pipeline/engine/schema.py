@@ -211,6 +211,11 @@ class BenchmarkConfig:
     # GLIBC_TUNABLES glibc.malloc.hugetlb=1): auto asks for them where the host
     # allows (the report says which pages each arm got); off keeps 4 KiB pages.
     huge_pages: str = "auto"  # auto | off
+    # Prompt-lookup speculative decoding against plain greedy decoding on the ONNX Runtime artifact
+    # (pipeline/measure/speculative.py: input-grounded and free-text prompts, `passes` passes, up to
+    # speculative_tokens new tokens each): auto where the graph has row_logits; off: never.
+    speculative: str = "auto"  # auto | off
+    speculative_tokens: int = 128
 
 
 @dataclass
