@@ -16,6 +16,10 @@ The ONNX Runtime artifact runs twice: in GqaDecoder (the headline) and, where
 onnxruntime-genai is installed, its own pack folder as it is in genai's
 generator loop (arm `ort_int4_genai`, the deploy profile's genai route: what a
 device that runs onnxruntime-genai gets), the two compared in the report.
+Then prompt-lookup speculative decoding against plain greedy decoding on the
+same folder (pipeline/measure/speculative.py, `benchmark.speculative: auto`):
+speedup and draft tokens kept on input-grounded and free-text prompts, and how
+many of greedy's tokens it reproduced (the report's `speculative`).
 
 Pages: every arm's process gets the same environment. With
 `benchmark.huge_pages: auto` (the default) that asks glibc for transparent
