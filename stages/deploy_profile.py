@@ -622,7 +622,8 @@ def _speculative(io: dict) -> dict:
     from edgekiln_runtime import speculative
 
     return {"speculative": {
-        "method": "prompt lookup, greedy-exact (edgekiln_runtime.speculative): the same tokens as greedy decoding",
+        "method": "prompt lookup (edgekiln_runtime.speculative): greedy decoding's tokens but where a near-tie falls "
+                  "the other way in a multi-row call",
         "default": "off", "enable": "--speculate (python -m edgekiln_runtime, python -m pipeline generate)",
         "draft_max": speculative.DRAFT_MAX, "ngram": [speculative.MAX_NGRAM, speculative.MIN_NGRAM],
         "pays_on": "output that repeats the context: editing or continuing given code or text (and a small "

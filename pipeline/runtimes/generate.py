@@ -185,11 +185,12 @@ def generate(dec, tok, prompt: str, max_new_tokens: int, temperature: float = 0.
 
 def _generate_speculative(dec, tok, ids: list[int], max_new_tokens: int, temperature: float, eos: set,
                           emit) -> dict:
-    """generate() through edgekiln_runtime.speculative: the same greedy tokens, and its counts."""
+    """generate() through edgekiln_runtime.speculative: greedy tokens (plain decoding's but where a near-tie
+    falls the other way in a multi-row call), and its counts."""
     from edgekiln_runtime import speculative
 
     if temperature > 0:
-        raise GenerateError("--speculate is greedy-exact: it needs --temperature 0")
+        raise GenerateError("--speculate decodes greedily: it needs --temperature 0")
     if not hasattr(dec, "verify"):
         raise GenerateError("--speculate runs on the ONNX Runtime artifact's runtime (GqaDecoder) only")
     if len(ids) >= dec.max_len:
@@ -237,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chat-template", action="store_true",
                         help="send the prompt as a user message through the checkpoint's chat template")
     parser.add_argument("--speculate", action="store_true",
-                        help="prompt-lookup speculative decoding (greedy, ONNX Runtime builds): the same tokens, "
-                             "several a model call where the output repeats the prompt")
+                        help="prompt-lookup speculative decoding (greedy, ONNX Runtime builds): several tokens a "
+                             "model call where the output repeats the prompt")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.max_new_tokens > 1_000_000:
         print("error: --max-new-tokens must be between 1 and 1000000", file=sys.stderr)

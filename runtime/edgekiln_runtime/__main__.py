@@ -4,8 +4,9 @@ Settings come from the build's deploy profile beside the folder (../deploy_profi
 the threads, spinning and pages its sweep chose for the device) unless --profile names another or
 --no-profile is given; --threads overrides. --json prints one JSON line instead of text (the prompt's
 ids, the tokens, the text, the decode speed): what a script or a fleet check compares. --speculate
-decodes the same greedy tokens with prompt-lookup drafts (edgekiln_runtime/speculative.py): faster where
-the output repeats the prompt, a little slower where it does not.
+decodes greedily with prompt-lookup drafts (edgekiln_runtime/speculative.py): faster where the output
+repeats the prompt, level where it does not; its tokens are plain decoding's but where a near-tie falls
+the other way (a multi-row call rounds otherwise than a step).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-profile", action="store_true", help="ignore any deploy profile")
     p.add_argument("--json", action="store_true", help="print one JSON line (prompt_ids, tokens, text, decode_tok_s) instead of text")
     p.add_argument("--speculate", action="store_true",
-                   help="prompt-lookup speculative decoding: the same greedy tokens, several a model call where "
-                        "the output repeats the prompt (editing or continuing given code or text); off by default")
+                   help="prompt-lookup speculative decoding: greedy tokens, several a model call where the output "
+                        "repeats the prompt (editing or continuing given code or text); off by default")
     p.add_argument("--draft-max", type=int, default=None, help="with --speculate: draft tokens a call at most (default 8)")
     p.add_argument("--version", action="version", version=f"edgekiln-runtime {__version__}")
     return p
