@@ -155,20 +155,15 @@ def generate(dec, tok, prompt: str, max_new_tokens: int, temperature: float = 0.
     except ContextFull as e:
         raise GenerateError(f"the prompt ({len(ids)} tokens) does not fit the artifact's context: {e}") from None
     t1 = time.perf_counter()
-    out: list[int] = []
-    shown = ""
+    stream = _Stream(tok, emit)
     stop = "max_new_tokens"
     for _ in range(max_new_tokens):
         nxt = _pick(logits, temperature, rng)
         if nxt in eos:
             stop = "eos"
             break
-        out.append(nxt)
-        text = tok.decode(out, skip_special_tokens=True)
-        if emit and text.startswith(shown):  # a piece can change earlier text (byte fallback): wait for it
-            emit(text[len(shown):])
-            shown = text
-        if len(out) == max_new_tokens:
+        stream.add(nxt)
+        if len(stream.ids) == max_new_tokens:
             break
         try:
             logits = dec.step(nxt)
@@ -176,11 +171,32 @@ def generate(dec, tok, prompt: str, max_new_tokens: int, temperature: float = 0.
             stop = "context full"
             break
     t2 = time.perf_counter()
-    text = tok.decode(out, skip_special_tokens=True)
-    if emit and text != shown and text.startswith(shown):
-        emit(text[len(shown):])
-    return {"prompt_tokens": len(ids), "new_tokens": len(out), "ids": out, "text": text, "stop": stop,
-            "prefill_s": t1 - t0, "decode_s": t2 - t1}
+    text = stream.finish()
+    return {"prompt_tokens": len(ids), "new_tokens": len(stream.ids), "ids": stream.ids, "text": text,
+            "stop": stop, "prefill_s": t1 - t0, "decode_s": t2 - t1}
+
+
+class _Stream:
+    """New tokens in, the text they add out through `emit`, a piece at a time."""
+
+    def __init__(self, tok, emit):
+        self.tok, self.emit = tok, emit
+        self.ids: list[int] = []
+        self.shown = ""
+
+    def add(self, token: int) -> None:
+        self.ids.append(token)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if self.emit and text.startswith(self.shown):  # a piece can change earlier text (byte fallback): wait
+            self.emit(text[len(self.shown):])
+            self.shown = text
+
+    def finish(self) -> str:
+        """The whole text; emits what is left of it."""
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if self.emit and text != self.shown and text.startswith(self.shown):
+            self.emit(text[len(self.shown):])
+        return text
 
 
 def _generate_speculative(dec, tok, ids: list[int], max_new_tokens: int, temperature: float, eos: set,
@@ -195,28 +211,16 @@ def _generate_speculative(dec, tok, ids: list[int], max_new_tokens: int, tempera
         raise GenerateError("--speculate runs on the ONNX Runtime artifact's runtime (GqaDecoder) only")
     if len(ids) >= dec.max_len:
         raise GenerateError(f"the prompt ({len(ids)} tokens) does not fit the artifact's context ({dec.max_len})")
-    out: list[int] = []
-    shown = ""
-
-    def on_token(t: int) -> None:
-        nonlocal shown
-        if t in eos:
-            return
-        out.append(t)
-        text = tok.decode(out, skip_special_tokens=True)
-        if emit and text.startswith(shown):
-            emit(text[len(shown):])
-            shown = text
-
+    stream = _Stream(tok, emit)
     t0 = time.perf_counter()
     try:
-        st = speculative.generate(dec, ids, max_new_tokens, eos, on_token=on_token)
+        st = speculative.generate(dec, ids, max_new_tokens, eos,
+                                  on_token=lambda t: None if t in eos else stream.add(t))
     except ValueError as err:
         raise GenerateError(f"--speculate: {err}") from None
     total = time.perf_counter() - t0
-    text = tok.decode(out, skip_special_tokens=True)
-    if emit and text != shown and text.startswith(shown):
-        emit(text[len(shown):])
+    text = stream.finish()
+    out = stream.ids
     stop = ("eos" if st.tokens and st.tokens[-1] in eos else
             "max_new_tokens" if len(st.tokens) >= max_new_tokens else "context full")
     rate = f"{st.accepted}/{st.drafted} draft tokens kept" if st.drafted else "no drafts"
