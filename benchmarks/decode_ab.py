@@ -27,8 +27,7 @@ def decode_s(dec, prompt: list[int], n: int) -> float:
     dec.reset()
     logits = dec.prefill(prompt)
     t0 = time.perf_counter()
-    for _ in range(n):
-        logits = dec.step(int(np.argmax(logits)))
+    dec.decode_greedy(n, logits)  # the runtime contract's decode loop, as the benchmark stage's arms run it
     return time.perf_counter() - t0
 
 
