@@ -5,13 +5,14 @@ A draft is what followed the latest earlier occurrence of the context's last n t
 the draft in one call (GqaDecoder.verify: every row's logits) and keeps the draft's longest prefix that
 equals its own greedy choices, plus its own next token. The output is greedy decoding's token for token
 (but where a near-tie falls the other way because a multi-row call rounds otherwise: see `generate`): a
-draft only decides how many positions one call covers. It pays where the output copies the input (editing or continuing code that is in the
-prompt, quoting a given text) or a small model repeats itself; where drafts fail, a verify is a step
-that also wrote rows that are then dropped, which the adaptive draft length keeps short.
+draft only decides how many positions one call covers. It pays where the output copies the input
+(editing or continuing code that is in the prompt, quoting a given text) or a small model repeats
+itself; where drafts fail, a verify is a step that also wrote rows that are then dropped, which the
+adaptive draft length keeps short.
 
 Why by hand: onnxruntime has no decode loop, and onnxruntime-genai 0.18's n-gram mode needs every row's
-logits, which the graph prunes for prefill (docs/devices.md). The n-gram table is a dict per n, updated as tokens arrive, so a lookup is O(max_ngram), not a
-scan of the context.
+logits, which the graph prunes for prefill (docs/devices.md). The n-gram table is a dict per n, updated
+as tokens arrive, so a lookup is O(max_ngram), not a scan of the context.
 """
 
 from __future__ import annotations
