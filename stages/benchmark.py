@@ -161,7 +161,7 @@ def _genai_arm(ctx, b, work: Path) -> tuple[Path | None, str, str | None]:
         return None, f"onnxruntime-genai baseline skipped: {e}", None
 
 
-def _roofline(ctx, b, threads: int, figures: dict, context: dict, on_disk: dict) -> dict:
+def _roofline(ctx, b, threads: int, figures: dict, context: dict, read_mb: dict) -> dict:
     """The roofline column (pipeline/measure/roofline.py): the host's read bandwidth, measured now in a
     process of its own, and per arm the bytes one decoded token reads at its speed, at the headline prompt
     and at each context point (the mean position of the timed decode)."""
@@ -182,19 +182,19 @@ def _roofline(ctx, b, threads: int, figures: dict, context: dict, on_disk: dict)
     for arm, f in figures.items():
         width = own if own and arm in (PACKED_ARMS["w4_ort_matmulnbits"], ARTIFACT_GENAI_ARM) else rl.KV_BYTES.get(arm, 4)
         at = int(b.prompt_length) + int(b.decode_tokens) // 2
-        row = rl.arm_roofline(on_disk.get(arm), kv_read_bytes(config, at, width),
+        row = rl.arm_roofline(read_mb.get(arm), kv_read_bytes(config, at, width),
                               f["decode_tok_s"]["median"], host["median"])
         if row is None:
             continue
         row["context"] = {}
         for p, s in context.get(arm, {}).items():
             at_p = int(p) + int(b.context_decode_tokens) // 2
-            row["context"][str(p)] = rl.arm_roofline(on_disk.get(arm), kv_read_bytes(config, at_p, width),
+            row["context"][str(p)] = rl.arm_roofline(read_mb.get(arm), kv_read_bytes(config, at_p, width),
                                                      s["decode_tok_s"]["median"], host["median"])
         arms[arm] = row
     return {"host_read_gb_s": host, "threads": threads,
-            "how": "bytes per token = the arm's weight files (an upper bound where an embedding table is read "
-                   "one row a token: an fp32 arm's untied table can put of_host above 1) + the KV read at the timed decode's mean position in the arm's KV dtype; "
+            "how": "bytes per token = the arm's weight files less the tables a token reads one row of (an ONNX "
+                   "initializer only gathered; a GGUF's token_embd beside its own output head) + the KV read at the timed decode's mean position in the arm's KV dtype; "
                    "gb_s = that x decode tok/s (median); of_host = gb_s / the host's median read bandwidth",
             "arms": arms}
 
@@ -307,6 +307,8 @@ def run(ctx) -> dict:
         notes.append(why)
     headline = packed_arm or "onnx_fp32"
     on_disk = {a: weights_mb(path) for a, path in arms.items()}  # before the baselines' folders are removed
+    from pipeline.measure.roofline import read_per_token_mb
+    read_mb = {a: read_per_token_mb(path, on_disk[a]) for a, path in arms.items()}
     runs: dict[str, list[dict]] = {a: [] for a in arms}
     if vllm_runs is not None:
         runs = {VLLM_ARM: vllm_runs, **runs}
@@ -359,7 +361,7 @@ def run(ctx) -> dict:
             for f in figs
         }
 
-    roofline = _roofline(ctx, b, threads, figures, context, on_disk)
+    roofline = _roofline(ctx, b, threads, figures, context, read_mb)
     spec = _speculative(ctx, b, threads, packed_arm, env)
     if not spec["ran"]:
         notes.append(f"speculative decoding not measured: {spec['skipped']}")

@@ -192,3 +192,54 @@ def test_the_roofline_column_is_bytes_a_token_times_speed_against_the_host():
     assert arm_roofline(None, 0, 40.0, 20.0) is None  # no weight files: no row, never a guess
     passes = read_bandwidth(2, mib=64, passes=3)
     assert len(passes) == 3 and all(0.1 < g < 10_000 for g in passes)
+
+
+def _lookup_graph(folder, tied: bool) -> int:
+    """A model.onnx (weights in model.onnx.data) whose table E is looked up and, `tied`, also the head's
+    MatMul; W a body matmul. Returns E's bytes."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    e = numpy_helper.from_array(np.ones((64, 16), np.float32), "E")
+    w = numpy_helper.from_array(np.ones((16, 16), np.float32), "W")
+    nodes = [helper.make_node("Gather", ["E", "ids"], ["x"]), helper.make_node("MatMul", ["x", "W"], ["h"])]
+    if tied:
+        nodes += [helper.make_node("Transpose", ["E"], ["Et"]), helper.make_node("MatMul", ["h", "Et"], ["y"])]
+    else:
+        nodes += [helper.make_node("Identity", ["h"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [e, w])
+    folder.mkdir()
+    onnx.save(helper.make_model(g), str(folder / "model.onnx"), save_as_external_data=True,
+              location="model.onnx.data", size_threshold=0)
+    return 64 * 16 * 4
+
+
+def test_the_roofline_leaves_out_a_table_a_token_reads_one_row_of(tmp_path):
+    """An untied embedding table is read one row a token: the roofline's bytes leave it out (else an fp32
+    arm's or onnxruntime-genai's own untied table read as a whole puts it above the host's bandwidth);
+    a tied one is the head too, and read whole. Same for a GGUF with and without an output head of its own."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from pipeline.measure.roofline import gathered_only_bytes, read_per_token_mb
+
+    e_bytes = _lookup_graph(tmp_path / "untied", tied=False)
+    assert gathered_only_bytes(tmp_path / "untied") == e_bytes  # external data: its length, not loaded
+    _lookup_graph(tmp_path / "tied", tied=True)
+    assert gathered_only_bytes(tmp_path / "tied") == 0
+    assert read_per_token_mb(tmp_path / "untied", 10.0) == round(10.0 - e_bytes / 1e6, 1)
+    assert read_per_token_mb(tmp_path / "untied", None) is None
+
+    for name, head in (("own_head.gguf", True), ("tied.gguf", False)):
+        w = GGUFWriter(str(tmp_path / name), "llama")
+        w.add_tensor("token_embd.weight", np.ones((64, 16), np.float32))
+        if head:
+            w.add_tensor("output.weight", np.ones((64, 16), np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    assert gathered_only_bytes(tmp_path / "own_head.gguf") == 64 * 16 * 4
+    assert gathered_only_bytes(tmp_path / "tied.gguf") == 0

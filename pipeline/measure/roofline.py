@@ -13,8 +13,10 @@ peak). Written by hand: no library of the toolchain measures read bandwidth
 GIL, so `threads` threads each read their share at once.
 
 Bytes per token per arm (stages/benchmark.py `roofline`): the arm's weight
-files (an upper bound: an untied embedding table is read one row a token),
-plus the KV read at the mean position of the timed decode
+files less the tables a token reads one row of (`read_per_token_mb`: an ONNX
+initializer only ever gathered, a GGUF's `token_embd` where the file has its
+own `output` head; a tied table is the head's and is read whole), plus the KV
+read at the mean position of the timed decode
 (pipeline/sources/kv_budget.py `kv_read_bytes`), in the arm's own KV dtype.
 """
 
@@ -46,6 +48,64 @@ def read_bandwidth(threads: int, mib: int = 1024, passes: int = 5) -> list[float
             list(pool.map(np.sum, parts))
             out.append(buf.nbytes / (time.perf_counter() - t0) / 1e9)
     return out
+
+
+# Where a lookup reads one row of its table: the data input of Gather, and of GatherBlockQuantized its codes,
+# scales and zero points (com.microsoft's contrib op, inputs 0, 2, 3).
+_GATHERED = {("Gather", 0), ("GatherBlockQuantized", 0), ("GatherBlockQuantized", 2), ("GatherBlockQuantized", 3)}
+_ONNX_TYPE_BYTES = {1: 4, 2: 1, 3: 1, 6: 4, 7: 8, 10: 2, 11: 8, 16: 2, 21: 1, 22: 1}  # TensorProto types
+
+
+def _initializer_bytes(t) -> int:
+    ext = {e.key: e.value for e in t.external_data}
+    if "length" in ext:
+        return int(ext["length"])
+    if t.raw_data:
+        return len(t.raw_data)
+    n = 1
+    for d in t.dims:
+        n *= int(d)
+    if t.data_type in (21, 22):  # UINT4 / INT4: two a byte
+        return (n + 1) // 2
+    return n * _ONNX_TYPE_BYTES.get(t.data_type, 4)
+
+
+def gathered_only_bytes(path) -> int:
+    """Bytes of the tables in an arm's weights that a decoded token reads one row of: in an ONNX graph
+    (every model.onnx under a folder), initializers whose every use is a lookup's table (_GATHERED); in a
+    GGUF, `token_embd.weight` where an `output.weight` head of its own is there (else the table is tied, the
+    head's, and read whole). Read from the graph's structure (onnx, external data not loaded) and the GGUF's
+    tensor index (the gguf package), never from names guessed per arm."""
+    from pathlib import Path
+
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        sizes = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+        return sizes.get("token_embd.weight", 0) if "output.weight" in sizes else 0
+    if not path.is_dir():
+        return 0
+    import onnx
+
+    total = 0
+    for f in sorted(path.rglob("*.onnx")):
+        g = onnx.load(str(f), load_external_data=False).graph
+        uses: dict[str, set] = {}
+        for node in g.node:
+            for i, name in enumerate(node.input):
+                uses.setdefault(name, set()).add((node.op_type, i))
+        total += sum(_initializer_bytes(t) for t in g.initializer
+                     if uses.get(t.name) and uses[t.name] <= _GATHERED)
+    return total
+
+
+def read_per_token_mb(path, weights_mb: float | None) -> float | None:
+    """MB of an arm's weight files (`weights_mb`, stages/benchmark.py) that one decoded token reads: all of
+    them but the tables it reads one row of (gathered_only_bytes; the row itself is left out, < 0.01 MB)."""
+    if weights_mb is None:
+        return None
+    return round(max(weights_mb - gathered_only_bytes(path) / 1e6, 0.0), 1)
 
 
 def arm_roofline(weights_mb: float | None, kv_bytes: int, tok_s: float, host_gb_s: float) -> dict | None:
