@@ -244,8 +244,10 @@ def _level_sweep(ctx, pack_dir, chosen: dict, prompt, n_decode: int) -> dict:
 # The KV dtype is measured where the KV's bytes matter: after a prompt of this many tokens (half a
 # smaller graph's positions). Measured on SmolLM2-135M (30 layers, 3 KV heads; Intel Xeon, 2 threads,
 # benchmarks/op_profile.py): GroupQueryAttention's time per step grows 1.1 -> 5.1 ms from a 32- to a
-# 960-token prompt in fp16 and 0.9 -> 4.8 ms in fp32, end to end the same within the noise.
-KV_SWEEP_PROMPT = 512
+# 960-token prompt in fp16 and 0.9 -> 4.8 ms in fp32, end to end the same within the noise; on the AMD
+# AVX-512 builder (benchmarks/decode_ab.py) fp32 1.08x at 512 and 1.17x at 2048: at 512 the difference
+# hides in the noise, so the sweep measures at 2048.
+KV_SWEEP_PROMPT = 2048
 
 
 def _kv_sweep(ctx, pack_dir, chosen: dict, max_len: int, n_decode: int) -> dict:
@@ -712,8 +714,12 @@ def run(ctx) -> dict:
     config = json.loads((ctx.inputs["untie_head"] / "config.json").read_text())
     context_length = int(ctx.cfg.export.context_length)
     path = sel["path"]
-    # The general figures rounded to the block of the runtime that reads them (vLLM on CPU: 128).
-    kv = kv_budget(config, context_length,
+    # The general figures rounded to the block of the runtime that reads them (vLLM on CPU: 128), in the KV
+    # dtype the ONNX Runtime graph holds (its io.json: fp32 by default), else 2 bytes.
+    io_path = pack_dir / "io.json"
+    kv_dtype = (json.loads(io_path.read_text()).get("kv_dtype")
+                if path == "w4_ort_matmulnbits" and io_path.is_file() else None)
+    kv = kv_budget(config, context_length, kv_dtype=kv_dtype if kv_dtype in ("float16", "float32") else "bfloat16",
                    block_size=VLLM_CPU_BLOCK_SIZE if path == "w4a8_gptq_vllm" else BLOCK_SIZE)
     if path == "w4a8_gptq_vllm":
         detail = _vllm(ctx, device, config, context_length)

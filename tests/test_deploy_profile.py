@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import yaml
@@ -337,6 +338,24 @@ def test_on_the_target_the_settings_are_measured_and_recorded(tmp_path, monkeypa
     assert [(c["setting"]["kv_dtype"], c["kv_mib"]) for c in kv["candidates"]] == [("float16", 2.0), ("float32", 4.0)]
     assert kv["prompt_tokens"] == 256 // 2  # a long prompt: half of this small graph's positions
     assert json.loads((tmp_path / "pack" / "io.json").read_text())["kv_dtype"] == "float16"  # never rewritten
+
+
+def test_the_kv_budget_of_an_onnxruntime_build_is_in_its_graphs_kv_dtype(tmp_path, monkeypatch):
+    """The profile's KV figure is the graph's own (io.json kv_dtype, fp32 by default): a 2-byte figure for a
+    4-byte cache would say half of what the device holds."""
+    from pipeline.sources.kv_budget import DTYPE_BYTES
+
+    _on_target(tmp_path, monkeypatch)  # io.json: float16
+    kv = json.loads((tmp_path / "out" / "profile.json").read_text())["kv_budget"]
+    assert kv["kv_dtype"] == "float16"
+    for d in ("pack", "out", "untie", "compile_qnn"):
+        shutil.rmtree(tmp_path / d, ignore_errors=True)
+    (tmp_path / "pack").mkdir()
+    (tmp_path / "pack" / "model.onnx").write_bytes(_matmulnbits_graph(4))
+    out, _ = run(tmp_path, "w4_ort_matmulnbits", {"io.json": json.dumps({**IO, "kv_dtype": "float32"})},
+                 device={"name": "x86_avx512", "threads": 1})
+    kv32 = json.loads((out / "profile.json").read_text())["kv_budget"]
+    assert kv32["kv_dtype"] == "float32" and kv32["flat_bytes"] == kv["flat_bytes"] * DTYPE_BYTES["float32"] // 2
 
 
 def test_huge_pages_are_deployed_only_when_measured_faster(tmp_path, monkeypatch):

@@ -314,10 +314,12 @@ class PackConfig:
     # ORT MatMulNBits: 4 = int8 activations inside the kernel (its fastest CPU
     # path, measured); 0 = no activation rounding (the fp32 reference math).
     ort_accuracy_level: int = 4
-    # The GQA graph's KV cache (and the attention's rope caches): float16 (half the KV bytes; q/k/v cast
-    # in, the attention cast out) or float32. The deploy profile measures both on the target and says
-    # when the other is faster beyond the noise floor (onnxruntime.json tuning.kv_dtype).
-    ort_kv_dtype: str = "float16"
+    # The GQA graph's KV cache (and the attention's rope caches): float32 or float16 (half the KV bytes;
+    # q/k/v cast in, the attention cast out). float32: ORT 1.32's CPU GroupQueryAttention decodes faster
+    # over an fp32 cache on the AVX-512 builder (SmolLM2-135M 1.17x at a 2048-token prompt, Gemma 3 270M
+    # 1.06x; docs/devices.md). The deploy profile measures both on the target and says when the other is
+    # faster beyond the noise floor, or as fast in half the bytes (onnxruntime.json tuning.kv_dtype).
+    ort_kv_dtype: str = "float32"
     # Rows at which a tinygemm layer leaves the int4 kernel for dequant + GEMM
     # (the kernel's cost is linear in rows).
     prefill_threshold: int = 16

@@ -123,9 +123,10 @@ DEFAULT_OPTIONS = {
                                # one over the untied table's own codes (_block_embedding); "fp32": a Gather of
                                # the untied table; "auto": shared where it can be, else quant.json's measured
                                # choice (its "embedding" record), else fp32
-    "kv_dtype": "float16",     # the KV cache (and the attention's rope caches) in fp16, as llama.cpp's default
-                               # f16 cache: half the KV bytes; q/k/v are cast in and the attention cast out
-                               # (measured no slower on Gemma 3 270M: docs/small-artifacts.md)
+    "kv_dtype": "float32",     # the KV cache (and the attention's rope caches); "float16" halves the KV bytes
+                               # (q/k/v cast in, the attention cast out), but ORT 1.32's CPU attention decodes
+                               # slower over it on the AVX-512 builder (SmolLM2 0.85x at a 2048-token prompt:
+                               # docs/devices.md); pack.ort_kv_dtype picks, the deploy profile measures both
     "io_layout": "genai",      # the graph's inputs and outputs: "genai", as onnxruntime-genai feeds a decoder
                                # (genai_config.json beside it: `genai_config`), or "edgekiln", the layout
                                # before it (seqlens_k / total_sequence_length fed, past_key_i, [1, V] logits)
