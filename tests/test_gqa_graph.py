@@ -749,7 +749,10 @@ def test_embedded_build_matches_dequantized_model(tmp_path):
     from pipeline.sources.checkpoint_files import load_hf_model
 
     out = tmp_path / "gqa"
-    build_gqa_graph(EMBEDDED / "untie_head", EMBEDDED / "quantize", out, max_len=160, accuracy_level=0, **EXACT)
+    # the fp32 table as the lookup: the default shares the head's 8-bit codes (one table), which the
+    # dequantized model below does not (its embedding stays fp32): 58.9 dB, not a graph error
+    build_gqa_graph(EMBEDDED / "untie_head", EMBEDDED / "quantize", out, max_len=160, accuracy_level=0,
+                    embedding="fp32", **EXACT)
     model = load_hf_model(EMBEDDED / "untie_head")
     meta, layers = read_quant(EMBEDDED / "quantize", bits=(4, 8))  # the head is 8-bit by default on this path
     for n, (q, s, z, g) in layers.items():
