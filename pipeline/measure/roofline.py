@@ -53,21 +53,22 @@ def read_bandwidth(threads: int, mib: int = 1024, passes: int = 5) -> list[float
 # Where a lookup reads one row of its table: the data input of Gather, and of GatherBlockQuantized its codes,
 # scales and zero points (com.microsoft's contrib op, inputs 0, 2, 3).
 _GATHERED = {("Gather", 0), ("GatherBlockQuantized", 0), ("GatherBlockQuantized", 2), ("GatherBlockQuantized", 3)}
-_ONNX_TYPE_BYTES = {1: 4, 2: 1, 3: 1, 6: 4, 7: 8, 10: 2, 11: 8, 16: 2, 21: 1, 22: 1}  # TensorProto types
 
 
 def _initializer_bytes(t) -> int:
+    import math
+
+    from onnx import TensorProto, helper
+
     ext = {e.key: e.value for e in t.external_data}
     if "length" in ext:
         return int(ext["length"])
     if t.raw_data:
         return len(t.raw_data)
-    n = 1
-    for d in t.dims:
-        n *= int(d)
-    if t.data_type in (21, 22):  # UINT4 / INT4: two a byte
+    n = math.prod(int(d) for d in t.dims)
+    if t.data_type in (TensorProto.INT4, TensorProto.UINT4):  # two a byte
         return (n + 1) // 2
-    return n * _ONNX_TYPE_BYTES.get(t.data_type, 4)
+    return n * helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
 
 
 def gathered_only_bytes(path) -> int:
