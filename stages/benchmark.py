@@ -167,7 +167,7 @@ def _roofline(ctx, b, threads: int, figures: dict, context: dict, read_mb: dict)
     and at each context point (the mean position of the timed decode)."""
     from pipeline.measure import roofline as rl
     from pipeline.measure.stats import spread
-    from pipeline.sources.kv_budget import kv_read_bytes
+    from pipeline.sources.kv_budget import DTYPE_BYTES, kv_read_bytes
 
     proc = subprocess.run([sys.executable, "-m", "pipeline.measure.roofline", "--threads", str(threads)],
                           capture_output=True, text=True)
@@ -177,7 +177,7 @@ def _roofline(ctx, b, threads: int, figures: dict, context: dict, read_mb: dict)
     config = json.loads((ctx.inputs["untie_head"] / "config.json").read_text())
     io_path = ctx.inputs["pack"] / "io.json"
     kv_dtype = json.loads(io_path.read_text()).get("kv_dtype") if io_path.is_file() else None
-    own = {"float16": 2, "bfloat16": 2, "float32": 4}.get(kv_dtype)
+    own = DTYPE_BYTES.get(kv_dtype)
     arms = {}
     for arm, f in figures.items():
         width = own if own and arm in (PACKED_ARMS["w4_ort_matmulnbits"], ARTIFACT_GENAI_ARM) else rl.KV_BYTES.get(arm, 4)
