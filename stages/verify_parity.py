@@ -151,6 +151,9 @@ def _rows(r, o) -> dict:
 
     d = r - o
     err = np.einsum("ij,ij->i", d, d)
+    # the part of the error softmax sees: each row's mean removed (sum (d - mean d)^2 = sum d^2 - (sum d)^2 / V)
+    v = r.shape[-1]
+    err_c = err - d.sum(-1) ** 2 / v
     del d
     t5r = np.argpartition(-r, 5, axis=-1)[:, :5]
     t5o = np.argpartition(-o, 5, axis=-1)[:, :5]
@@ -160,9 +163,12 @@ def _rows(r, o) -> dict:
     lr -= lo
     del lo
     lr *= pr  # KL(ref || test) terms, nats
+    sig = np.einsum("ij,ij->i", r, r)
     return {
-        "sig": np.einsum("ij,ij->i", r, r),
+        "sig": sig,
         "err": err,
+        "sig_c": sig - r.sum(-1) ** 2 / v,
+        "err_c": err_c,
         "argmax": top_o,
         "top1": top_r == top_o,
         # The five indices of a row are distinct: matches counted pairwise are |set & set|.
@@ -176,26 +182,42 @@ class _Sums:
 
     def __init__(self):
         self.steps = 0
-        self.sig = self.err = self.kl = 0.0
+        self.sig = self.err = self.sig_c = self.err_c = self.kl = 0.0
         self.top1 = self.top5 = self.overlap = 0
+        self.kls: list[float] = []  # each step's KL(ref || test): a float a step, for the percentiles
 
     def add(self, rows: dict) -> None:
         self.steps += len(rows["sig"])
-        self.sig += float(rows["sig"].sum())
-        self.err += float(rows["err"].sum())
-        self.kl += float(rows["kl"].sum())
+        for k in ("sig", "err", "sig_c", "err_c", "kl"):
+            setattr(self, k, getattr(self, k) + float(rows[k].sum()))
+        self.kls += rows["kl"].tolist()
         self.top1 += int(rows["top1"].sum())
         self.top5 += int((rows["overlap"] == 5).sum())
         self.overlap += int(rows["overlap"].sum())
 
     def merge(self, other: "_Sums") -> None:
-        for k in ("steps", "sig", "err", "kl", "top1", "top5", "overlap"):
+        for k in ("steps", "sig", "err", "sig_c", "err_c", "kl", "top1", "top5", "overlap", "kls"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
 
     def snr_db(self) -> float:
         from pipeline.graphs.decode_graph import snr_from_sums
 
         return snr_from_sums(self.sig, self.err)
+
+    def step_figures(self) -> dict:
+        """The field's measures over these steps (each step's KL(ref || test) is llama.cpp's per-token KLD:
+        the mean is kl_nats; the 99th percentile by its linear interpolation, pipeline/measure/kld.py), and
+        the logit SNR softmax sees (each step's mean removed from both: an offset on every logit costs the
+        whole-vocabulary SNR and no probability; docs/phone-fidelity.md finding 8)."""
+        import numpy as np
+
+        from pipeline.graphs.decode_graph import snr_from_sums
+
+        kls = np.asarray(self.kls, dtype=np.float64)
+        return {"step_kld_mean": float(kls.mean()) if kls.size else 0.0,
+                "step_kld_p99": float(np.percentile(kls, 99)) if kls.size else 0.0,
+                "step_kld_max": float(kls.max()) if kls.size else 0.0,
+                "logits_snr_centred_db": snr_from_sums(self.sig_c, self.err_c)}
 
 
 class _Evaluation:
@@ -362,6 +384,7 @@ def _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, what: str, free
         "prompts": len(prompts),
         "steps": total.steps,
         "kl_nats": total.kl / total.steps,
+        **total.step_figures(),
     }
     return metrics, per_prompt
 
@@ -387,7 +410,8 @@ def _prompt_graph_rows(runs, dec, ctx, what: str) -> dict:
                 total.add(_rows(r.logits(at, at + 1), got[None].astype(np.float64)))
                 bar.advance()
     return {"logits_snr_db": _finite(total.snr_db()), "top1_agreement": total.top1 / total.steps,
-            "kl_nats": total.kl / total.steps, "chunk_ends": total.steps, "tokens_a_call": T,
+            "kl_nats": total.kl / total.steps, **_finite_metrics(total.step_figures()),
+            "chunk_ends": total.steps, "tokens_a_call": T,
             "executions": dec.calls["prompt"] - before, "tokens": tokens}
 
 
@@ -830,13 +854,19 @@ def _peers(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds=None,
 
 # The gates in llama.cpp's units (parity.artifact.<path>.max_*; null: not gated): limit key -> statistic.
 KLD_GATES = {"max_kld_mean": "kld_mean", "max_kld_p99": "kld_p99", "max_ppl_ratio": "ppl_ratio"}
+# Where a run has no evaluation windows (an HTP subset, a precision not deployed, fp16, which has no CPU
+# stand-in), the KLD floors are checked over the run's own steps: each step's KL(ref || test) is the same
+# per-token KLD, over the parity prompts' teacher-forced steps instead of the windows' text. The PPL ratio
+# needs the windows' next tokens (a parity step's next token is the reference's own greedy pick): said, not checked.
+STEP_KLD_GATES = {"max_kld_mean": "step_kld_mean", "max_kld_p99": "step_kld_p99"}
 
 
 def _gate(ctx, name: str, limits, metrics: dict, n_prompts: int, note: str = "", stats: dict | None = None,
           no_stats: str = "no evaluation windows ran (parity.eval_windows=0)") -> dict:
-    """Log the figures; fail below `limits` (parity.artifact.<name>); the thresholds checked. The
-    KLD floors need the evaluation windows' statistics (`stats`); without them each is said not
-    checked, with `no_stats` as the reason."""
+    """Log the figures; fail below `limits` (parity.artifact.<name>); the thresholds checked. The KLD
+    floors are checked on the evaluation windows' statistics (`stats`); without them, the KLD mean and
+    p99 over the run's own steps (STEP_KLD_GATES), and the PPL ratio said not checked, with `no_stats`
+    as the reason."""
     checks = [
         ("logits_snr_db", metrics["logits_snr_db"] >= limits.min_logits_snr_db, f">= {limits.min_logits_snr_db:g}"),
         ("top1_agreement", metrics["top1_agreement"] >= limits.min_top1_agreement, f">= {limits.min_top1_agreement:g}"),
@@ -847,14 +877,20 @@ def _gate(ctx, name: str, limits, metrics: dict, n_prompts: int, note: str = "",
         limit = limits.get(key)
         if limit is None:
             continue
-        if stats is None:  # said, not silently passed
+        if stats is not None:
+            metrics = {**metrics, stat: float(stats[stat])}
+            checks.append((stat, metrics[stat] <= float(limit), f"<= {float(limit):g}"))
+        elif key in STEP_KLD_GATES and STEP_KLD_GATES[key] in metrics:
+            step = STEP_KLD_GATES[key]
+            checks.append((step, metrics[step] <= float(limit), f"<= {float(limit):g} ({key}, over the run's steps)"))
+        else:  # said, not silently passed
             ctx.log(f"parity.artifact.{name}.{key} not checked here: {no_stats}")
-            continue
-        metrics = {**metrics, stat: float(stats[stat])}
-        checks.append((stat, metrics[stat] <= float(limit), f"<= {float(limit):g}"))
+    extra = (f", centred SNR {metrics['logits_snr_centred_db']:.1f} dB, KLD p99 {metrics['step_kld_p99']:.4f} "
+             f"max {metrics['step_kld_max']:.4f} over {metrics['steps']} steps" if "step_kld_p99" in metrics else "")
     ctx.log(
         f"{name} vs fp32: SNR {metrics['logits_snr_db']:.1f} dB, top1 {metrics['top1_agreement']:.3f}, "
         f"top5 {metrics['top5_agreement']:.3f}, KL {metrics['kl_nats']:.4f}, greedy {metrics['greedy_match']}/{n_prompts}"
+        + extra
     )
     if note:
         ctx.log(note)
@@ -874,8 +910,11 @@ def _prompt_gate(ctx, name: str, limits, pm: dict, where: str, token: dict) -> d
     calibrated range changed rows' distributions (KL up to 1.6 nats) at 40 dB of whole-vocabulary SNR."""
     checks = [("logits_snr_db", pm["logits_snr_db"] >= limits.min_logits_snr_db, f">= {limits.min_logits_snr_db:g}"),
               ("kl_nats", pm["kl_nats"] <= limits.max_kl_nats, f"<= {limits.max_kl_nats:g}")]
+    checks += [(stat, pm[stat] <= float(limits[key]), f"<= {float(limits[key]):g} ({key}, over the chunk ends)")
+               for key, stat in STEP_KLD_GATES.items() if limits.get(key) is not None]
     ctx.log(f"{name} {where}: the prompt graph ({pm['tokens_a_call']} tokens a call) at its {pm['chunk_ends']} "
-            f"chunk ends: {pm['logits_snr_db']:.1f} dB, top1 {pm['top1_agreement']:.3f}, KL {pm['kl_nats']:.4f}; "
+            f"chunk ends: {pm['logits_snr_db']:.1f} dB (centred {pm['logits_snr_centred_db']:.1f}), top1 "
+            f"{pm['top1_agreement']:.3f}, KL {pm['kl_nats']:.4f} (p99 {pm['step_kld_p99']:.4f}); "
             f"{pm['executions']} executions for {pm['tokens']} tokens (the token graph: {pm['tokens']}; its "
             f"steps: {token['logits_snr_db']:.1f} dB, KL {token['kl_nats']:.4f})")
     failed = [f"{k} {pm[k]:.4g} (needs {want})" for k, ok, want in checks if not ok]
@@ -884,6 +923,55 @@ def _prompt_gate(ctx, name: str, limits, pm: dict, where: str, token: dict) -> d
                          f"{'; '.join(failed)} at the chunk ends ({where}; the token graph's: "
                          f"{token['logits_snr_db']:.2f} dB, KL {token['kl_nats']:.4g})")
     return {k: want for k, _, want in checks}
+
+
+# The fewest HTP steps parity.qnn_minutes may cut a run to: a top-1 floor of 0.95 over 16 steps tolerates no
+# miss (one near tie fails it), so the deployed precision keeps 32 a prompt (two segments of 16) at least.
+MIN_HTP_STEPS = 32
+MIN_SHORT_STEPS = 16
+HTP_MINUTES = 20  # parity.qnn_minutes' default
+
+
+def _htp_plan(ctx, dec, runs, budget: int, short: int, others: int, prompt_graph: bool) -> tuple[int, int, dict]:
+    """How many HTP steps verify_parity's confirmation runs, bounded in time (parity.qnn_minutes, null:
+    HTP_MINUTES): the deployed binary's seconds a step are timed on one step here (its first call, so
+    an upper bound), the planned steps (the deployed precision's `budget` a prompt over `runs`, each other
+    precision's `short`, a prompt-graph call counted as two steps) projected, and where they pass the
+    bound both step counts cut in proportion, never below MIN_HTP_STEPS / MIN_SHORT_STEPS. Said in the
+    log either way; returns (budget, short, the plan, report.json's `htp_plan`)."""
+
+    minutes = ctx.cfg.parity.get("qnn_minutes", None)
+    minutes = float(HTP_MINUTES if minutes is None else minutes)
+    dec.reset()
+    t0 = time.perf_counter()
+    dec.step(int(runs[0].prompt[0]))
+    per_step = time.perf_counter() - t0
+    dec.reset()
+
+    def planned(b: int, sh: int) -> int:
+        steps = sum(min(r.steps, b) for r in runs) + others * sh
+        calls = (2 * len(runs) + others) if prompt_graph else 0
+        return steps + 2 * calls
+
+    before = planned(budget, short)
+    plan = {"s_per_step_first": round(per_step, 3), "bound_minutes": minutes, "steps_asked": [budget, short],
+            "projected_minutes_asked": round(before * per_step / 60, 1)}
+    if before * per_step > minutes * 60 and (budget > MIN_HTP_STEPS or short > MIN_SHORT_STEPS):
+        ratio = minutes * 60 / (before * per_step)
+        budget = max(MIN_HTP_STEPS, 2 * int(budget * ratio / 2))
+        short = max(MIN_SHORT_STEPS, int(short * ratio))
+    after = planned(budget, short)
+    plan.update({"steps": [budget, short], "projected_minutes": round(after * per_step / 60, 1)})
+    cut = [budget, short] != plan["steps_asked"]
+    ctx.log(f"HTP confirmation: {per_step:.2f} s a step on this host's emulation (the deployed binary's first "
+            f"step); {after} steps planned (parity.qnn_steps {budget} a prompt over {len(runs)} prompt(s), "
+            f"qnn_short_steps {short} for {others} other precision(s)), ~{after * per_step / 60:.1f} min"
+            + (f"; cut from {before} steps (~{before * per_step / 60:.1f} min) to parity.qnn_minutes={minutes:g}"
+               if cut else f", within parity.qnn_minutes={minutes:g}")
+            + ("" if after * per_step <= minutes * 60 else
+               f" (the fewest steps the gates stand on, {MIN_HTP_STEPS} a prompt and {MIN_SHORT_STEPS}, "
+               "take longer than that here: run anyway)"))
+    return budget, short, plan
 
 
 def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
@@ -1013,6 +1101,9 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
                              f"backend: {str(err).strip().splitlines()[-1][:300]}") from None
         dec = OnnxDecoder(comp, session=session)
         what = f"{precision} context binary on the HTP backend"
+        if deployed:  # the HTP runs' time, bounded: parity.qnn_minutes
+            budget, short, htp_plan = _htp_plan(ctx, dec, teacher[:n], budget, short, len(order) - 1,
+                                                info["compiled"][precision].get("prompt") is not None)
         # its prompt graph, where this precision has one: the same steps a chunk at a time (every segment)
         psession = qnn.open_htp(comp, info, precision, prompt=True)
         pdec = None if psession is None else OnnxDecoder(comp, session=session, prompt_session=psession)
@@ -1113,7 +1204,7 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
         worst = {}
         for key in next(iter(parts.values()))["metrics"]:
             vals = [pt["metrics"][key] for pt in parts.values()]
-            if key in ("kl_nats",):
+            if key in ("kl_nats", "step_kld_mean", "step_kld_p99", "step_kld_max"):
                 worst[key] = max(vals)
             elif key in ("steps", "prompts"):
                 worst[key] = sum(vals) if key == "steps" else vals[0]
@@ -1141,5 +1232,5 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
             "seconds a step" if info["deployed"] == "fp16" else "no evaluation windows ran (parity.eval_windows=0)")}),
         "metrics": deployed["metrics"], "thresholds": deployed["thresholds"], "per_prompt": deployed["per_prompt"],
         "precisions": {p: results[p] for p in info["precisions"]}, "deployed": info["deployed"],
-        "target": info["target"], "qnn_sdk": info["qnn_sdk"], "htp_steps": budget,
+        "target": info["target"], "qnn_sdk": info["qnn_sdk"], "htp_steps": budget, "htp_plan": htp_plan,
     }

@@ -347,7 +347,8 @@ def test_a_prompt_graphs_gate_reads_kl_beside_the_snr():
     limits = OmegaConf.create({"min_logits_snr_db": 20.0, "min_top1_agreement": 0.95, "min_greedy_match": 0,
                                "max_kl_nats": 0.05})
     token = {"logits_snr_db": 41.2, "kl_nats": 0.0005}
-    pm = {"logits_snr_db": 40.0, "top1_agreement": 1.0, "kl_nats": 1.6, "chunk_ends": 1, "tokens_a_call": 128,
+    pm = {"logits_snr_db": 40.0, "logits_snr_centred_db": 41.0, "top1_agreement": 1.0, "kl_nats": 1.6,
+          "step_kld_mean": 1.6, "step_kld_p99": 1.6, "step_kld_max": 1.6, "chunk_ends": 1, "tokens_a_call": 128,
           "executions": 1, "tokens": 32}
     with pytest.raises(StageError, match=r"its prompt graph's kl_nats 1\.6 \(needs <= 0\.05\)") as exc:
         verify_parity._prompt_gate(_Ctx(), "qnn_w8a16", limits, pm, "cold", token)
@@ -360,3 +361,83 @@ def test_a_prompt_graphs_gate_reads_kl_beside_the_snr():
                                          "cold", token)
     assert checked == {"logits_snr_db": ">= 20", "kl_nats": "<= 0.05"}
     assert any("top1 0.000" in m and "1 chunk ends" in m for m in ctx.logged)
+
+
+def test_a_run_without_evaluation_windows_is_gated_on_its_own_steps_kld():
+    """An HTP run (or fp16, which has no CPU stand-in) has no evaluation windows: parity.artifact's KLD mean
+    and p99 floors are checked over the run's own steps (each step's KL is the same per-token KLD), the PPL
+    ratio said not checked. A run whose mean KL passes but whose worst steps do not fails on the p99."""
+    from omegaconf import OmegaConf
+
+    from pipeline.engine.context import StageError
+
+    limits = OmegaConf.create({"min_logits_snr_db": 30.0, "min_top1_agreement": 0.98, "min_greedy_match": 0,
+                               "max_kl_nats": 0.01, "max_kld_mean": 0.002, "max_kld_p99": 0.02, "max_ppl_ratio": 1.03})
+    metrics = {"logits_snr_db": 38.0, "logits_snr_centred_db": 39.0, "top1_agreement": 1.0, "greedy_match": 1,
+               "kl_nats": 0.0015, "top5_agreement": 1.0, "steps": 50, "step_kld_mean": 0.0015,
+               "step_kld_p99": 0.05, "step_kld_max": 0.06}
+    with pytest.raises(StageError, match=r"step_kld_p99 0\.05 \(needs <= 0\.02 \(max_kld_p99, over the run's steps\)\)"):
+        verify_parity._gate(_Ctx(), "qnn_fp16", limits, metrics, 1)
+    ctx = _Ctx()
+    checked = verify_parity._gate(ctx, "qnn_fp16", limits, {**metrics, "step_kld_p99": 0.01}, 1)
+    assert checked["step_kld_mean"].startswith("<= 0.002") and checked["step_kld_p99"].startswith("<= 0.02")
+    assert "ppl_ratio" not in checked and any("max_ppl_ratio not checked" in m for m in ctx.logged)
+    assert any("centred SNR 39.0 dB" in m and "KLD p99 0.0100" in m for m in ctx.logged)
+    # with the windows' statistics the windows' figures are gated, not the steps'
+    stats = {"kld_mean": 0.001, "kld_p99": 0.01, "ppl_ratio": 1.0}
+    checked = verify_parity._gate(_Ctx(), "qnn_fp16", limits, metrics, 1, stats=stats)
+    assert "step_kld_p99" not in checked and checked["kld_p99"] == "<= 0.02"
+
+
+def test_the_step_figures_see_what_softmax_sees():
+    """_Sums.step_figures: an offset added to every logit of a step costs the whole-vocabulary SNR and
+    nothing else (the centred SNR is exact, KL 0); the p99 is numpy's percentile of the per-step KLs."""
+    rng = np.random.default_rng(3)
+    ref = rng.standard_normal((40, 50)) * 3
+    shifted = ref + rng.uniform(-1, 1, (40, 1))
+    sums = verify_parity._Sums()
+    sums.add(verify_parity._rows(ref, shifted))
+    fig = sums.step_figures()
+    assert sums.snr_db() < 30 and fig["logits_snr_centred_db"] > 150
+    assert fig["step_kld_mean"] == pytest.approx(0.0, abs=1e-12) and fig["step_kld_p99"] == pytest.approx(0.0, abs=1e-12)
+    noisy = ref + rng.standard_normal((40, 50)) * np.linspace(0.01, 1.0, 40)[:, None]
+    a, b = verify_parity._Sums(), verify_parity._Sums()
+    a.add(verify_parity._rows(ref[:25], noisy[:25]))
+    b.add(verify_parity._rows(ref[25:], noisy[25:]))
+    a.merge(b)
+    kls = verify_parity._rows(ref, noisy)["kl"]
+    fig = a.step_figures()
+    assert fig["step_kld_p99"] == pytest.approx(float(np.percentile(kls, 99)))
+    assert fig["step_kld_max"] == pytest.approx(float(kls.max())) and fig["step_kld_mean"] == pytest.approx(a.kl / 40)
+
+
+def test_the_htp_confirmation_is_bounded_in_time():
+    """verify_parity._htp_plan: the deployed binary's first step is timed, and a plan that would pass
+    parity.qnn_minutes is cut in proportion, never below the steps the gates stand on (32 a prompt, 16 for
+    the others); a plan within the bound is left as asked. Either way it is said."""
+    import time as _time
+
+    from omegaconf import OmegaConf
+
+    class _Slow:
+        def reset(self):
+            pass
+
+        def step(self, token):
+            _time.sleep(0.05)
+
+    class _Run:
+        prompt, steps = [1, 2, 3], 600
+
+    ctx = _Ctx()
+    ctx.cfg = OmegaConf.create({"parity": {"qnn_minutes": 0.01}})  # 0.6 s: 64 + 50 steps at 0.05 s pass it
+    budget, short, plan = verify_parity._htp_plan(ctx, _Slow(), [_Run()], 64, 50, 1, True)
+    assert (budget, short) == (verify_parity.MIN_HTP_STEPS, verify_parity.MIN_SHORT_STEPS)
+    assert plan["steps_asked"] == [64, 50] and plan["s_per_step_first"] >= 0.05
+    assert plan["projected_minutes"] < plan["projected_minutes_asked"]
+    assert any("cut from" in m and "parity.qnn_minutes=0.01" in m and "run anyway" in m for m in ctx.logged)
+    ctx = _Ctx()
+    ctx.cfg = OmegaConf.create({"parity": {"qnn_minutes": None}})  # the default, 20 minutes: left as asked
+    budget, short, plan = verify_parity._htp_plan(ctx, _Slow(), [_Run()], 64, 50, 1, False)
+    assert (budget, short) == (64, 50) and plan["bound_minutes"] == verify_parity.HTP_MINUTES
+    assert any("within parity.qnn_minutes=20" in m for m in ctx.logged)

@@ -225,6 +225,15 @@ def test_phone_build_end_to_end_compiles_once_and_verifies_on_the_htp(phone_buil
     assert set(art["precisions"]["fp16"]["parts"]) == {"cold"}  # no CPU stand-in for the HTP's fp16
     assert art["precisions"]["fp16"]["prompts"] == 1 and fp16["steps"] < w8["steps"]
     assert {"qnn_w8a16", "qnn_fp16", "qnn_w8a16_load"} <= set(parity["seconds"])
+    # every HTP run is gated in the field's units over its own steps (no evaluation windows there): KLD mean
+    # and p99, fp16 (which has no CPU stand-in) included; the run's time planned against parity.qnn_minutes
+    fp16_checked = art["precisions"]["fp16"]["parts"]["cold"]["thresholds"]
+    assert fp16_checked["step_kld_p99"].startswith("<= 0.02") and fp16_checked["logits_snr_db"] == ">= 30"
+    assert parts["cold"]["thresholds"]["step_kld_p99"].startswith("<= 0.2") and "ppl_ratio" not in parts["cold"]["thresholds"]
+    assert parts["cpu_qdq"]["thresholds"]["kld_p99"] == "<= 0.2"  # the deployed stand-in: the windows' figure
+    assert fp16["step_kld_p99"] <= 0.02 and fp16["logits_snr_centred_db"] >= 40, fp16
+    plan = art["htp_plan"]
+    assert plan["bound_minutes"] == 20 and plan["s_per_step_first"] > 0 and plan["steps"] == plan["steps_asked"]
     # the prompt graph (16 tokens a call, PHONE_ARGS): made QNN-ready beside the token graph and checked against
     # the export's decode steps a chunk at a time; w8a16's calibrated on its own samples with the token graph's
     # weights (pack checks the codes equal); both compiled, cut into parts under the same limit, and on the HTP
@@ -258,13 +267,15 @@ def test_phone_build_end_to_end_compiles_once_and_verifies_on_the_htp(phone_buil
     # ... and the w8a16 prompt graph's CPU stand-in over every parity prompt in full, a chunk at a time,
     # gated as the HTP's runs are (SNR floor and KL: verify_parity._prompt_gate)
     bulk = art["precisions"]["w8a16"]["parts"]["cpu_qdq"]["prompt_graph"]
-    assert bulk["thresholds"] == {"logits_snr_db": ">= 20", "kl_nats": "<= 0.05"}, bulk
+    assert bulk["thresholds"] == {"logits_snr_db": ">= 20", "kl_nats": "<= 0.05",
+                                  "step_kld_mean": "<= 0.02 (max_kld_mean, over the chunk ends)",
+                                  "step_kld_p99": "<= 0.2 (max_kld_p99, over the chunk ends)"}, bulk
     assert bulk["chunk_ends"] >= 12 and bulk["executions"] == bulk["chunk_ends"] < bulk["tokens"], bulk
     assert bulk["logits_snr_db"] >= 30 and bulk["kl_nats"] <= 0.01 and bulk["top1_agreement"] >= 0.9, bulk
     assert "qnn_w8a16_cpu_qdq_prompt_graph" in parity["seconds"]
     for p, key in (("fp16", "cold"), ("w8a16", "cold"), ("w8a16", "past_window")):
         pg = art["precisions"][p]["parts"][key]["prompt_graph"]
-        assert set(pg["thresholds"]) == {"logits_snr_db", "kl_nats"}, pg
+        assert set(pg["thresholds"]) == {"logits_snr_db", "kl_nats", "step_kld_mean", "step_kld_p99"}, pg
         assert pg["tokens_a_call"] == 16 and pg["executions"] == -(-pg["tokens"] // 16) < pg["tokens"], (p, key, pg)
         floor = 40 if p == "fp16" else 30
         assert pg["logits_snr_db"] >= floor and pg["top1_agreement"] >= 0.5, (p, key, pg)
