@@ -13,13 +13,21 @@ The reference is the build's fp32 export (tested at 115+ dB against eager PyTorc
 each QDQ graph in the pack on ONNX Runtime's CPU EP (the HTP's quantization arithmetic), and with
 `--htp PRECISION` that precision's compiled context binary on the HTP backend (onnxruntime-qnn's x86
 emulation: seconds a step; fp16 has no CPU stand-in, so this is its only measure).
+
+`--htp-unscaled` also compiles the pack's float graph for the HTP's fp16 with the residual stream
+carried as it is (npu_rewrite.scale_residual's factor set to 1; the norms keep their epsilon / f^2,
+which moves nothing beside rows of magnitude ~1), the overflow at the BOS that docs/phone-fidelity.md
+finding 5 found: does a gate in the field's units (KLD mean and p99) still catch it?
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +38,32 @@ sys.path.insert(0, str(ROOT))
 
 def _db(sig: float, err: float) -> float:
     return float(10 * np.log10(sig / err)) if err > 0 else float("inf")
+
+
+def _unscaled_fp16(float_dir: Path, tmp: Path, target: dict):
+    """The pack's float graph with its residual stream carried as it is, compiled for the HTP's fp16, as a
+    session: the structure rewritten in `tmp`, the weights read from the pack's data file (a hard link)."""
+    import onnx
+    from onnx import numpy_helper
+
+    from pipeline.graphs import qnn
+
+    m = onnx.load(str(float_dir / "model.onnx"), load_external_data=False)
+    scale = next((t for t in m.graph.initializer if t.name == "residual_stream_scale"), None)
+    if scale is None:
+        raise SystemExit(f"{float_dir}: the stream is not scaled in this build (npu.json residual_scale): "
+                         "nothing to undo")
+    print(f"the stream carried divided by {1 / float(numpy_helper.to_array(scale)):g} in the build; compiling "
+          "the fp16 graph with it undivided", flush=True)
+    scale.CopyFrom(numpy_helper.from_array(np.array(1.0, dtype=np.float32), scale.name))
+    onnx.save(m, str(tmp / "model.onnx"))
+    for data in float_dir.glob("*.data"):  # a hard link (ONNX Runtime refuses data a symlink takes outside)
+        try:
+            os.link(data, tmp / data.name)
+        except OSError:  # another file system
+            shutil.copyfile(data, tmp / data.name)
+    qnn.compile_context(tmp / "model.onnx", tmp / "ctx", target, "fp16")
+    return qnn.htp_session(tmp / "ctx" / qnn.CONTEXT_MODEL, target, "fp16")
 
 
 def main() -> int:
@@ -46,6 +80,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40, help="decode steps per prompt (teacher-forced)")
     ap.add_argument("--htp", action="append", default=[], metavar="PRECISION",
                     help="also this precision's context binary on the HTP backend (compile_qnn; repeatable)")
+    ap.add_argument("--htp-unscaled", action="store_true",
+                    help="also the fp16 graph with the residual stream unscaled, compiled here (finding 5's overflow)")
+    ap.add_argument("--no-cpu", action="store_true", help="skip the QDQ graphs on the CPU EP")
     ap.add_argument("--json")
     a = ap.parse_args()
     art = a.build
@@ -60,11 +97,15 @@ def main() -> int:
     bos = tokenizer.bos_token_id
     ref = OnnxDecoder(art / "export", threads=2)
     tests = {p.name: qnn.cpu_qdq_decoder(art / "pack", f"{p.name}/model.onnx")
-             for p in sorted((art / "pack").iterdir()) if (p / "model.onnx").is_file() and p.name not in ("fp16", "embed")}
-    if a.htp:
+             for p in sorted((art / "pack").iterdir())
+             if not a.no_cpu and (p / "model.onnx").is_file() and p.name not in ("fp16", "embed", "float")}
+    if a.htp or a.htp_unscaled:
         info, _ = qnn.compiled_for_htp(art / "compile_qnn")
         for p in a.htp:
             tests[f"{p} (HTP)"] = OnnxDecoder(art / "compile_qnn", session=qnn.open_htp(art / "compile_qnn", info, p))
+    if a.htp_unscaled:
+        tests["fp16, stream unscaled (HTP)"] = OnnxDecoder(
+            art / "compile_qnn", session=_unscaled_fp16(art / "pack" / "float", Path(tempfile.mkdtemp()), info["target"]))
     rows = {name: [] for name in tests}
     for text in prompts:
         ids = _prompt_ids(tokenizer, text, bos, str(model_cfg.get("model_type", "")))
@@ -104,13 +145,16 @@ def main() -> int:
             "offset_mean": float(np.mean([x["offset"] for x in rs])),
             "offset_spread": [float(np.min([x["offset"] for x in rs])), float(np.max([x["offset"] for x in rs]))],
             "kl_nats_mean": float(np.mean([x["kl"] for x in rs])),
+            "kld_p99": float(np.percentile([x["kl"] for x in rs], 99)),
+            "kld_max": float(np.max([x["kl"] for x in rs])),
             "top1": float(np.mean([x["top1"] for x in rs])),
         }
         o = out[name]
         print(f"{name}: {o['steps']} steps; raw SNR {o['raw_snr_db']:.2f} dB, centred {o['centred_snr_db']:.2f} dB, "
               f"top-64 {o['top64_snr_db']:.2f} dB; the per-step offset is {o['offset_share_of_error']:.1%} of the "
               f"error energy (offset mean {o['offset_mean']:+.3f}, range {o['offset_spread'][0]:+.3f}.."
-              f"{o['offset_spread'][1]:+.3f}); KL {o['kl_nats_mean']:.4f} nats, top-1 {o['top1']:.3f}")
+              f"{o['offset_spread'][1]:+.3f}); KL {o['kl_nats_mean']:.4f} nats (p99 {o['kld_p99']:.4f}, max "
+              f"{o['kld_max']:.4f}), top-1 {o['top1']:.3f}")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))
     return 0

@@ -934,8 +934,8 @@ HTP_MINUTES = 20  # parity.qnn_minutes' default
 
 def _htp_plan(ctx, dec, runs, budget: int, short: int, others: int, prompt_graph: bool) -> tuple[int, int, dict]:
     """How many HTP steps verify_parity's confirmation runs, bounded in time (parity.qnn_minutes, null:
-    HTP_MINUTES): the deployed binary's seconds a step are timed on one step here (its first call, so
-    an upper bound), the planned steps (the deployed precision's `budget` a prompt over `runs`, each other
+    HTP_MINUTES): the deployed binary's seconds a step are timed on its second step here (the first call
+    carries the session's set-up), the planned steps (the deployed precision's `budget` a prompt over `runs`, each other
     precision's `short`, a prompt-graph call counted as two steps) projected, and where they pass the
     bound both step counts cut in proportion, never below MIN_HTP_STEPS / MIN_SHORT_STEPS. Said in the
     log either way; returns (budget, short, the plan, report.json's `htp_plan`)."""
@@ -943,8 +943,9 @@ def _htp_plan(ctx, dec, runs, budget: int, short: int, others: int, prompt_graph
     minutes = ctx.cfg.parity.get("qnn_minutes", None)
     minutes = float(HTP_MINUTES if minutes is None else minutes)
     dec.reset()
+    dec.step(int(runs[0].prompt[0]))  # the session's first call carries its set-up: not timed
     t0 = time.perf_counter()
-    dec.step(int(runs[0].prompt[0]))
+    dec.step(int((list(runs[0].prompt) + list(runs[0].continuation))[1]))
     per_step = time.perf_counter() - t0
     dec.reset()
 
@@ -954,7 +955,7 @@ def _htp_plan(ctx, dec, runs, budget: int, short: int, others: int, prompt_graph
         return steps + 2 * calls
 
     before = planned(budget, short)
-    plan = {"s_per_step_first": round(per_step, 3), "bound_minutes": minutes, "steps_asked": [budget, short],
+    plan = {"s_per_step": round(per_step, 3), "bound_minutes": minutes, "steps_asked": [budget, short],
             "projected_minutes_asked": round(before * per_step / 60, 1)}
     if before * per_step > minutes * 60 and (budget > MIN_HTP_STEPS or short > MIN_SHORT_STEPS):
         ratio = minutes * 60 / (before * per_step)
@@ -963,7 +964,7 @@ def _htp_plan(ctx, dec, runs, budget: int, short: int, others: int, prompt_graph
     after = planned(budget, short)
     plan.update({"steps": [budget, short], "projected_minutes": round(after * per_step / 60, 1)})
     cut = [budget, short] != plan["steps_asked"]
-    ctx.log(f"HTP confirmation: {per_step:.2f} s a step on this host's emulation (the deployed binary's first "
+    ctx.log(f"HTP confirmation: {per_step:.2f} s a step on this host's emulation (the deployed binary's second "
             f"step); {after} steps planned (parity.qnn_steps {budget} a prompt over {len(runs)} prompt(s), "
             f"qnn_short_steps {short} for {others} other precision(s)), ~{after * per_step / 60:.1f} min"
             + (f"; cut from {before} steps (~{before * per_step / 60:.1f} min) to parity.qnn_minutes={minutes:g}"
@@ -1101,7 +1102,7 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
                              f"backend: {str(err).strip().splitlines()[-1][:300]}") from None
         dec = OnnxDecoder(comp, session=session)
         what = f"{precision} context binary on the HTP backend"
-        if deployed:  # the HTP runs' time, bounded: parity.qnn_minutes
+        if deployed:  # the HTP runs' time, bounded: parity.qnn_minutes (MIN_HTP_STEPS says what a cut costs)
             budget, short, htp_plan = _htp_plan(ctx, dec, teacher[:n], budget, short, len(order) - 1,
                                                 info["compiled"][precision].get("prompt") is not None)
         # its prompt graph, where this precision has one: the same steps a chunk at a time (every segment)

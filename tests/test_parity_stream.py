@@ -412,7 +412,7 @@ def test_the_step_figures_see_what_softmax_sees():
 
 
 def test_the_htp_confirmation_is_bounded_in_time():
-    """verify_parity._htp_plan: the deployed binary's first step is timed, and a plan that would pass
+    """verify_parity._htp_plan: the deployed binary's second step is timed (the first carries its set-up), and a plan that would pass
     parity.qnn_minutes is cut in proportion, never below the steps the gates stand on (32 a prompt, 16 for
     the others); a plan within the bound is left as asked. Either way it is said."""
     import time as _time
@@ -427,13 +427,13 @@ def test_the_htp_confirmation_is_bounded_in_time():
             _time.sleep(0.05)
 
     class _Run:
-        prompt, steps = [1, 2, 3], 600
+        prompt, continuation, steps = [1, 2, 3], [4, 5], 600
 
     ctx = _Ctx()
     ctx.cfg = OmegaConf.create({"parity": {"qnn_minutes": 0.01}})  # 0.6 s: 64 + 50 steps at 0.05 s pass it
     budget, short, plan = verify_parity._htp_plan(ctx, _Slow(), [_Run()], 64, 50, 1, True)
     assert (budget, short) == (verify_parity.MIN_HTP_STEPS, verify_parity.MIN_SHORT_STEPS)
-    assert plan["steps_asked"] == [64, 50] and plan["s_per_step_first"] >= 0.05
+    assert plan["steps_asked"] == [64, 50] and plan["s_per_step"] >= 0.05
     assert plan["projected_minutes"] < plan["projected_minutes_asked"]
     assert any("cut from" in m and "parity.qnn_minutes=0.01" in m and "run anyway" in m for m in ctx.logged)
     ctx = _Ctx()

@@ -161,7 +161,7 @@ class ParityConfig:
     qnn_steps: Optional[int] = None
     # The other precisions: the first prompt only, cut to this many steps (null: 50).
     qnn_short_steps: Optional[int] = None
-    # The HTP runs' time bound in minutes (null: 20): the deployed binary's first step is
+    # The HTP runs' time bound in minutes (null: 20): the deployed binary's second step is
     # timed and qnn_steps / qnn_short_steps are cut in proportion where the plan
     # would take longer (never below 32 steps a prompt and 16), said in the log.
     qnn_minutes: Optional[float] = None
