@@ -934,11 +934,12 @@ HTP_MINUTES = 20  # parity.qnn_minutes' default
 
 def _htp_plan(ctx, dec, runs, budget: int, short: int, others: int, prompt_graph: bool) -> tuple[int, int, dict]:
     """How many HTP steps verify_parity's confirmation runs, bounded in time (parity.qnn_minutes, null:
-    HTP_MINUTES): the deployed binary's seconds a step are timed on its second step here (the first call
-    carries the session's set-up), the planned steps (the deployed precision's `budget` a prompt over `runs`, each other
-    precision's `short`, a prompt-graph call counted as two steps) projected, and where they pass the
-    bound both step counts cut in proportion, never below MIN_HTP_STEPS / MIN_SHORT_STEPS. Said in the
-    log either way; returns (budget, short, the plan, report.json's `htp_plan`)."""
+    HTP_MINUTES): the deployed binary's seconds a step are timed on its second step here (the first
+    call carries the session's set-up), the planned steps (the deployed precision's `budget` a prompt
+    over `runs`, each other precision's `short`, a prompt-graph call counted as two steps) projected,
+    and where they pass the bound both step counts cut in proportion, never below MIN_HTP_STEPS /
+    MIN_SHORT_STEPS. Said in the log either way; returns (budget, short, the plan, report.json's
+    `htp_plan`)."""
 
     minutes = ctx.cfg.parity.get("qnn_minutes", None)
     minutes = float(HTP_MINUTES if minutes is None else minutes)
