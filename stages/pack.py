@@ -284,11 +284,12 @@ def _embedding_out(graph, overrides: dict):
 
 
 def _qdq_graph(ctx, p: str, src: Path, dst: Path, paths: list[Path], overrides: dict, float_nodes: list,
-               cal_dir: Path, what: str = "") -> dict:
+               cal_dir: Path, what: str = "", made: dict | None = None) -> dict:
     """One QDQ graph of precision `p` from the float graph `src`: ONNX Runtime's quantizer over the spilled
     samples `paths`, then the weights' codes as pack.qnn_weights / qnn_weight_method ask (w8a16: GPTQ and/or
     blocks; w4a16: the quantize stage's codes). The same for the token graph and its prompt graph, so
-    both hold the same weights (checked by the caller)."""
+    both hold the same weights (checked by the caller): `made` carries the token graph's codes to its
+    prompt graph (qnn.requantize_weights), so they are made once."""
     from pipeline.graphs import qnn
 
     cfg = ctx.cfg.pack
@@ -311,16 +312,17 @@ def _qdq_graph(ctx, p: str, src: Path, dst: Path, paths: list[Path], overrides: 
             try:
                 facts["matmul_weights"].update(qnn.requantize_weights(
                     dst, src, Path(ctx.inputs["untie_head"]), cal_dir, codes_from=Path(ctx.inputs["quantize"]),
-                    advance=bar.advance))
+                    advance=bar.advance, made=made))
             except qnn.QnnError as err:
                 raise StageError(f"pack: {err}") from None
     elif p == "w8a16" and weights != "per_tensor" and (method == "gptq" or block is not None):
         n_w = facts["matmul_weights"]["count"]
-        with ctx.progress(n_w, f"{label}: {method} codes for {n_w} MatMul weights") as bar:
+        reuse = " (the token graph's, not made again)" if made else ""
+        with ctx.progress(n_w, f"{label}: {method} codes for {n_w} MatMul weights{reuse}") as bar:
             try:
                 facts["matmul_weights"].update(qnn.requantize_weights(
                     dst, src, Path(ctx.inputs["untie_head"]), cal_dir, method=method, block=block,
-                    advance=bar.advance))
+                    advance=bar.advance, made=made))
             except qnn.QnnError as err:
                 raise StageError(f"pack: {err}") from None
     else:
@@ -585,8 +587,9 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
                     graphs[p]["prompt_graph"] = f"float/{PROMPT_MODEL}"
                 continue
             (out / p).mkdir()
+            made = {} if prompt_paths else None  # the token graph's codes, for its prompt graph
             facts = _qdq_graph(ctx, p, float_dir / "model.onnx", out / p / "model.onnx", paths, overrides,
-                               float_nodes, cal_dir)
+                               float_nodes, cal_dir, made=made)
             graphs[p] = {"graph": f"{p}/model.onnx", **facts,
                          "residual_stream": {"math": str(cfg.qnn_residual), "adds": len(residual["adds"]),
                                              "norms": len(residual["norms"]),
@@ -602,7 +605,8 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
                     raise StageError(f"pack: the {p} prompt graph: {err}") from None
                 _qdq_graph(ctx, p, float_dir / PROMPT_MODEL, out / p / PROMPT_MODEL, prompt_paths,
                            {**prompt_quant["overrides"], **heads}, prompt_quant["float_nodes"], cal_dir,
-                           what="the prompt graph")
+                           what="the prompt graph", made=made)
+                del made
                 differ = qnn.same_weights(out / p / "model.onnx", float_dir / "model.onnx", out / p / PROMPT_MODEL,
                                           float_dir / PROMPT_MODEL)
                 if differ:

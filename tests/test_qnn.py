@@ -1120,3 +1120,31 @@ def test_a_prompt_graph_the_htp_refuses_leaves_that_precision_token_by_token(pho
     # both compiled at QNN's highest finalization mode (the default mode refused Gemma 3 270M's w8a16 one)
     assert seen == {"w8a16": qnn.PROMPT_COMPILE_OPTIONS, "fp16": qnn.PROMPT_COMPILE_OPTIONS}
     assert qnn.PROMPT_COMPILE_OPTIONS == {"htp_graph_finalization_optimization_mode": "3"}
+
+
+def test_a_prompt_graphs_codes_are_the_token_graphs_made_once(tmp_path, monkeypatch):
+    """pack passes requantize_weights a `made` dict: the token graph's call makes each weight's GPTQ codes
+    and keeps them; the prompt graph's call over the same weights takes them from there (GPTQ not run again)
+    and writes the same codes, scales and facts as making them again would."""
+    from onnx import numpy_helper
+
+    from pipeline.quant import gptq
+
+    ckpt, cal, samples = _gptq_case(tmp_path)
+    token, prompt, fresh = (tmp_path / f"{n}.onnx" for n in ("token", "prompt", "fresh"))
+    for q in (token, prompt, fresh):
+        qnn.qdq_quantize(tmp_path / "f.onnx", q, samples, "w8a16", {})
+    calls = []
+    real = gptq.gptq_quantize
+    monkeypatch.setattr(gptq, "gptq_quantize", lambda *a, **k: calls.append(k.get("name")) or real(*a, **k))
+    made = {}
+    first = qnn.requantize_weights(token, tmp_path / "f.onnx", ckpt, cal, block=32, made=made)
+    assert len(calls) == 1 and set(made) == {calls[0]}
+    second = qnn.requantize_weights(prompt, tmp_path / "f.onnx", ckpt, cal, block=32, made=made)
+    assert len(calls) == 1  # not made again
+    again = qnn.requantize_weights(fresh, tmp_path / "f.onnx", ckpt, cal, block=32)
+    assert len(calls) == 2 and first == second == again
+    inits = [{i.name: numpy_helper.to_array(i) for i in qnn_load(m).graph.initializer} for m in (prompt, fresh)]
+    assert inits[0].keys() == inits[1].keys()
+    assert all(np.array_equal(inits[0][k], inits[1][k]) for k in inits[0])
+    assert qnn.same_weights(token, tmp_path / "f.onnx", prompt, tmp_path / "f.onnx") == []

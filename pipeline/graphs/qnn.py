@@ -407,7 +407,7 @@ WEIGHT_METHODS = ("gptq", "rtn")  # pack.qnn_weight_method
 
 def requantize_weights(qdq_model: Path, float_model: Path, checkpoint: Path, calibration: Path, *,
                        method: str = "gptq", block: int | None = None, advance=lambda: None,
-                       codes_from: Path | None = None) -> dict[str, Any]:
+                       codes_from: Path | None = None, made: dict | None = None) -> dict[str, Any]:
     """Each per-channel int8 MatMul weight of a w8a16 QDQ graph, as ONNX Runtime's quantizer rounded it,
     given new codes in place: `method` gptq (GPTQ from the calibrate stage's Hessians) or rtn; on the same
     grid (symmetric, one scale per output channel), or with `block` on a finer one: one scale per `block`
@@ -426,7 +426,13 @@ def requantize_weights(qdq_model: Path, float_model: Path, checkpoint: Path, cal
     `codes_from` (a w4a16 graph): the quantize stage's folder; each weight then takes that stage's own codes
     (GPTQ at 4 bits by default, in its groups: the codes every CPU path packs) instead of new ones, as INT4
     in blocks of the layer's group size (a layer the stage kept at 8 bits as INT8), so the phone's 4-bit
-    weights are the build's 4-bit weights. Symmetric codes only (quantize.sym=true)."""
+    weights are the build's 4-bit weights. Symmetric codes only (quantize.sym=true).
+
+    `made` (a dict, empty on the first call): each linear's codes as this call makes them, by checkpoint
+    name; a later call over a graph of the same weights (a token graph's prompt graph) takes them from
+    there instead of making them again: the same inputs give the same codes (the pack checks that both
+    graphs hold the same, qnn.same_weights), and on Gemma 3 270M making them twice took 5 of its pack's
+    21 minutes. Held as uint8 codes, a byte a weight, until the caller drops the dict."""
     if codes_from is not None:
         method = "quantize"
     elif method not in WEIGHT_METHODS:
@@ -482,28 +488,34 @@ def requantize_weights(qdq_model: Path, float_model: Path, checkpoint: Path, cal
         if hit is None:
             continue
         codes_init, scale_init, zero_init = hit
-        if info["hessian"] != h_key:
-            with safe_open(str(calibration / "hessians.safetensors"), framework="pt") as f:
-                h_key, h = info["hessian"], f.get_tensor(info["hessian"]).double()
-        group = w.shape[1] if block is None else int(block)  # a block not dividing K: gptq's own check
-        bits = 8
-        if codes_from is not None:
-            if name not in stage_codes:
-                continue
-            qw, sc, zs, group = stage_codes[name]
-            bits = int(stage_meta["layers"][name].get("bits", 4))  # quant.json's width for it (read_quant's)
-            if not (zs == (1 << (bits - 1))).all():
-                raise QnnError(f"w4a16 from the quantize stage's codes: layer {name} is asymmetric (zero points "
-                               "other than the midpoint); the HTP's block-quantized weights are symmetric: build "
-                               "with quantize.sym=true")
-            q = gptq.Quantized(torch.from_numpy(qw), torch.from_numpy(sc), torch.from_numpy(zs), int(group))
-        elif method == "gptq":
-            q = gptq.gptq_quantize(w, h, group_size=group, sym=True, scale_search=False, bits=8, name=name)
+        if made is not None and name in made:
+            q, bits, group, err = made[name]
         else:
-            q = gptq.rtn_quantize(w, None, group_size=group, sym=True, scale_search=False, bits=8, name=name)
-        rtn = torch.from_numpy(numpy_helper.to_array(codes_init).astype(np.float32).T.copy()) * \
-            torch.from_numpy(numpy_helper.to_array(scale_init).astype(np.float32))[:, None]
-        errors.append((gptq.errors(w, q, h)["out_rel_err_h"], gptq.errors(w, rtn, h)["out_rel_err_h"]))
+            if info["hessian"] != h_key:
+                with safe_open(str(calibration / "hessians.safetensors"), framework="pt") as f:
+                    h_key, h = info["hessian"], f.get_tensor(info["hessian"]).double()
+            group = w.shape[1] if block is None else int(block)  # a block not dividing K: gptq's own check
+            bits = 8
+            if codes_from is not None:
+                if name not in stage_codes:
+                    continue
+                qw, sc, zs, group = stage_codes[name]
+                bits = int(stage_meta["layers"][name].get("bits", 4))  # quant.json's width for it (read_quant's)
+                if not (zs == (1 << (bits - 1))).all():
+                    raise QnnError(f"w4a16 from the quantize stage's codes: layer {name} is asymmetric (zero points "
+                                   "other than the midpoint); the HTP's block-quantized weights are symmetric: build "
+                                   "with quantize.sym=true")
+                q = gptq.Quantized(torch.from_numpy(qw), torch.from_numpy(sc), torch.from_numpy(zs), int(group))
+            elif method == "gptq":
+                q = gptq.gptq_quantize(w, h, group_size=group, sym=True, scale_search=False, bits=8, name=name)
+            else:
+                q = gptq.rtn_quantize(w, None, group_size=group, sym=True, scale_search=False, bits=8, name=name)
+            rtn = torch.from_numpy(numpy_helper.to_array(codes_init).astype(np.float32).T.copy()) * \
+                torch.from_numpy(numpy_helper.to_array(scale_init).astype(np.float32))[:, None]
+            err = (gptq.errors(w, q, h)["out_rel_err_h"], gptq.errors(w, rtn, h)["out_rel_err_h"])
+            if made is not None:
+                made[name] = (q, bits, group, err)
+        errors.append(err)
         codes = (q.qweight.to(torch.int16) - (1 << (bits - 1))).to(torch.int8).T.contiguous().numpy()
         if bits == 4:  # ONNX's INT4: two to a byte, the first in the low nibble; raw, so it can go external
             nib = (codes.reshape(-1) & 0x0F).astype(np.uint8)
