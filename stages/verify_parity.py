@@ -861,15 +861,34 @@ KLD_GATES = {"max_kld_mean": "kld_mean", "max_kld_p99": "kld_p99", "max_ppl_rati
 STEP_KLD_GATES = {"max_kld_mean": "step_kld_mean", "max_kld_p99": "step_kld_p99"}
 
 
+def top1_resolvable(floor: float, steps: int) -> bool:
+    """Whether a top-1 floor can be gated over `steps` steps: only where one miss is tolerated
+    (steps >= ceil(1 / (1 - floor)); 20 for 0.95, 50 for 0.98). Over fewer the figure moves in
+    steps of 1/steps, and one near tie (two tokens a hundredth of a nat apart, which any
+    quantization flips) fails the run: measured, Gemma 3 270M's w8a16 HTP cold run cut to 16
+    steps read top-1 0.9375 at KLD mean 0.0007, p99 0.0022 and 40.6 dB. A floor of 1.0 or more
+    is always gated."""
+    return floor >= 1.0 or steps >= math.ceil(1.0 / (1.0 - floor) - 1e-9)
+
+
 def _gate(ctx, name: str, limits, metrics: dict, n_prompts: int, note: str = "", stats: dict | None = None,
-          no_stats: str = "no evaluation windows ran (parity.eval_windows=0)") -> dict:
+          no_stats: str = "no evaluation windows ran (parity.eval_windows=0)", subset: bool = False) -> dict:
     """Log the figures; fail below `limits` (parity.artifact.<name>); the thresholds checked. The KLD
     floors are checked on the evaluation windows' statistics (`stats`); without them, the KLD mean and
     p99 over the run's own steps (STEP_KLD_GATES), and the PPL ratio said not checked, with `no_stats`
-    as the reason."""
+    as the reason. A `subset` run (the HTP's confirmation of a bulk gated elsewhere) gates top-1 only
+    where its steps can resolve the floor (top1_resolvable); otherwise top-1 is reported, and the run
+    stands on its KLD mean / p99, KL and SNR."""
+    top1_floor = float(limits.min_top1_agreement)
+    top1 = ("top1_agreement", metrics["top1_agreement"] >= top1_floor, f">= {top1_floor:g}")
+    if subset and not top1_resolvable(top1_floor, int(metrics["steps"])):
+        top1 = None
+        ctx.log(f"parity.artifact.{name}.min_top1_agreement not gated on this run's {metrics['steps']} steps "
+                f"(one miss reads {1 - 1 / metrics['steps']:.4f}; a floor of {top1_floor:g} needs "
+                f"{math.ceil(1 / (1 - top1_floor) - 1e-9)} steps to tolerate one): top-1 reported, the KLD gates stand")
     checks = [
         ("logits_snr_db", metrics["logits_snr_db"] >= limits.min_logits_snr_db, f">= {limits.min_logits_snr_db:g}"),
-        ("top1_agreement", metrics["top1_agreement"] >= limits.min_top1_agreement, f">= {limits.min_top1_agreement:g}"),
+        *([top1] if top1 else []),
         ("greedy_match", metrics["greedy_match"] >= limits.min_greedy_match, f">= {limits.min_greedy_match}"),
         ("kl_nats", metrics["kl_nats"] <= limits.max_kl_nats, f"<= {limits.max_kl_nats:g}"),
     ]
@@ -925,8 +944,9 @@ def _prompt_gate(ctx, name: str, limits, pm: dict, where: str, token: dict) -> d
     return {k: want for k, _, want in checks}
 
 
-# The fewest HTP steps parity.qnn_minutes may cut a run to: a top-1 floor of 0.95 over 16 steps tolerates no
-# miss (one near tie fails it), so the deployed precision keeps 32 a prompt (two segments of 16) at least.
+# The fewest HTP steps parity.qnn_minutes may cut a run to: 32 a prompt for the deployed precision (two
+# segments of 16, cold and past the window), 16 for each other. A segment that short cannot resolve a top-1
+# floor of 0.95 (one near tie reads 0.9375): there top-1 is reported and the KLD gates decide (top1_resolvable).
 MIN_HTP_STEPS = 32
 MIN_SHORT_STEPS = 16
 HTP_MINUTES = 20  # parity.qnn_minutes' default
@@ -1188,7 +1208,7 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
                         f"same {metrics['steps']} steps")
             checked = _gate(ctx, name, limits, metrics, m, note=f"{name} {key}: {how}",
                             no_stats="the HTP run covers parity steps only; the CPU stand-in's run over the "
-                                     "evaluation windows checked it")
+                                     "evaluation windows checked it", subset=True)
             parts[key] = {"metrics": _finite_metrics(metrics), "run": how, "prompts": m,
                           "thresholds": checked, "per_prompt": per_prompt, "runtime": QNN_RUNTIME,
                           "htp_s_per_step": round(per_step, 3)}
