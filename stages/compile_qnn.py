@@ -114,6 +114,7 @@ def run(ctx: StageContext) -> dict:
         "format": "edgekiln-qnn-context/1",
         "deployed": npu["deployed"],
         "precisions": npu["precisions"],
+        "selection": npu.get("selection"),  # which precision ships and why, every option's figures (pack)
         "compiled": compiled,
         "target": {"soc_model": target["soc_model"], "htp_arch": target["htp_arch"], "soc_id": target["soc_id"],
                    "device": device["name"]},

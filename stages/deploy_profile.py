@@ -531,6 +531,7 @@ def _qnn(ctx, comp_dir) -> dict:
         "qnn_sdk": info["qnn_sdk"],
         "target": t,
         "deployed": info["deployed"],
+        "selection": info.get("selection"),
         "context_binary": variant(info["deployed"]),
         "variants": {p: variant(p) for p in info["precisions"]},
         "provider": {"name": "QNNExecutionProvider", "register": "register_execution_provider_library, then "

@@ -36,8 +36,11 @@ The weight path is chosen by `pipeline.quant.weight_path.select(device, priority
   codes from GPTQ on the calibrate stage's Hessians, `pack.qnn_weight_method`; the
   residual stream left float for the HTP's fp16, `pack.qnn_residual`, and so are the
   attention cores (q.K^T, mask, Softmax, softmax.V), `pack.qnn_attention`;
-  fp16 runs the float graph itself in the HTP's fp16 math). `npu.json` lists them with
-  the rewrites and the calibration; `io.json` and the tokenizer travel along.
+  fp16 runs the float graph itself in the HTP's fp16 math). Which one ships is measured
+  (`pack.qnn_select`, _Selection): the first QDQ precision whose CPU-EP figures over
+  held-out windows meet parity.artifact.qnn_<p> (w4a16 where it passes, w8a16 where not); the
+  later ones are recorded, not kept. `npu.json` lists what is kept with the selection, the
+  rewrites and the calibration; `io.json` and the tokenizer travel along.
   stages/compile_qnn.py turns each into a context binary.
 - gguf_q4_0 (llama.cpp devices): `model.gguf`, llama.cpp's own conversion of
   the untied checkpoint (metadata, tokenizer, names: pipeline/toolchains/converter.py
@@ -61,7 +64,7 @@ from pathlib import Path
 from pipeline.sources.checkpoint_files import copy_side_files
 from pipeline.engine.context import StageContext, StageError
 
-READS = ("pack", "device", "priority")
+READS = ("pack", "device", "priority", "parity.artifact")  # the floors: _Selection
 INPUTS = ("untie_head", "calibrate", "quantize", "export")
 TOOLCHAIN = ("torch", "onnx", "onnxruntime", "safetensors", "numpy", "gguf", "llama.cpp-converter")
 MEMORY_KEYS = ("pack.qnn_calibration_sequences",)  # the settings that size its memory (named when the kernel kills it)
@@ -255,6 +258,126 @@ def _check_and_probe_stream(float_dir: Path, want: list, check: list[int], embed
 
 
 PROMPT_MODEL = "prompt.onnx"
+
+
+class _Selection:
+    """Which precision ships (pack.qnn_select). With `measured`, the precisions are built in
+    pack.qnn_precisions' order and each QDQ one, once built, runs its token graph on the CPU EP
+    (qnn.cpu_qdq_decoder: the HTP's quantization arithmetic) against the fp32 export over
+    pack.qnn_select_windows windows of the embedded corpus's held-out tail clear of the calibration
+    text, in llama.cpp's units (pipeline/measure/kld.py), gated by parity.artifact.qnn_<p>. The first
+    that meets its floors ships; the QDQ precisions after it are neither built nor kept (`wants`), only
+    recorded; fp16 (no CPU stand-in) is kept where listed, and ships where it comes first. None
+    passing is a StageError naming each one's figures, before any compile. verify_parity then gates
+    the shipped binary on the HTP itself.
+
+    Why the export and not the eager model: pack holds no torch model, and the export matches it
+    (verify_parity's x86 figures). Why verify_parity's held-out tail: a precision is chosen by the
+    measure that will gate it. Memory: the reference's scored rows are kept (windows x n_ctx/2 x
+    vocabulary float32: 0.5 GB on Gemma 3 270M's 262k vocabulary), one decoder session at a time."""
+
+    def __init__(self, ctx, out: Path, export_dir: Path, hf_dir: Path, cal_dir: Path, precisions: list[str], bos):
+        self.ctx, self.out, self.export_dir, self.hf_dir, self.cal_dir = ctx, out, export_dir, hf_dir, cal_dir
+        self.precisions, self.bos = precisions, bos
+        self.measured = str(ctx.cfg.pack.get("qnn_select", "measured")) == "measured"
+        self.options, self.deployed, self.windows, self.base, self.data = {}, None, None, None, None
+
+    def wants(self, p: str) -> bool:
+        """Whether precision `p` is built: every one unmeasured; measured, until one has shipped (and fp16)."""
+        if self.measured and self.deployed is not None and p != "fp16":
+            self.options[p] = {"measured": False, "why": f"{self.deployed} is listed before it and ships"}
+            return False
+        return True
+
+    def _reference(self) -> None:
+        import numpy as np
+        from transformers import AutoTokenizer
+
+        from pipeline.measure import kld
+        from pipeline.runtimes.onnx import OnnxDecoder
+        from pipeline.sources import textdata
+
+        io = json.loads((self.export_dir / "io.json").read_text())
+        n_ctx = min(512, int(io["context_length"]))
+        n = int(self.ctx.cfg.pack.get("qnn_select_windows", 2))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(self.hf_dir))
+            bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else self.bos  # verify_parity's framing
+            cal = np.load(self.cal_dir / "token_ids.npy").reshape(-1)
+            self.windows, facts = textdata.heldout_windows(self.hf_dir, tokenizer, cal, n_ctx, bos, n)
+        except (OSError, ValueError, textdata.TextDataError) as err:
+            raise StageError(f"pack: pack.qnn_select=measured needs the held-out text: {err} (pack.qnn_select="
+                             "first ships the first of pack.qnn_precisions unmeasured)") from None
+        if len(self.windows) < n:
+            raise StageError(f"pack: {len(self.windows)} held-out windows of {n_ctx} tokens clear of the calibration "
+                             f"text, pack.qnn_select_windows={n}: lower it")
+        scored = sum(len(kld.scored_positions(len(w))) for w in self.windows)
+        self.data = {**{k: v for k, v in facts.items() if isinstance(v, (int, float, str, bool))},
+                     "windows": len(self.windows), "n_ctx": n_ctx, "scored_tokens": scored,
+                     "windows_sha256": textdata.ids_sha256([t for w in self.windows for t in w])}
+        ref = OnnxDecoder(self.export_dir, threads=2)
+        with self.ctx.progress(scored, "precision selection: the fp32 export over the held-out windows") as bar:
+            self.base = [kld.scored_logits(ref, w, bar.advance) for w in self.windows]
+
+    def measure(self, p: str) -> None:
+        """`p` just built: its figures, and whether it ships."""
+        import numpy as np
+
+        from pipeline.graphs import qnn
+        from pipeline.graphs.decode_graph import snr_from_sums
+        from pipeline.measure import kld
+
+        if p == "fp16" or not self.measured:
+            self.options[p] = {"measured": False, "why": "pack.qnn_select=first" if not self.measured else
+                               "no CPU stand-in (its arithmetic is the HTP's fp16): verify_parity gates it on the HTP"}
+            self.deployed = self.deployed or p
+            return
+        if self.base is None:
+            self._reference()
+        dec = qnn.cpu_qdq_decoder(self.out, f"{p}/model.onnx")
+        acc, sig, err = kld.Accumulator(), 0.0, 0.0
+        with self.ctx.progress(self.data["scored_tokens"], f"precision selection: {p} on the CPU EP") as bar:
+            for w, rows in zip(self.windows, self.base):
+                got = kld.scored_logits(dec, w, bar.advance)
+                first = kld.scored_positions(len(w)).start
+                for i in range(0, len(rows), 32):  # float64 in chunks: a 262k vocabulary is 2 MB a row
+                    b, q = rows[i:i + 32].astype(np.float64), got[i:i + 32].astype(np.float64)
+                    acc.add(b, q, w[first + 1 + i:first + 1 + i + len(b)])
+                    sig, err = sig + float((b * b).sum()), err + float(((b - q) ** 2).sum())
+        del dec
+        figures = {**acc.summary(), "logits_snr_db": snr_from_sums(sig, err)}
+        limits = self.ctx.cfg.parity.artifact.get(f"qnn_{p}")
+        missed = kld.below_floors(figures, limits) if limits is not None else []
+        keep = ("tokens", "ppl_ratio", "kld_mean", "kld_p99", "kld_max", "same_top1_pct", "logits_snr_db")
+        self.options[p] = {"measured": True, "passed": not missed, "missed": missed,
+                           **{k: float(figures[k]) for k in keep}}
+        self.ctx.log(f"precision selection: {p} on the CPU EP: KLD mean {figures['kld_mean']:.4f}, p99 "
+                     f"{figures['kld_p99']:.4f}, PPL ratio {figures['ppl_ratio']:.4f}, same top-1 "
+                     f"{figures['same_top1_pct']:.2f}%, {figures['logits_snr_db']:.1f} dB over "
+                     f"{self.data['scored_tokens']} held-out tokens: "
+                     + (f"meets parity.artifact.qnn_{p}" if not missed else "misses " + ", ".join(missed)))
+        if not missed:
+            self.deployed = p
+
+    def result(self) -> dict:
+        """npu.json's `selection`: the rule, the data, every option's figures or why it has none, what ships,
+        what is kept (the shipped one first) and what was measured and not kept."""
+        if self.deployed is None:
+            raise StageError("pack: no phone precision meets its parity.artifact floors on the CPU EP (" + "; ".join(
+                f"qnn_{p}: {', '.join(o['missed'])}" for p, o in self.options.items() if o.get("measured"))
+                + "): add fp16 to pack.qnn_precisions, or pack.qnn_select=first to build the first one regardless")
+        kept = [self.deployed] + [p for p in self.precisions if p == "fp16" and p != self.deployed
+                                  or not self.measured and p != self.deployed]
+        dropped = [p for p in self.precisions if p not in kept]
+        if self.measured:
+            self.ctx.log(f"precision selection: {self.deployed} ships"
+                         + (f"; not kept: {', '.join(dropped)}" if dropped else ""))
+        return {"rule": ("the first of pack.qnn_precisions whose CPU-EP figures meet parity.artifact.qnn_<p> "
+                         "(pack.qnn_select=measured)") if self.measured else
+                        "pack.qnn_select=first: the first listed, not measured",
+                "data": self.data, "reference": "the fp32 export (ONNX Runtime CPU EP)" if self.base else None,
+                "options": {p: self.options[p] for p in self.precisions if p in self.options},
+                "deployed": self.deployed, "kept": kept, "dropped": dropped}
 
 
 def _float_islands(graph, cfg) -> tuple[list[str], dict, dict]:
@@ -535,6 +658,9 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
 
     graphs = {}
     calibration = None
+    copy_side_files(export_dir, out)
+    (out / "io.json").write_text(json.dumps(io_phone, indent=2) + "\n")
+    chosen = _Selection(ctx, out, export_dir, Path(ctx.inputs["untie_head"]), cal_dir, precisions, bos)
     stride = int(cfg.qnn_calibration_stride)
     # Time: every calibration token is a decode step of the float graph, and
     # every stride-th one also a run of the calibrator's augmented graph. On
@@ -581,10 +707,13 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
             gc.collect()
             calibration["prompt_samples"] = len(prompt_paths)
         for p in precisions:
+            if not chosen.wants(p):
+                continue
             if p == "fp16":
                 graphs[p] = {"graph": "float/model.onnx", "math": "fp16 on the HTP (enable_htp_fp16_precision)"}
                 if prompt is not None:
                     graphs[p]["prompt_graph"] = f"float/{PROMPT_MODEL}"
+                chosen.measure(p)
                 continue
             (out / p).mkdir()
             made = {} if prompt_paths else None  # the token graph's codes, for its prompt graph
@@ -617,11 +746,17 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
                         f"from the token graph's data file, {shared['own_bytes'] / 1e6:.1f} MB of its own")
                 graphs[p]["prompt_graph"] = f"{p}/{PROMPT_MODEL}"
                 graphs[p]["prompt_graph_head_ranges"] = {"from": "the token graph's", "tensors": sorted(heads)}
+            chosen.measure(p)
     finally:
         shutil.rmtree(spill, ignore_errors=True)
-    copy_side_files(export_dir, out)
-    (out / "io.json").write_text(json.dumps(io_phone, indent=2) + "\n")
-    info = {"format": "edgekiln-qnn-pack/1", "precisions": precisions, "deployed": precisions[0],
+    selection = chosen.result()
+    for p in selection["dropped"]:  # measured and missed: recorded with its figures, not kept
+        if p in graphs:
+            shutil.rmtree(out / p)
+            del graphs[p]
+    precisions = selection["kept"]
+    info = {"format": "edgekiln-qnn-pack/1", "precisions": precisions, "deployed": selection["deployed"],
+            "selection": selection,
             "graphs": graphs, "rewrites": rewrites, "rewrite_check": {"steps": len(check), "worst_snr_db": worst},
             "residual_scale": {"stream_max_abs": stream_max, "factor": scaled["factor"], "muls": len(scaled["muls"]),
                                "norms": scaled["norms"], "limit": npu_rewrite.FP16_STREAM_LIMIT,

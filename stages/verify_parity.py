@@ -286,19 +286,16 @@ def _evaluation(ctx, tokenizer, hf_dir: Path, bos, context_length: int) -> _Eval
     cal_path = Path(ctx.inputs["calibrate"]) / "token_ids.npy"
     cal = np.load(cal_path).reshape(-1) if cal_path.is_file() else np.zeros(0, np.int32)
     try:
-        if textdata.is_builtin(source):
-            stream, facts = textdata.heldout(hf_dir, tokenizer)
+        if textdata.is_builtin(source):  # the held-out tail holds the calibration windows too: skipped
+            windows, facts = textdata.heldout_windows(hf_dir, tokenizer, cal, n_ctx, bos, n_windows)
         else:
             stream, facts = textdata.stream(tokenizer, source, str(pc.get("eval_field") or "text"),
                                             bool(pc.get("eval_chat_template", False)))
     except textdata.TextDataError as err:
         raise StageError(f"parity.eval_text: {err}") from None
-    candidates = kld.windows(stream, n_ctx, bos)
-    shared = dict(enumerate(textdata.overlaps(candidates, cal)))
-    if textdata.is_builtin(source):  # the held-out tail holds the calibration windows too: skip those
-        windows = [w for i, w in enumerate(candidates) if shared[i] == 0][:n_windows]
-    else:
-        hit = sum(shared.values())
+    if not textdata.is_builtin(source):
+        candidates = kld.windows(stream, n_ctx, bos)
+        hit = sum(textdata.overlaps(candidates, cal))
         if hit:
             raise StageError(f"parity.eval_text {source} shares {hit} runs of {textdata.OVERLAP_TOKENS} tokens with "
                              f"the calibration windows (calibrate.dataset): evaluate on text held out from "

@@ -68,6 +68,7 @@ CHOICES = {
     "pack.qnn_attention": ("fp16", "uint16"),  # pipeline/graphs/npu_rewrite.py attention_cores
     "pack.qnn_embedding": ("int8", "int4", "graph"),  # pipeline/graphs/qnn.py EMBEDDING_CHOICES
     "pack.qnn_weight_method": ("gptq", "rtn"),  # pipeline/graphs/qnn.py WEIGHT_METHODS
+    "pack.qnn_select": ("measured", "first"),  # stages/pack.py _select_precision
 }
 # Phone NPU precisions (pipeline/graphs/qnn.py PRECISIONS); no uncalibrated option.
 QNN_PRECISIONS = ("fp16", "w8a16", "w4a16")
@@ -380,6 +381,9 @@ def _check(c: dict, where) -> None:
         what = f"{bad_p[0]!r} is not one of: {', '.join(QNN_PRECISIONS)}" if bad_p else \
             ("is empty" if not precisions else f"{precisions} has duplicates")
         raise ConfigError(f"{where('pack.qnn_precisions')}: pack.qnn_precisions {what}")
+    if int(c["pack"].get("qnn_select_windows", 1)) < 1:
+        raise ConfigError(f"{where('pack.qnn_select_windows')}: pack.qnn_select_windows="
+                          f"{c['pack']['qnn_select_windows']} must be at least 1")
     cal = c["calibrate"]
     if cal["min_samples"] > cal["samples"]:
         raise ConfigError(

@@ -2,7 +2,7 @@
 
 The contract every `stages/<name>.py` follows:
 
-    READS = ("model", "export")   # top-level config sections it reads
+    READS = ("model", "export")   # config sections it reads (or a part: "parity.artifact")
     INPUTS = ("untie_head",)      # upstream stages whose artifacts it reads
     TOOLCHAIN = ("torch", "onnx") # distributions whose versions shape its output
 

@@ -61,7 +61,8 @@ def _load_json(path: Path, what: str) -> dict:
 
 
 def visible_params(stage: str, full: dict, build: str, host_facts) -> dict:
-    """The sections `stage` sees of the build config `full`: exactly its READS.
+    """The sections `stage` sees of the build config `full`: exactly its READS (a dotted name,
+    `parity.artifact`, is that part of its section only, as DVC's params take it).
 
     `host_facts` is a callable returning the probe's host.json, called only
     when the stage reads `host` or its device must be resolved from the host.
@@ -73,6 +74,12 @@ def visible_params(stage: str, full: dict, build: str, host_facts) -> dict:
         elif section == "device":
             needs_host = full["device"]["name"] == "auto" or build == EXP_BUILD
             seen["device"] = resolve(full["device"], host_facts() if needs_host else None)
+        elif "." in section:  # a part of a section (pack reads parity.artifact's floors, not parity's budget)
+            head, *path = section.split(".")
+            node, value = seen.setdefault(head, {}), full[head]
+            for key in path[:-1]:
+                node, value = node.setdefault(key, {}), value[key]
+            node[path[-1]] = value[path[-1]]
         else:
             seen[section] = full[section]
     return seen

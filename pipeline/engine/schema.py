@@ -327,12 +327,19 @@ class PackConfig:
     # Rows at which a tinygemm layer leaves the int4 kernel for dequant + GEMM
     # (the kernel's cost is linear in rows).
     prefill_threshold: int = 16
-    # Phone NPU (weight path qnn_graph): the precisions built for the HTP, the
-    # first one deployed; each is compiled to a context binary and verified.
-    # fp16: the float graph with the HTP's fp16 math. w8a16: calibrated QDQ,
-    # 8-bit weights, 16-bit activations. w4a16: 4-bit weights.
-    # Calibration is always from real activations (no uncalibrated option).
-    qnn_precisions: list[str] = field(default_factory=lambda: ["w8a16", "fp16"])
+    # Phone NPU (weight path qnn_graph): the precisions built for the HTP, in
+    # order of preference; which one is deployed is qnn_select's. fp16: the
+    # float graph with the HTP's fp16 math. w8a16: calibrated QDQ, 8-bit
+    # weights, 16-bit activations. w4a16: 4-bit weights. Calibration is always
+    # from real activations (no uncalibrated option).
+    qnn_precisions: list[str] = field(default_factory=lambda: ["w4a16", "w8a16", "fp16"])
+    # measured: each QDQ precision on the CPU EP against the fp32 export over
+    # qnn_select_windows held-out windows, in parity.artifact.qnn_<p>'s units;
+    # the first that meets its floors is deployed, the other QDQ precisions
+    # are recorded with their figures and not compiled (fp16, no CPU stand-in,
+    # is kept as listed). first: the first listed is deployed, every one compiled.
+    qnn_select: str = "measured"
+    qnn_select_windows: int = 2
     # QDQ calibration: decode steps of the fp32 graph over calibration windows
     # (calibrate stage) joined into sequences as long as the export's context;
     # every `stride`-th step's inputs are one calibration sample.

@@ -179,3 +179,44 @@ def scored_positions(n_ctx: int) -> range:
     """The positions of a window whose next-token prediction is scored: the second half (llama.cpp's
     `first = n_ctx / 2`), each predicting the token after it."""
     return range(n_ctx // 2, n_ctx - 1)
+
+
+def scored_logits(dec, window: Sequence[int], advance=None) -> np.ndarray:
+    """`dec`'s logits at `window`'s scored positions, one float32 row each: the window up to the first
+    scored position prefilled in one call (a decoder without a prompt graph steps through it), then a
+    step a token. `advance(n)` is told of each row."""
+    pos = scored_positions(len(window))
+    dec.reset()
+    rows = [np.asarray(dec.prefill(list(window[:pos.start + 1])), dtype=np.float32)]
+    for j in pos[1:]:
+        rows.append(np.asarray(dec.step(int(window[j])), dtype=np.float32))
+        if advance is not None:
+            advance(1)
+    return np.stack(rows)
+
+
+# parity.artifact.<path>'s floors in this module's units: (the figure, its direction, how to read it off a
+# summary). KL is the mean per-token KLD (the same quantity verify_parity calls kl_nats); greedy match needs
+# free decoding, not windows: not here.
+FLOORS = {
+    "min_logits_snr_db": ("logits_snr_db", ">=", lambda s: s["logits_snr_db"]),
+    "min_top1_agreement": ("same_top1", ">=", lambda s: s["same_top1_pct"] / 100.0),
+    "max_kl_nats": ("kl_nats", "<=", lambda s: s["kld_mean"]),
+    "max_kld_mean": ("kld_mean", "<=", lambda s: s["kld_mean"]),
+    "max_kld_p99": ("kld_p99", "<=", lambda s: s["kld_p99"]),
+    "max_ppl_ratio": ("ppl_ratio", "<=", lambda s: s["ppl_ratio"]),
+}
+
+
+def below_floors(summary: dict, limits) -> list[str]:
+    """Which of `limits` (a parity.artifact.<path> mapping; a null limit is not checked) `summary` (this
+    module's summary, with `logits_snr_db` beside it) misses, each as 'figure value (needs op limit)'."""
+    missed = []
+    for key, (name, op, read) in FLOORS.items():
+        limit = limits.get(key) if hasattr(limits, "get") else None
+        if limit is None:
+            continue
+        value, limit = float(read(summary)), float(limit)
+        if not (value >= limit if op == ">=" else value <= limit):
+            missed.append(f"{name} {value:.4g} (needs {op} {limit:g})")
+    return missed
