@@ -304,7 +304,7 @@ class _Selection:
             tokenizer = AutoTokenizer.from_pretrained(str(self.hf_dir))
             bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else self.bos  # verify_parity's framing
             cal = np.load(self.cal_dir / "token_ids.npy").reshape(-1)
-            self.windows, facts = textdata.heldout_windows(self.hf_dir, tokenizer, cal, n_ctx, bos, n)
+            self.windows, facts = kld.heldout_windows(self.hf_dir, tokenizer, cal, n_ctx, bos, n)
         except (OSError, ValueError, textdata.TextDataError) as err:
             raise StageError(f"pack: pack.qnn_select=measured needs the held-out text: {err} (pack.qnn_select="
                              "first ships the first of pack.qnn_precisions unmeasured)") from None

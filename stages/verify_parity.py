@@ -287,7 +287,7 @@ def _evaluation(ctx, tokenizer, hf_dir: Path, bos, context_length: int) -> _Eval
     cal = np.load(cal_path).reshape(-1) if cal_path.is_file() else np.zeros(0, np.int32)
     try:
         if textdata.is_builtin(source):  # the held-out tail holds the calibration windows too: skipped
-            windows, facts = textdata.heldout_windows(hf_dir, tokenizer, cal, n_ctx, bos, n_windows)
+            windows, facts = kld.heldout_windows(hf_dir, tokenizer, cal, n_ctx, bos, n_windows)
         else:
             stream, facts = textdata.stream(tokenizer, source, str(pc.get("eval_field") or "text"),
                                             bool(pc.get("eval_chat_template", False)))

@@ -175,6 +175,20 @@ def windows(ids: Sequence[int], n_ctx: int, bos_id: int | None, max_windows: int
     return out
 
 
+def heldout_windows(src, tokenizer, calibration: Sequence[int], n_ctx: int, bos_id: int | None,
+                    n: int) -> tuple[list[list[int]], dict]:
+    """The first `n` windows (`windows`) of the embedded corpus's held-out tail (textdata.heldout) that
+    share no textdata.OVERLAP_TOKENS-token run with the `calibration` ids, and facts to record. The tail
+    holds the calibration windows too (calibrate cuts them from it): those are skipped. Fewer than `n`
+    is the caller's to refuse."""
+    from pipeline.sources import textdata
+
+    stream_ids, facts = textdata.heldout(src, tokenizer)
+    candidates = windows(stream_ids, n_ctx, bos_id)
+    shared = textdata.overlaps(candidates, calibration)
+    return [w for w, hit in zip(candidates, shared) if hit == 0][:n], facts
+
+
 def scored_positions(n_ctx: int) -> range:
     """The positions of a window whose next-token prediction is scored: the second half (llama.cpp's
     `first = n_ctx / 2`), each predicting the token after it."""

@@ -202,17 +202,3 @@ def heldout(src: Path, tokenizer, log=None) -> tuple[list[int], dict]:
         log("no training_report.json: the checkpoint was not trained here; using the corpus tail "
             f"({fraction:.0%}) as calibration text")
     return held, facts
-
-
-def heldout_windows(src: Path, tokenizer, calibration: Sequence[int], n_ctx: int, bos_id: int | None,
-                    n: int) -> tuple[list[list[int]], dict]:
-    """The first `n` evaluation windows (pipeline/measure/kld.py's framing) of the embedded corpus's
-    held-out tail that share no OVERLAP_TOKENS-token run with the `calibration` ids, and facts to record.
-    The tail holds the calibration windows too (calibrate cuts them from it): those are skipped. Fewer
-    than `n` is the caller's to refuse."""
-    from pipeline.measure import kld
-
-    stream_ids, facts = heldout(src, tokenizer)
-    candidates = kld.windows(stream_ids, n_ctx, bos_id)
-    shared = overlaps(candidates, calibration)
-    return [w for w, hit in zip(candidates, shared) if hit == 0][:n], facts
