@@ -72,6 +72,8 @@ def one_line(exc: ConfigError) -> str:
         (["quantize.eight_bit_budget=1.5"], ["quantize.eight_bit_budget=1.5", "0 to 1, or null"]),
         (["quantize.sensitivity_windows=0"], ["quantize.sensitivity_windows=0", "at least 1"]),
         (["device=x86_llamacpp", "pack.gguf_token_embedding=q2_k"], ["pack.gguf_token_embedding", "keep"]),
+        (["pack.qnn_select=best"], ["pack.qnn_select", "measured", "first"]),
+        (["pack.qnn_select_windows=0"], ["pack.qnn_select_windows=0", "at least 1"]),
         # the fuzz test's finds: a non-number where the embedded model's positions are derived from
         (["model.train.max_position_embeddings=[]"], ["model.train.max_position_embeddings", "whole number"]),
         (["model.train.max_position_embeddings=nan"], ["model.train.max_position_embeddings", "whole number"]),
