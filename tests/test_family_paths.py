@@ -169,7 +169,10 @@ class Builds:
             p = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "pack" / "default.yaml"))
             # every calibration window (8 of 32 tokens), every step a sample: 2 x 32 steps at stride 4 (16
             # samples) left ranges that clipped Gemma 3's k_proj output (w8a16 15.4 dB; 30.0 dB this way)
-            p.update(qnn_calibration_sequences=8, qnn_calibration_stride=1)
+            # w8a16 beside fp16, both kept: these tests are about each family's graphs, not which precision
+            # ships (pack.qnn_select: tests/test_qnn.py)
+            p.update(qnn_calibration_sequences=8, qnn_calibration_stride=1, qnn_precisions=["w8a16", "fp16"],
+                     qnn_select="first")
             qdir, pdir = base / f"quant-{device}-{priority}", base / f"pack-{device}-{priority}"
             common = {"device": spec, "priority": {"name": priority}}
             inputs = {"untie_head": untied, "calibrate": base / "cal", "quantize": qdir}

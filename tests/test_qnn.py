@@ -280,7 +280,7 @@ def test_phone_build_end_to_end_compiles_once_and_verifies_on_the_htp(phone_buil
     # ... and the w4a16 prompt graph's CPU stand-in over every parity prompt in full, a chunk at a time,
     # gated as the HTP's runs are (SNR floor and KL: verify_parity._prompt_gate)
     bulk = art["precisions"]["w4a16"]["parts"]["cpu_qdq"]["prompt_graph"]
-    assert bulk["thresholds"] == {"logits_snr_db": ">= 10", "kl_nats": "<= 0.25",
+    assert bulk["thresholds"] == {"logits_snr_db": ">= 0", "kl_nats": "<= 0.25",
                                   "step_kld_mean": "<= 0.25 (max_kld_mean, over the chunk ends)",
                                   "step_kld_p99": "<= 1.5 (max_kld_p99, over the chunk ends)"}, bulk
     assert bulk["chunk_ends"] >= 12 and bulk["executions"] == bulk["chunk_ends"] < bulk["tokens"], bulk
