@@ -116,7 +116,7 @@ def _select(device, priority: str) -> dict[str, Any]:
 
     if accel == "qnn_htp":
         return {
-            "path": "qnn_graph", "kernel": "QNN HTP context binary (calibrated w8a16; fp16 beside it)", "runtime": "qnn",
+            "path": "qnn_graph", "kernel": "QNN HTP context binary (16-bit activations, 4- or 8-bit weights by measured fidelity: pack.qnn_select; fp16 beside it)", "runtime": "qnn",
             "rationale": ("phone NPU: no vLLM; the deliverable is a compiled graph. On the S25 (HTP v79) w4a16 "
                           "saves memory, not time (sliding layer 0.917 vs 0.912 ms w8a16); calibrated w8a16 reached "
                           "36.9 dB, uncalibrated w4a16 -1.6 dB. Numerics checked here on onnxruntime-qnn's HTP "
