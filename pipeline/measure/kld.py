@@ -202,6 +202,8 @@ def scored_logits(dec, window: Sequence[int], advance=None) -> np.ndarray:
     pos = scored_positions(len(window))
     dec.reset()
     rows = [np.asarray(dec.prefill(list(window[:pos.start + 1])), dtype=np.float32)]
+    if advance is not None:
+        advance(1)
     for j in pos[1:]:
         rows.append(np.asarray(dec.step(int(window[j])), dtype=np.float32))
         if advance is not None:
