@@ -56,6 +56,7 @@ import time
 from pathlib import Path
 
 from pipeline.engine.context import StageError
+from pipeline.quant import head_rows
 
 # device and priority: which kernel the codes are for decides whether the head
 # may have its own group size (quantize.head_group_size: null).
@@ -138,6 +139,10 @@ def _settings(cfg, model: dict | None = None) -> dict:
         else HEAD_BITS_ORT if path in HEAD8_PATHS else 4,
         # null on the kernels that take 8-bit heads: the width is measured (_head_width), 8 until then
         "head_bits_measured": q.get("head_bits") is None and path in HEAD8_PATHS,
+        # an 8-bit head's 8-bit rows (_head_rows): null measured, 0 one width, N the N most probable; only
+        # MatMulNBits' graph takes a head of two widths (pipeline/graphs/gqa_graph.py reorders its logits)
+        "head_rows8": _optional_int(q.get("head_rows8")),
+        "head_rows_ok": path == ORT_PATH,
         # an untied table's width is measured where the kernel gathers from block codes (_embedding_width);
         # "keep" ships it as the pack holds it today: fp32 in ORT's graph, f16 in a GGUF
         "embedding_measured": path in HEAD8_PATHS,
@@ -155,6 +160,14 @@ def _settings(cfg, model: dict | None = None) -> dict:
         raise StageError(f"quantize.bits={s['bits']}: only {gptq.BITS}-bit is supported")
     if s["head_bits"] not in gptq.LAYER_BITS:
         raise StageError(f"quantize.head_bits={s['head_bits']}: use {' or '.join(map(str, gptq.LAYER_BITS))}")
+    if s["head_rows8"] and not s["head_rows_ok"]:
+        raise StageError(f"quantize.head_rows8={s['head_rows8']}: a head of two widths runs on ONNX Runtime's "
+                         f"MatMulNBits graph only (this device's weight path is {path}); use 0 or null")
+    if s["head_rows8"] and s["head_bits"] != 8:
+        raise StageError(f"quantize.head_rows8={s['head_rows8']} needs the head at 8 bits: "
+                         f"quantize.head_bits=8 or null")
+    if s["head_rows8"] is not None and s["head_rows8"] < 0:
+        raise StageError(f"quantize.head_rows8={s['head_rows8']}: 0, a count of rows, or null")
     if not 0 <= s["eight_bit_budget"] <= 1:
         raise StageError(f"quantize.eight_bit_budget={s['eight_bit_budget']}: "
                          f"a fraction of the 4-bit code bytes, 0 to 1")
@@ -272,12 +285,14 @@ def _snr_db(rel_err: float) -> float | None:
 
 
 def _promote(ctx, s, src: Path, cal_dir: Path, layers: dict, tensors: dict, group_sizes: dict,
-             weight, quantize_layer, head_alt: dict | None = None) -> tuple[dict, dict | None, dict | None]:
+             weight, quantize_layer, head_alt: dict | None = None) -> tuple[dict, dict | None, dict | None,
+                                                                           dict | None]:
     """The decoder units worth 8 bits under the budget (pipeline/quant/bit_alloc.py), requantized at 8 bits
     in place of their 4-bit codes; returns quant.json's "eight_bit" record (what was measured, what was
     chosen, the logits' SNR on the calibration windows before and after), given `head_alt` (the
-    head's 4-bit tensors beside the 8-bit ones in `tensors`) the head's width record (_head_width), and
-    where s["embedding_measured"] the embedding's (_embedding_width)."""
+    head's 4-bit tensors beside the 8-bit ones in `tensors`) the head's width record (_head_width) and,
+    where it comes out at 8 bits, its 8-bit rows' (_head_rows: with the mixed codes under "codes" where
+    they ship), and where s["embedding_measured"] the embedding's (_embedding_width)."""
     import numpy as np
     import torch
 
@@ -315,9 +330,13 @@ def _promote(ctx, s, src: Path, cal_dir: Path, layers: dict, tensors: dict, grou
         changed = [name for key in chosen for name in by_key[key].layers]
         after = found["error"](changed=changed) if chosen else found["base"]
         head = _head_width(s, found, model, after, tensors, head_alt, weight, group_sizes, tied) if head_alt else None
+        rows = None
+        if head_alt is not None and s["head_rows_ok"] and s["head_rows8"] != 0 and (head is None or head["chosen"] == 8):
+            rows = _head_rows(ctx, s, found, model, tensors, head_alt, weight, group_sizes, tied)
 
         def head_codes():  # the head as it ships (read only where an untied table is measured)
             final = head_alt if head is not None and head["chosen"] == 4 else \
+                rows["codes"] if rows is not None and rows["chosen"] else \
                 {k: tensors[f"{HEAD}.{k}"] for k in ("qweight", "scales", "zeros")}
             return gptq.dequantize(final["qweight"], final["scales"], final["zeros"], group_sizes[HEAD])
 
@@ -354,7 +373,74 @@ def _promote(ctx, s, src: Path, cal_dir: Path, layers: dict, tensors: dict, grou
             + f"; the narrowest within {embedding['max_loss_db']} dB of the table kept)")
     elif embedding is not None:
         ctx.log(f"embedding {embedding['chosen']}: {embedding['reason']}")
-    return record, head, embedding
+    return record, head, embedding, rows
+
+
+def _head_rows(ctx, s, found, model, tensors: dict, head_alt: dict, weight, group_sizes, tied: bool) -> dict:
+    """The 8-bit head's rows by measurement (pipeline/quant/head_rows.py): the full-precision model's
+    probability mass on the calibration windows ranks the rows; with the decoder at its final codes (a tied
+    table taking each option's codes too: a run of the decoder each) the all-8-bit head's KL divergence
+    from the full-precision model, then each of head_rows.LADDER's shares of rows at 8 bits and the rest at
+    4, narrowest first; the first within head_rows.tolerance ships (s["head_rows8"] = N: those N rows,
+    measured for the record). Returns the record, with "codes" (the mixed head's tensors) where it ships.
+    The rows are ranked and measured on the same windows; verify_parity measures the artifact on held-out
+    text."""
+    from pipeline.quant import bit_alloc, gptq
+
+    err = found["error"]
+    n, k = (int(d) for d in tensors[f"{HEAD}.qweight"].shape)
+    g = group_sizes[HEAD]
+    record = {"max_kld_share": head_rows.MAX_KLD_SHARE, "min_kld": head_rows.MIN_KLD,
+              "bytes_8bit": head_rows.head_bytes(n, k, n, g), "ranked_and_measured_on": "the calibration windows"}
+    if not isinstance(err, bit_alloc.HeadError):
+        if s["head_rows8"]:
+            raise StageError(f"quantize.head_rows8={s['head_rows8']}: the rows are ranked by the model's "
+                             f"probability through its head, and this model's logits are not its head's linear "
+                             f"map ({found['method']}); use 0")
+        return {**record, "measured": False, "chosen": 0,
+                "reason": f"the logits are not the head's linear map ({found['method']}): one width"}
+    eight = {key: tensors[f"{HEAD}.{key}"] for key in ("qweight", "scales", "zeros")}
+    emb = model.get_input_embeddings() if tied else None
+    full = weight(HEAD).float()
+    mass = head_rows.probability_mass(err.ref, full)
+    hidden = None if tied else err.final_hidden()  # an untied decoder does not see the head's codes
+
+    def kld(codes: dict) -> float:
+        deq = gptq.dequantize(codes["qweight"], codes["scales"], codes["zeros"], g)
+        if emb is not None:
+            emb.weight.data.copy_(deq)
+        return head_rows.kld(hidden if emb is None else err.final_hidden(), err.ref, deq, full)
+
+    forced = s["head_rows8"] or 0
+    counts = [forced] if forced else [n // d for d in head_rows.LADDER if n // d > 0]
+    options, chosen, codes = {}, 0, None
+    with ctx.progress(len(counts) + 1, "the head's 8-bit rows by the calibration text's probability") as bar:
+        k8 = kld(eight)
+        bar.advance()
+        tol = head_rows.tolerance(k8)
+        for n8 in counts:
+            rows8 = head_rows.top_rows(mass, min(n8, n))
+            mix = head_rows.mixed(eight, head_alt, rows8)
+            k_mix = kld(mix)
+            bar.advance()
+            options[str(n8)] = {"kld": round(k_mix, 6), "added_kld": round(k_mix - k8, 6),
+                                "mass": round(float(mass[rows8].sum()), 6),
+                                "bytes": head_rows.head_bytes(n, k, min(n8, n), g)}
+            if forced or k_mix - k8 <= tol:
+                chosen, codes = min(n8, n), mix
+                break
+    record.update({"measured": not forced, "tokens": int(sum(m.shape[0] for m in err.ref)),
+                   "kld_8bit": round(k8, 6), "tolerance": round(tol, 6), "options": options, "chosen": chosen})
+    if chosen:
+        o = options[str(n8)]
+        ctx.log(f"head 8-bit on its {chosen} most probable rows ({o['mass']:.4f} of the calibration text's "
+                f"probability), 4-bit on the other {n - chosen}: {o['bytes'] / 1e6:.1f} MB against "
+                f"{record['bytes_8bit'] / 1e6:.1f}, KL divergence {o['kld']:.5f} against {k8:.5f} all at 8 bits")
+        record["codes"] = codes
+    else:
+        ctx.log(f"head 8-bit on every row: no share of rows at 8 bits came within {tol:.5f} nats of the all-8-bit "
+                f"head's {k8:.5f} (" + ", ".join(f"{c}: {o['kld']:.5f}" for c, o in options.items()) + ")")
+    return record
 
 
 def _head_width(s, found, model, error_8bit_head: float, tensors: dict, head_alt: dict, weight,
@@ -501,7 +587,8 @@ def run(ctx) -> dict:
 
     # The codes go to a spill file as they are made and are read back when needed (pipeline/sources/tensorfile.py):
     # held, they were 1.75 GB of the 1.75B geometry's 15.9 GB peak, with the fp32 model loaded beside them.
-    tensors = SpilledTensors(ctx.out / SPILL, [f"{n}.{k}" for n in layers for k in ("qweight", "scales", "zeros")])
+    tensors = SpilledTensors(ctx.out / SPILL, [f"{n}.{k}" for n in layers for k in ("qweight", "scales", "zeros")]
+                             + [f"{HEAD}.{head_rows.ROWS_TENSOR}"])
     try:
         report: dict[str, dict] = {}
         # Each read opens its file and closes it: a handle held open keeps every page it has read mapped,
@@ -566,7 +653,8 @@ def run(ctx) -> dict:
                 quantize_layer(name, s["head_bits"] if name == HEAD else s["bits"])
                 bar.advance()
         head_alt = None
-        if s["head_bits_measured"]:  # the 4-bit head beside the 8-bit one, for _head_width to weigh
+        # the 4-bit head beside the 8-bit one, for _head_width to weigh and _head_rows to take rows from
+        if s["head_bits_measured"] or (s["head_rows8"] or 0) > 0:
             kept = ({k: tensors[f"{HEAD}.{k}"] for k in ("qweight", "scales", "zeros")}, report[HEAD])
             with ctx.progress(None, "the head at 4 bits too, to weigh its width"):
                 quantize_layer(HEAD, 4)
@@ -574,10 +662,10 @@ def run(ctx) -> dict:
             for k, t in kept[0].items():
                 tensors[f"{HEAD}.{k}"] = t
             report[HEAD] = kept[1]
-        eight_bit = head = embedding = None
+        eight_bit = head = embedding = rows = None
         if s["eight_bit_budget"] > 0 or head_alt is not None or s["embedding_measured"]:
-            eight_bit, head, embedding = _promote(ctx, s, src, cal_dir, layers, tensors, group_sizes, weight,
-                                                  quantize_layer, head_alt)
+            eight_bit, head, embedding, rows = _promote(ctx, s, src, cal_dir, layers, tensors, group_sizes,
+                                                        weight, quantize_layer, head_alt)
             if s["eight_bit_budget"] == 0:
                 eight_bit = None  # measured for the head only
         if head is not None and head["chosen"] == 4:
@@ -585,6 +673,12 @@ def run(ctx) -> dict:
                 tensors[f"{HEAD}.{k}"] = head_alt[k]
             report[HEAD] = head_alt["report"]
             s["head_bits"] = 4
+        elif rows is not None and rows["chosen"]:
+            for k, t in rows.pop("codes").items():
+                tensors[f"{HEAD}.{k}"] = t
+            report[HEAD]["row_bits"] = {"8": rows["chosen"], "4": int(layers[HEAD]["out_features"]) - rows["chosen"]}
+        if rows is not None:
+            rows.pop("codes", None)
         head_alt = None
 
         tensors.write(ctx.out / gptq.QUANT_TENSORS, {"format": gptq.FORMAT})
@@ -606,6 +700,7 @@ def run(ctx) -> dict:
         **({"scale_dtype": s["scale_dtype"]} if s["scale_dtype"] != "fp32" else {}),
         **({"eight_bit": eight_bit} if eight_bit is not None else {}),
         **({"head": head} if head is not None else {}),
+        **({"head_rows": rows} if rows is not None else {}),
         **({"embedding": embedding} if embedding is not None else {}),
         "layers": report,
         "calibration": {
@@ -622,6 +717,8 @@ def run(ctx) -> dict:
     scale_note = f", {s['scale_dtype']} scales" if s["scale_dtype"] != "fp32" else ""
     head_note = f", head g{s['head_group_size']}" if s["head_group_size"] != s["group_size"] else ""
     head_note += f", head {s['head_bits']}-bit" if s["head_bits"] != s["bits"] else ""
+    if rows is not None and rows["chosen"]:
+        head_note += f" on {rows['chosen']} rows, 4-bit on the rest"
     if eight_bit is not None:
         head_note += f", {sum(len(eight_bit['units'][k]['layers']) for k in eight_bit['chosen'])} linear(s) 8-bit"
     ctx.log(f"{len(report)} linears ({s['method']}, g{s['group_size']}{head_note}, {'sym' if s['sym'] else 'asym'}{scale_note}): "

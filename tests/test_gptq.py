@@ -767,7 +767,7 @@ def _quantize_no_budget(device: str, extra: dict, untied: Path, cal: Path, out: 
 
 
 @pytest.mark.parametrize("device, extra", [
-    ("x86_avx512", {}),  # ORT's MatMulNBits (bits=8 blocks)
+    ("x86_avx512", {"head_rows8": 0}),  # ORT's MatMulNBits (bits=8 blocks); one width (its rows: below)
     ("x86_llamacpp", {"group_size": 32, "scale_dtype": "fp16"}),  # GGUF Q8_0 (quantize=q4_0's settings)
 ])
 @pytest.mark.parametrize("min_gain_db, want", [(-1.0, 8), (1e9, 4)])
@@ -811,6 +811,73 @@ def test_the_heads_width_is_measured_where_the_kernel_takes_8_bits(tiny_untied, 
     err.model.get_input_embeddings().weight.data.copy_(err.model.lm_head.weight.data)
     snr = -10 * np.log10(err())
     assert snr == pytest.approx(rec["options"][str(want)]["snr_db"], abs=0.01)
+
+
+@pytest.mark.parametrize("share, want", [(1e9, 16), (-1.0, 0)])
+def test_an_8_bit_heads_rows_are_measured_by_the_calibration_texts_probability(tiny_untied, calibrated, tmp_path,
+                                                                               monkeypatch, share, want):
+    """quantize.head_rows8: null on ORT's MatMulNBits, the head at 8 bits: the rows ranked by the
+    full-precision model's probability mass on the calibration windows, the narrowest share of
+    head_rows.LADDER within the tolerance ships (a tolerance no share meets: every row at 8 bits). The
+    shipped head's rows are the 8-bit codes' on the most probable rows and the 4-bit codes' elsewhere
+    (each row GPTQ's own at its width), `lm_head.row_bits` says which, and the recorded KL divergence is
+    the one a direct run of the model at those codes gives."""
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from pipeline.quant import head_rows
+    from pipeline.sources.checkpoint_files import load_hf_model
+    from stages import quantize
+
+    monkeypatch.setattr(quantize, "HEAD_MIN_GAIN_DB", -1.0)  # the head at 8 bits
+    monkeypatch.setattr(head_rows, "MAX_KLD_SHARE", share)
+    monkeypatch.setattr(head_rows, "MIN_KLD", 0.0 if share > 0 else -1.0)
+    cal, _ = calibrated
+    mixed = _quantize_no_budget("x86_avx512", {}, tiny_untied, cal, tmp_path / "mixed")
+    one = _quantize_no_budget("x86_avx512", {"head_rows8": 0}, tiny_untied, cal, tmp_path / "one")
+    rec, n = mixed["head_rows"], mixed["layers"]["lm_head"]["out_features"]
+    assert rec["measured"] and "head_rows" not in one
+    t, t1 = load_file(str(tmp_path / "mixed" / gptq.QUANT_TENSORS)), load_file(str(tmp_path / "one" / gptq.QUANT_TENSORS))
+    if not want:
+        assert rec["chosen"] == 0 and len(rec["options"]) == len(head_rows.LADDER)  # every share tried
+        assert "row_bits" not in mixed["layers"]["lm_head"] and "lm_head.row_bits" not in t
+        assert torch.equal(t["lm_head.qweight"], t1["lm_head.qweight"])
+        return
+    assert rec["chosen"] == n // want and list(rec["options"]) == [str(n // want)]
+    assert mixed["layers"]["lm_head"]["row_bits"] == {"8": n // want, "4": n - n // want}
+    rows8 = t["lm_head.row_bits"] == 8
+    assert int(rows8.sum()) == n // want and set(t["lm_head.row_bits"].unique().tolist()) == {4, 8}
+    assert torch.equal(t["lm_head.qweight"][rows8], t1["lm_head.qweight"][rows8])  # the 8-bit codes' rows
+    assert int(t["lm_head.qweight"][~rows8].max()) <= 15 and (t["lm_head.zeros"][~rows8] == 8).all()
+    assert (t["lm_head.zeros"][rows8] == 128).all()
+    # the 8-bit rows are the most probable ones under the full-precision model on the calibration windows
+    windows = np.load(cal / "token_ids.npy")[:4]
+    ref = load_hf_model(tiny_untied)
+    with torch.no_grad():
+        ref_h = [ref.base_model(torch.as_tensor(w)[None], use_cache=False).last_hidden_state[0] for w in windows]
+    mass = head_rows.probability_mass(ref_h, ref.lm_head.weight.data)
+    assert torch.equal(head_rows.top_rows(mass, n // want), rows8)
+    assert rec["options"][str(n // want)]["mass"] == pytest.approx(float(mass[rows8].sum()), abs=1e-5)
+    # the recorded KL divergence is a direct run's, the tied table taking the head's codes
+    model = _at_codes_model(tiny_untied, tmp_path / "mixed")
+    model.get_input_embeddings().weight.data.copy_(model.lm_head.weight.data)
+    with torch.no_grad():
+        h = [model.base_model(torch.as_tensor(w)[None], use_cache=False).last_hidden_state[0] for w in windows]
+    got = head_rows.kld(h, ref_h, model.lm_head.weight.data, ref.lm_head.weight.data)
+    assert got == pytest.approx(rec["options"][str(n // want)]["kld"], rel=1e-3, abs=1e-6)
+    assert rec["options"][str(n // want)]["bytes"] < rec["bytes_8bit"]
+
+
+@pytest.mark.parametrize("device, rows8, message", [
+    ("x86_llamacpp", 64, "MatMulNBits graph only"),
+    ("x86_avx512", -1, "0, a count of rows, or null"),
+])
+def test_head_rows8_is_refused_where_it_cannot_ship(tiny_untied, calibrated, tmp_path, device, rows8, message):
+    from pipeline.engine.context import StageError
+
+    cal, _ = calibrated
+    with pytest.raises(StageError, match=message):
+        _quantize_no_budget(device, {"head_rows8": rows8}, tiny_untied, cal, tmp_path / "q")
 
 
 @pytest.fixture(scope="module")

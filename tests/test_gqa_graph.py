@@ -506,6 +506,72 @@ def _eight_bit_head(ck, tmp_path) -> Path:
     return q
 
 
+def _mixed_head(ck, tmp_path, rows8: np.ndarray) -> Path:
+    """ck's quant folder with the head of two widths by row (pipeline/quant/head_rows.py): rows `rows8`
+    (bool [V]) the 8-bit head's codes (`_eight_bit_head`), the rest ck's 4-bit ones; `lm_head.row_bits`."""
+    from safetensors.numpy import load_file, save_file
+
+    (tmp_path / "for_mixed").mkdir()
+    q8 = _eight_bit_head(ck, tmp_path / "for_mixed")
+    q = tmp_path / "mixed"
+    q.mkdir()
+    t8, t4 = load_file(str(q8 / "quantized.safetensors")), load_file(str(ck["quant"] / "quantized.safetensors"))
+    for key in ("qweight", "scales", "zeros"):
+        t4[f"lm_head.{key}"] = np.where(rows8[:, None], t8[f"lm_head.{key}"], t4[f"lm_head.{key}"])
+    t4["lm_head.row_bits"] = np.where(rows8, 8, 4).astype(np.uint8)
+    save_file(t4, str(q / "quantized.safetensors"))
+    meta = json.loads((q8 / "quant.json").read_text())
+    meta["layers"]["lm_head"]["row_bits"] = {"8": int(rows8.sum()), "4": int((~rows8).sum())}
+    (q / "quant.json").write_text(json.dumps(meta))
+    return q
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_head_of_two_widths_by_row_computes_its_dequantized_model(ckpts, tmp_path, tied):
+    """The head at 8 bits on some rows and 4 on the rest (quantize.head_rows8): a MatMulNBits over each
+    set of rows, the logits put back in vocabulary order by a GatherElements = the reference model holding
+    the dequantized mixed head (and, tied, the same rows as its embedding: a GatherBlockQuantized over each
+    table picked by a Where), stepping and in a prefill, at accuracy level 0; the file holds each row once,
+    at its width; a 4-bit-only packer refuses the layer."""
+    import onnx
+
+    from pipeline.quant.codes import PackError, read_quant
+
+    ck = ckpts("gemma3", tied=tied)
+    rows8 = np.random.default_rng(3).random(VOCAB) < 0.3
+    quant = _mixed_head(ck, tmp_path, rows8)
+    ref_model = GptqReference(ck["gptq"]).model
+    with torch.no_grad():
+        head = ref_model.lm_head.weight
+        head[torch.from_numpy(rows8)] = torch.from_numpy(_dequant8(quant))[torch.from_numpy(rows8)]
+        if tied:
+            ref_model.model.embed_tokens.weight.copy_(head)
+    ids = _seq(30, seed=7)
+    out = tmp_path / "graph"
+    facts = build_gqa_graph(ck["hf"], quant, out, max_len=MAX_LEN, accuracy_level=0, **EXACT)
+    assert facts["options"]["embedding"] == ("shared" if tied else "fp32")
+    dec = GqaDecoder(out, threads=1)
+    ref = _steps(TorchReference(ref_model), ids)
+    assert snr_db(ref, _steps(dec, ids)) > 90.0
+    dec.reset()
+    assert snr_db(ref[-1:], dec.prefill(ids)[None]) > 90.0
+    g = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    heads = {n.name: n for n in g.graph.node if n.op_type == "MatMulNBits" and n.name.startswith("lm_head")}
+    attrs = {name: {a.name: a.i for a in n.attribute} for name, n in heads.items()}
+    assert attrs["lm_head.rows8"]["bits"] == 8 and attrs["lm_head.rows8"]["N"] == rows8.sum()
+    assert attrs["lm_head.rows4"]["bits"] == 4 and attrs["lm_head.rows4"]["N"] == (~rows8).sum()
+    assert any(n.op_type == "GatherElements" for n in g.graph.node)
+    k = 64
+    assert facts["matmulnbits"]["lm_head.rows8"]["bytes"] + facts["matmulnbits"]["lm_head.rows4"]["bytes"] == (
+        rows8.sum() * k + (~rows8).sum() * k // 2 + VOCAB * (k // GROUP) * 4)
+    if tied:
+        gathers = [n for n in g.graph.node if n.op_type == "GatherBlockQuantized"]
+        assert sorted(n.input[0] for n in gathers) == ["lm_head.rows4.B", "lm_head.rows8.B"]
+        assert "embed_tokens" not in {t.name for t in g.graph.initializer}
+    with pytest.raises(PackError, match="head_rows8=0"):
+        read_quant(quant, bits=(4, 8))
+
+
 def _dequant8(quant: Path) -> np.ndarray:
     from safetensors.numpy import load_file
 

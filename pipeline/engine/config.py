@@ -364,6 +364,9 @@ def _check(c: dict, where) -> None:
     if q.get("head_bits") is not None and q["head_bits"] not in (4, 8):  # pipeline/quant/gptq.py LAYER_BITS
         raise ConfigError(f"{where('quantize.head_bits')}: quantize.head_bits={q['head_bits']} is not "
                           f"supported: 4, 8 or null")
+    if q.get("head_rows8") is not None and q["head_rows8"] < 0:
+        raise ConfigError(f"{where('quantize.head_rows8')}: quantize.head_rows8={q['head_rows8']} is a count of "
+                          f"the head's rows: 0 (one width), N, or null (measured)")
     if q.get("eight_bit_budget") is not None and not 0 <= q["eight_bit_budget"] <= 1:
         raise ConfigError(f"{where('quantize.eight_bit_budget')}: quantize.eight_bit_budget="
                           f"{q['eight_bit_budget']} is a fraction of the 4-bit code bytes: 0 to 1, or null")

@@ -282,6 +282,13 @@ class QuantizeConfig:
     # 4 bits (blocks of 32): the narrowest within 1 dB of the table kept ships
     # (quant.json's "embedding"; pack's auto follows it).
     head_bits: Optional[int] = None
+    # The head's 8-bit rows (a head at 8 bits on MatMulNBits). null: measured:
+    # the rows carrying the most of the model's probability on the calibration
+    # windows at 8 bits, the rest at 4 (pipeline/quant/head_rows.py), the fewest
+    # of 1/16, 1/8, 1/4 of the vocabulary within 1% (at least 0.0005 nats) of the
+    # all-8-bit head's KL divergence; else the whole head at 8. 0: one width. N:
+    # the N most probable rows at 8 bits.
+    head_rows8: Optional[int] = None
     # Extra bytes for 8-bit decoder linears, as a fraction of their 4-bit code
     # bytes: the units (q/k/v, o, gate/up, down of one layer) whose 4-bit error
     # costs the logits most per byte, measured on calibration windows

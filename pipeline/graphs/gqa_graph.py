@@ -584,14 +584,16 @@ def _embed_scale_fp32(emb, cfg):
     return exact
 
 
-def _can_share(emb, head, layers, widths) -> bool:
-    """Whether the head's MatMulNBits weight can also be the embedding table (`_shared_embedding`)."""
+def _can_share(emb, head, layers, widths, rows=None) -> bool:
+    """Whether the head's MatMulNBits weight can also be the embedding table (`_shared_embedding`); `rows`:
+    the head's width per row where it has two (`_mixed_head`)."""
     import torch
 
     if "lm_head" not in layers or widths.get("lm_head", 4) not in (4, 8):
         return False
     _, _, z, _ = layers["lm_head"]
-    if not (z == 2 ** (widths.get("lm_head", 4) - 1)).all():  # asymmetric codes: zero points (not shared)
+    zero = 2 ** (widths.get("lm_head", 4) - 1) if rows is None else (1 << (rows.astype(np.int32) - 1))[:, None]
+    if not (z == zero).all():  # asymmetric codes: zero points (not shared)
         return False
     return tuple(emb.weight.shape) == tuple(head.weight.shape) and torch.equal(emb.weight.detach(),
                                                                                head.weight.detach())
@@ -617,6 +619,64 @@ def _shared_embedding(g: "_G", layers, widths, scale: float) -> tuple[str, int]:
     rows = g.node("GatherBlockQuantized", ["lm_head.B", "input_ids", scales3], ["embed.rows"], "embed", domain=MS,
                   bits=bits, block_size=int(gs), gather_axis=0, quantize_axis=2)  # [1, S, K/bs, bs]
     return _gathered_rows(g, rows, k, scale), 0  # its bytes are the head's (counted under matmulnbits)
+
+
+def _mixed_parts(layers, rows) -> tuple[tuple, tuple, np.ndarray]:
+    """The head's 8-bit rows and 4-bit rows as two read_quant parts, and each vocabulary entry's position
+    in their logits side by side (int32 [V]: the 8-bit rows' first)."""
+    q, s, z, gs = layers["lm_head"]
+    hot, cold = np.flatnonzero(rows == 8), np.flatnonzero(rows == 4)
+    pos = np.empty(len(rows), np.int32)
+    pos[hot] = np.arange(len(hot), dtype=np.int32)
+    pos[cold] = len(hot) + np.arange(len(cold), dtype=np.int32)
+    return (q[hot], s[hot], z[hot], gs), (q[cold], s[cold], z[cold], gs), pos
+
+
+def _mixed_head(g: "_G", x: str, layers, rows, out: str, acc: int, records: dict) -> str:
+    """The head of two widths by row (pipeline/quant/head_rows.py): a MatMulNBits over its 8-bit rows and
+    one over its 4-bit rows, their logits side by side, put back in vocabulary order.
+
+    Why GatherElements and not Gather: ONNX Runtime 1.32's CPU Gather along the last axis copies one element
+    at a time (Gemma 3's 262,144 logits: 3.5-4.5 ms a step, more than the 4-bit rows save), GatherElements
+    takes 0.6-0.8 ms with int32 indices (measured side by side, benchmarks/head_rows.py). Its indices must
+    have the data's shape, [1, R, V]: the [1, 1, V] positions expanded to it (R = 1 when decoding)."""
+    hot, cold, pos = _mixed_parts(layers, rows)
+    a, rec8 = _nbits(g, x, "lm_head.rows8", [hot], "logits.rows8", acc, bits=8)
+    b, rec4 = _nbits(g, x, "lm_head.rows4", [cold], "logits.rows4", acc, bits=4)
+    records["lm_head.rows8"] = {**rec8, "layers": ["lm_head"]}
+    records["lm_head.rows4"] = {**rec4, "layers": ["lm_head"]}
+    del layers["lm_head"]
+    both = g.node("Concat", [a, b], ["logits.by_width"], "lm_head.by_width", axis=-1)
+    g.init("lm_head.positions", pos)
+    where = g.node("Reshape", ["lm_head.positions", g.const_i64([1, 1, -1])], ["lm_head.positions3"],
+                   "lm_head.positions3")
+    shape = g.node("Shape", [both], ["logits.shape"], "logits.shape")
+    where = g.node("Expand", [where, shape], ["lm_head.positions_rows"], "lm_head.positions_rows")
+    return g.node("GatherElements", [both, where], [out], "lm_head.vocab_order", axis=-1)
+
+
+def _shared_mixed_embedding(g: "_G", layers, rows, scale: float) -> tuple[str, int]:
+    """`_shared_embedding` over a head of two widths by row: each token's position (`_mixed_parts`) picks
+    its row from the 8-bit table or the 4-bit one (a GatherBlockQuantized over each, the other's index
+    clamped, then a Where): the tables stay the head's own."""
+    q, _, _, gs = layers["lm_head"]
+    n8, k = int((rows == 8).sum()), q.shape[1]
+    p = g.node("Gather", ["lm_head.positions", "input_ids"], ["embed.position"], "embed_position", axis=0)
+    n8_i = g.init("embed.rows8_count", np.asarray(n8, np.int32))
+    is8 = g.node("Less", [p, n8_i], ["embed.is8"], "embed_is8")
+    i8 = g.node("Min", [p, g.init("embed.rows8_last", np.asarray(max(n8 - 1, 0), np.int32))], ["embed.i8"], "embed_i8")
+    i4 = g.node("Max", [g.node("Sub", [p, n8_i], ["embed.p4"], "embed_p4"),
+                        g.init("embed.zero", np.asarray(0, np.int32))], ["embed.i4"], "embed_i4")
+    picked = []
+    for tag, idx, bits in (("rows8", i8, 8), ("rows4", i4, 4)):
+        sc = g.node("Unsqueeze", [f"lm_head.{tag}.scales", g.const_i64([2])], [f"embed.{tag}.scales"],
+                    f"embed_{tag}_scales")
+        picked.append(g.node("GatherBlockQuantized", [f"lm_head.{tag}.B", idx, sc], [f"embed.{tag}"],
+                             f"embed_{tag}", domain=MS, bits=bits, block_size=int(gs), gather_axis=0,
+                             quantize_axis=2))  # [1, S, K/bs, bs]
+    cond = g.node("Unsqueeze", [is8, g.const_i64([2, 3])], ["embed.is8_4d"], "embed_is8_4d")
+    rows_ = g.node("Where", [cond, picked[0], picked[1]], ["embed.rows"], "embed_pick")
+    return _gathered_rows(g, rows_, k, scale), 0  # its bytes are the head's (counted under matmulnbits)
 
 
 def _gathered_rows(g: "_G", rows: str, k: int, scale: float) -> str:
@@ -698,10 +758,11 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
     import torch
     from onnx import TensorProto, helper
 
-    from pipeline.quant.codes import read_quant
+    from pipeline.quant.codes import read_quant, row_bits
 
     t0 = time.perf_counter()
-    meta, layers = read_quant(quant_dir, bits=(4, 8))  # MatMulNBits takes 8-bit blocks too (an 8-bit head)
+    meta, layers = read_quant(quant_dir, bits=(4, 8), mixed_rows=True)  # MatMulNBits takes 8-bit blocks too
+    head_rows = row_bits(quant_dir, meta, "lm_head")  # the head's width per row where it has two, else None
     quantized = set(layers)  # `_linear` takes each layer's codes out of `layers` once packed
     widths = {n: int(info.get("bits", 4)) for n, info in meta["layers"].items()}
     linear = functools.partial(_linear, widths=widths)
@@ -757,7 +818,7 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
     scale = _embed_scale_fp32(emb, cfg)
     scale_f = float(scale) if scale is not None else 1.0
     if opts["embedding"] in ("auto", "shared"):
-        share = _can_share(emb, model.lm_head, layers, widths)
+        share = _can_share(emb, model.lm_head, layers, widths, head_rows)
         if opts["embedding"] == "shared" and not share:
             raise GqaGraphError("embedding='shared' needs a tied checkpoint (embedding and lm_head the same "
                                 "tensor) whose head the quantize stage wrote symmetric at 4 or 8 bits; use "
@@ -779,6 +840,8 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
         g.init_chunks("embed_tokens", tuple(table.shape), np.float32, rows())
         h = g.node("Gather", ["embed_tokens", "input_ids"], ["h_0"], "embed", axis=0)  # [1, S, H]
         emb_bytes = int(table.numel() * 4)
+    elif opts["embedding"] == "shared" and head_rows is not None:
+        h, emb_bytes = _shared_mixed_embedding(g, layers, head_rows, scale_f)
     elif opts["embedding"] == "shared":
         h, emb_bytes = _shared_embedding(g, layers, widths, scale_f)
     else:
@@ -947,8 +1010,13 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
         xf = g.node("Gather", [xf, _last_rows(g, xf)], ["final_last"], "final_last", axis=1)  # [1, R, H]
     final_cap = getattr(cfg, "final_logit_softcapping", None)
     post = [n for n, on in (("scaling", "logits_scaling" in mult), ("softcap", bool(final_cap))) if on]
-    logits = linear(g, xf, "lm_head", ["lm_head"], layers, "logits_raw" if post else ROW_LOGITS, acc, True,
-                    records, bias_of)[0]  # [1, R, V]
+    if head_rows is not None:
+        if bias_of("lm_head") is not None:
+            raise GqaGraphError("a head of two widths by row with a bias is not built: quantize.head_rows8=0")
+        logits = _mixed_head(g, xf, layers, head_rows, "logits_raw" if post else ROW_LOGITS, acc, records)
+    else:
+        logits = linear(g, xf, "lm_head", ["lm_head"], layers, "logits_raw" if post else ROW_LOGITS, acc, True,
+                        records, bias_of)[0]  # [1, R, V]
     if "logits_scaling" in mult:  # Granite: logits / logits_scaling, before any softcap
         logits = g.node("Div", [logits, g.init("logits_scaling", np.asarray(mult["logits_scaling"], np.float32))],
                         [ROW_LOGITS if post == ["scaling"] else "logits_scaled"], "logits_scaling")

@@ -231,6 +231,11 @@ class HeadError:
             self.cache = cache
         return out
 
+    def final_hidden(self) -> list:
+        """The decoder's final hidden state of every window ([T, d] each) with the model as it is now: a
+        full run (pipeline/quant/head_rows.py measures the head's rows on them)."""
+        return self._hidden()
+
     def loss(self, w: int, hidden):
         """Window `w`'s |z - z_ref|^2 / |z_ref|^2 (over every window's norm) as a differentiable tensor of
         its final hidden state `hidden` [T, d]."""

@@ -20,7 +20,8 @@ class PackError(ValueError):
     """A quantized checkpoint or graph that cannot be packed as asked (user-facing)."""
 
 
-def read_quant(quant_dir, bits: tuple[int, ...] = (4,)) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, int]]]:
+def read_quant(quant_dir, bits: tuple[int, ...] = (4,), mixed_rows: bool = False
+               ) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, int]]]:
     """(quant.json, {layer: (qweight uint8 [N,K], scales f32 [N,K/g], zeros uint8 [N,K/g], g)}).
 
     g is the layer's own `group_size` when quant.json records one (the quantize
@@ -28,6 +29,8 @@ def read_quant(quant_dir, bits: tuple[int, ...] = (4,)) -> tuple[dict[str, Any],
     the layer widths the caller packs; a layer of another width (an 8-bit head,
     `quantize.head_bits`) is a PackError naming it, so no 4-bit-only packer
     ever sees 8-bit codes. A layer's width: quant.json's `bits` for it, else 4.
+    A layer of two widths by row (the head's 8-bit rows, pipeline/quant/head_rows.py: quant.json's
+    `row_bits`) is a PackError unless `mixed_rows` (the caller reads its rows with `row_bits`).
     """
     from safetensors.numpy import load_file
 
@@ -50,6 +53,10 @@ def read_quant(quant_dir, bits: tuple[int, ...] = (4,)) -> tuple[dict[str, Any],
             raise PackError(f"layer {name} holds {width}-bit codes; this layout takes "
                             f"{' or '.join(map(str, bits))}-bit ones (quantize.head_bits=4 writes a 4-bit head, "
                             f"quantize.eight_bit_budget=0 4-bit decoder linears)")
+        if info.get("row_bits") and not mixed_rows:
+            raise PackError(f"layer {name} holds {info['row_bits'].get('8')} rows of 8-bit codes and "
+                            f"{info['row_bits'].get('4')} of 4-bit ones, which only ONNX Runtime's MatMulNBits graph "
+                            f"takes; quantize with quantize.head_rows8=0 for this layout")
         try:
             q, s, z = raw[f"{name}.qweight"], raw[f"{name}.scales"], raw[f"{name}.zeros"]
         except KeyError as err:
@@ -63,3 +70,20 @@ def read_quant(quant_dir, bits: tuple[int, ...] = (4,)) -> tuple[dict[str, Any],
         layers[name] = (q.astype(np.uint8, copy=False), s.astype(np.float32, copy=False),
                         z.astype(np.uint8, copy=False), g)
     return meta, layers
+
+
+def row_bits(quant_dir, meta: dict, name: str) -> np.ndarray | None:
+    """Layer `name`'s width per row (uint8 [N], 4 or 8) where quant.json records it as of two widths by row
+    (`row_bits`), else None."""
+    from safetensors import safe_open
+
+    from pipeline.quant.head_rows import ROWS_TENSOR
+
+    if not meta["layers"].get(name, {}).get("row_bits"):
+        return None
+    with safe_open(str(Path(quant_dir) / QUANT_TENSORS), framework="numpy") as f:
+        rows = f.get_tensor(f"{name}.{ROWS_TENSOR}")
+    n = int(meta["layers"][name]["out_features"])
+    if rows.shape != (n,) or not np.isin(rows, (4, 8)).all():
+        raise PackError(f"layer {name}: {name}.{ROWS_TENSOR} must be [{n}] of 4 and 8, got {rows.shape}")
+    return rows.astype(np.uint8, copy=False)
