@@ -869,7 +869,7 @@ def run(ctx: StageContext) -> dict:
     try:
         # ORT's MatMulNBits and GGUF (Q8_0) take 8-bit blocks too (an 8-bit head); the others 4-bit only
         meta, layers = read_quant(quant_dir, bits=(4, 8) if sel["path"] in ("w4_ort_matmulnbits", "gguf_q4_0")
-                                  else (4,))
+                                  else (4,), mixed_rows=sel["path"] == "w4_ort_matmulnbits")  # head_rows8
     except PackError as err:
         raise StageError(f"pack: {err}") from None
     src = Path(ctx.inputs["untie_head"])
