@@ -4,7 +4,7 @@ Why: on a large vocabulary the head is most of what a decoded token reads. Gemma
 head at 8 bits (blocks of 32) is 189 MB against ~52 MB for the whole decoder at 4 bits, and at 4 bits the
 head alone costs a KL divergence of 0.145 nats on held-out text (the decoder at full precision, RTN codes).
 A token's logit error matters in proportion to its probability, and a few rows carry almost all of it: on
-Gemma 3 (the decoder at full precision, RTN codes, docs/results.md "The head's 8-bit rows") the 65,536 rows
+Gemma 3 (the decoder at full precision, RTN codes, docs/small-artifacts.md "The head's 8-bit rows") the 65,536 rows
 most probable on 4,096 calibration tokens at 8 bits and the rest at 4 gave 0.00024 nats on held-out text of
 the same kind and 0.00052 on other English text (licence texts), for 126 MB instead of 189; the first
 65,536 ids instead (no permutation) 0.013, contiguous chunks of 256 rows 0.005: the rows must be chosen one
