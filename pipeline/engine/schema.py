@@ -285,7 +285,7 @@ class QuantizeConfig:
     # The head's 8-bit rows (a head at 8 bits on MatMulNBits). null: measured:
     # the rows carrying the most of the model's probability on the calibration
     # windows at 8 bits, the rest at 4 (pipeline/quant/head_rows.py), the fewest
-    # of 1/16, 1/8, 1/4 of the vocabulary within 1% (at least 0.0005 nats) of the
+    # of 1/16, 1/8, 1/4 of the vocabulary within 0.2% (at least 0.0002 nats) of the
     # all-8-bit head's KL divergence; else the whole head at 8. 0: one width. N:
     # the N most probable rows at 8 bits.
     head_rows8: Optional[int] = None
