@@ -668,18 +668,17 @@ def run(ctx) -> dict:
                                                         weight, quantize_layer, head_alt)
             if s["eight_bit_budget"] == 0:
                 eight_bit = None  # measured for the head only
+        mixed = rows.pop("codes", None) if rows is not None else None  # the record keeps no tensors
         if head is not None and head["chosen"] == 4:
             for k in ("qweight", "scales", "zeros"):
                 tensors[f"{HEAD}.{k}"] = head_alt[k]
             report[HEAD] = head_alt["report"]
             s["head_bits"] = 4
-        elif rows is not None and rows["chosen"]:
-            for k, t in rows.pop("codes").items():
+        elif mixed is not None:
+            for k, t in mixed.items():
                 tensors[f"{HEAD}.{k}"] = t
             report[HEAD]["row_bits"] = {"8": rows["chosen"], "4": int(layers[HEAD]["out_features"]) - rows["chosen"]}
-        if rows is not None:
-            rows.pop("codes", None)
-        head_alt = None
+        head_alt = mixed = None
 
         tensors.write(ctx.out / gptq.QUANT_TENSORS, {"format": gptq.FORMAT})
     finally:
