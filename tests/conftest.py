@@ -175,7 +175,12 @@ def phone_build(tmp_path_factory):
 
 
 def report_line(config, line: str) -> None:
-    """A line in pytest's own output (not captured), e.g. how many faults were tried."""
+    """A line in pytest's own output (not captured), e.g. how many faults were tried. In a pytest-xdist
+    worker (the README's command runs the suite in one per core) it travels back with the worker's
+    output and the controller writes it when the worker finishes (`pytest_testnodedown` below)."""
+    if hasattr(config, "workeroutput"):
+        config.workeroutput.setdefault("report_lines", []).append(line)
+        return
     tr = config.pluginmanager.get_plugin("terminalreporter")
     capman = config.pluginmanager.get_plugin("capturemanager")
     if tr is None or capman is None:  # pragma: no cover
@@ -184,6 +189,13 @@ def report_line(config, line: str) -> None:
     with capman.global_and_fixture_disabled():
         tr.write_line("")
         tr.write_line(line)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: the report lines a worker collected (report_line), written now."""
+    for line in getattr(node, "workeroutput", {}).get("report_lines", []):
+        report_line(node.config, line)
 
 
 def needs_genai(fn):

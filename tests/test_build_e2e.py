@@ -80,6 +80,34 @@ def test_first_build_runs_every_stage_and_prints_parity_and_speed(built_repo):
     assert not (repo / "outputs").exists() and not (repo / "multirun").exists()
 
 
+def test_dvc_lock_rewritten_from_a_plain_parse_keeps_its_bytes(built_repo, tmp_path, monkeypatch):
+    """pipeline/engine/build.py `_lock_parsed_plain`: the build's DVC rewrites dvc.lock from the safe (C)
+    parse, not the round trip; on the real lock of a build both dump to the file's own bytes, and the
+    patched rewrite with nothing changed leaves it byte for byte (DVC rewrites it after every stage)."""
+    from dvc import dvcfile
+    from dvc.utils.serialize import _yaml
+
+    from pipeline.engine import build
+
+    repo, _ = built_repo
+    text = (repo / "dvc.lock").read_text()
+    assert text.count("cmd:") >= 10, "not a real build's lock"
+    for parsed in (_yaml.parse_yaml(text, "dvc.lock"), _yaml.parse_yaml_for_update(text, "dvc.lock")):
+        assert _yaml.dumps_yaml(parsed) == text
+    monkeypatch.setattr(dvcfile, "modify_yaml", dvcfile.modify_yaml)  # put back after the test
+    build._lock_parsed_plain()
+    copy = tmp_path / "dvc.lock"
+    copy.write_text(text)
+    with dvcfile.modify_yaml(copy) as data:
+        assert type(data) is dict and type(data["stages"]) is dict  # plain: the safe parse, not ruamel's maps
+    assert copy.read_text() == text
+    other = tmp_path / "dvc.yaml"
+    other.write_text("stages:\n  a:\n    cmd: echo  # a comment\n")
+    with dvcfile.modify_yaml(other) as data:
+        assert type(data) is not dict  # dvc.yaml keeps its round trip (comments)
+    assert "# a comment" in other.read_text()
+
+
 def test_noop_rebuild_runs_no_build_stage(built_repo):
     repo, _ = built_repo
     t0 = time.perf_counter()

@@ -326,3 +326,35 @@ def test_unknown_source(tmp_path):
     ctx = make_ctx(tmp_path, {"source": "onnx"})
     with pytest.raises(StageError, match="model.source='onnx' is not known"):
         stage.run(ctx)
+
+
+def test_the_stdlib_docstrings_are_parsed_once_and_kept_under_their_sources_hash(tmp_path, monkeypatch):
+    """pipeline/sources/corpus.py: the parse (3-4 s of the real stdlib, once per stage that reads the corpus)
+    is kept on disk under the hash of the sources; the same sources read it back, changed ones parse anew."""
+    from pipeline.sources import corpus
+
+    monkeypatch.setenv("EDGEKILN_HOME", str(tmp_path / "home"))
+    root = tmp_path / "lib"
+    (root / "pkg").mkdir(parents=True)
+    (root / "a.py").write_text('"""Module a does things."""\n\ndef f():\n    """Return the answer."""\n')
+    (root / "pkg" / "b.py").write_text('class B:\n    """A class called B."""\n')
+    parsed = []
+    real = corpus._parse_docstrings
+    monkeypatch.setattr(corpus, "_parse_docstrings", lambda files: parsed.append(len(files)) or real(files))
+
+    def read():
+        corpus._stdlib_docstrings.cache_clear()  # a new process: only the disk memo is left
+        return corpus.stdlib_docstrings(root)
+
+    want = (["Module a does things.", "Return the answer.", "A class called B."], 2)
+    assert read() == want and parsed == [2]
+    memos = list((tmp_path / "home" / "corpus").glob("stdlib-docstrings-*.json"))
+    assert len(memos) == 1
+    assert read() == want and parsed == [2]  # read back, not parsed
+    (root / "a.py").write_text('"""Module a, edited."""\n')
+    assert read() == (["Module a, edited.", "A class called B."], 2) and parsed == [2, 2]
+    assert len(list((tmp_path / "home" / "corpus").glob("stdlib-docstrings-*.json"))) == 2
+    memos[0].write_text("{not json")  # a torn memo is parsed over, never trusted
+    (root / "a.py").write_text('"""Module a does things."""\n\ndef f():\n    """Return the answer."""\n')
+    assert read() == want and parsed == [2, 2, 2]
+    corpus._stdlib_docstrings.cache_clear()

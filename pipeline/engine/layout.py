@@ -32,6 +32,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable
 
+from pipeline.sources import user_cache  # noqa: F401  (the per-user folder, for the parts above sources)
+
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = "artifacts"
 BUILDS = "builds"

@@ -64,29 +64,67 @@ def stdlib_files(root: Path | None = None) -> list[Path]:
 
 
 def stdlib_docstrings(root: Path | None = None) -> tuple[list[str], int]:
-    """Docstrings of the standard library (see `_stdlib_docstrings`); parsed
-    once per process and root (a few seconds), a fresh list each call."""
+    """Docstrings of the standard library (see `_parse_docstrings`), a fresh list each call: parsed once per
+    process and root, and kept on disk under the sources' own hash (`_memo`), since parsing the stdlib
+    takes 3-4 s and a build's stages each read the corpus."""
     docs, n_files = _stdlib_docstrings(str(stdlib_root() if root is None else root))
     return list(docs), n_files
 
 
+def _memo(files: list[Path], root: Path) -> Path:
+    """The memo of these sources' docstrings: a file named by the sha256 of this module's own source (what
+    extracts them), the Python that parses them (its ast) and every source's path and bytes (0.03 s to read
+    and hash): a stale memo is never read, it is another file."""
+    import sys
+
+    from pipeline.sources import user_cache
+
+    h = hashlib.sha256(Path(__file__).read_bytes())
+    h.update(f"\0{sys.implementation.name}\0{sys.version}\0".encode())
+    for path in files:
+        data = path.read_bytes()
+        h.update(f"{path.relative_to(root).as_posix()}\0{len(data)}\0".encode())
+        h.update(data)
+    return user_cache() / "corpus" / f"stdlib-docstrings-{h.hexdigest()[:32]}.json"
+
+
 @functools.lru_cache(maxsize=2)
 def _stdlib_docstrings(root: str) -> tuple[tuple[str, ...], int]:
+    """The parsed docstrings, from the memo where it holds these exact sources, else parsed and the memo
+    written (atomically; an unwritable cache folder only costs the parse next time)."""
+    import json
+
+    files = stdlib_files(Path(root))
+    if not files:
+        raise CorpusError(f"no standard-library sources under {root}: the embedded corpus needs them")
+    memo = _memo(files, Path(root))
+    try:
+        kept = json.loads(memo.read_text(encoding="utf-8"))
+        return tuple(kept["docs"]), int(kept["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # absent, or unreadable: parse
+    docs = _parse_docstrings(files)
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
+        tmp.write_text(json.dumps({"docs": docs, "files": len(files)}), encoding="utf-8")
+        os.replace(tmp, memo)
+    except OSError:
+        pass
+    return tuple(docs), len(files)
+
+
+def _parse_docstrings(files: list[Path]) -> list[str]:
     """Docstrings of the standard library's pure-Python modules, in a fixed order.
 
     Files sorted by path; within a file, module, class and function docstrings
     in source order. Whitespace is cleaned (`ast.get_docstring` dedents;
     trailing spaces and runs of blank lines are dropped) and exact duplicates
     are kept once, so boilerplate ("Return self.") neither dominates the corpus
-    nor leaks into the held-out split. Returns (docstrings, number of files).
+    nor leaks into the held-out split.
     """
     import ast
     import re
-
-    root = Path(root)
-    files = stdlib_files(root)
-    if not files:
-        raise CorpusError(f"no standard-library sources under {root}: the embedded corpus needs them")
 
     def in_order(node):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -110,7 +148,7 @@ def _stdlib_docstrings(root: str) -> tuple[tuple[str, ...], int]:
                 continue
             seen.add(doc)
             docs.append(doc)
-    return tuple(docs), len(files)
+    return docs
 
 
 def stdlib_docstring_corpus() -> str:

@@ -40,7 +40,9 @@ ENV_SRC = "EDGEKILN_LLAMACPP_SRC"
 
 
 def home() -> Path:
-    return Path(os.environ.get("EDGEKILN_HOME") or Path.home() / ".cache" / "edgekiln").expanduser()
+    from pipeline.engine.layout import user_cache
+
+    return user_cache()
 
 
 def fetched_tree(version: str = PINNED) -> Path:
