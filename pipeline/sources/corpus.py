@@ -18,6 +18,7 @@ middle of a docstring, exactly as in training.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -104,13 +105,14 @@ def _stdlib_docstrings(root: str) -> tuple[tuple[str, ...], int]:
     except (OSError, ValueError, KeyError, TypeError):
         pass  # absent, or unreadable: parse
     docs = _parse_docstrings(files)
+    tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
         tmp.write_text(json.dumps({"docs": docs, "files": len(files)}), encoding="utf-8")
         os.replace(tmp, memo)
-    except OSError:
-        pass
+    except OSError:  # unwritable or full: parsed again next time, and no partial file left behind
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
     return tuple(docs), len(files)
 
 
