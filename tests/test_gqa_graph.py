@@ -329,7 +329,7 @@ def test_window_cache_equals_full_buffer(ckpts, slack):
     assert snr_db(ref[30:], tail) > 90.0
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3"])
+@pytest.mark.parametrize("name", ["gemma3", "qwen3", "llama"])
 def test_fp16_kv_cache_halves_the_kv_and_keeps_the_logits(ckpts, name):
     """An fp16 KV cache (llama.cpp's default f16 cache; the default is fp32, faster here): past/present are
     float16 in the graph and io.json, the decoder's KV bytes are half the fp32 cache's, and the logits stay
@@ -356,7 +356,7 @@ def test_fp16_kv_cache_halves_the_kv_and_keeps_the_logits(ckpts, name):
     assert snr_db(ref[-1], half.prefill(ids)) > 50.0
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3"])
+@pytest.mark.parametrize("name", ["gemma3", "qwen3", "llama"])  # llama: q|k|v packed into the attention
 def test_a_kv_dtype_copy_computes_what_the_builder_builds(ckpts, name, tmp_path):
     """The deploy profile measures the other KV dtype on a copy of the built graph (tune.with_kv_dtype): the
     fp16 graph retyped to fp32 computes the builder's own fp32-cache graph's logits, and the fp32 graph
@@ -398,6 +398,29 @@ def test_graph_variants_are_identical(ckpts, tag, options):
     fused = _steps(GqaDecoder(_graph(ck, 0), threads=1), ids)
     other = _steps(GqaDecoder(_graph(ck, 0, tag, **options), threads=1), ids)
     assert snr_db(fused, other) > 110.0
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_bias"])
+def test_a_fused_qkv_goes_into_the_attention_packed(ckpts, name):
+    """Without q/k norms the fused q|k|v is GroupQueryAttention's packed `query` (key and value empty, as
+    onnxruntime-genai's builder feeds it): no Split in front of any attention, and the logits are the
+    Split graph's (stepping and a prefill), at both accuracy levels."""
+    ck = ckpts(name)
+    ids = _seq(30, seed=6)
+    for acc in (0, 4):
+        packed, split = _graph(ck, acc), _graph(ck, acc, "_split", packed_qkv=False)
+        g = onnx.load(str(packed / "model.onnx"), load_external_data=False).graph
+        gqa = [n for n in g.node if n.op_type == "GroupQueryAttention"]
+        made = {o: n.op_type for n in g.node for o in n.output}
+        assert gqa and all(list(n.input[1:3]) == ["", ""] and made[n.input[0]] == "MatMulNBits" for n in gqa)
+        assert not any(n.op_type == "Split" and "qkv" in n.name for n in g.node)
+        g_split = onnx.load(str(split / "model.onnx"), load_external_data=False).graph
+        assert sum(n.op_type == "Split" for n in g_split.node) == sum(n.op_type == "Split" for n in g.node) + len(gqa)
+        a, b = GqaDecoder(packed, threads=1), GqaDecoder(split, threads=1)
+        assert snr_db(_steps(b, ids), _steps(a, ids)) > 110.0
+        a.reset()
+        b.reset()
+        assert snr_db(b.prefill(ids), a.prefill(ids)) > 110.0
 
 
 @pytest.mark.parametrize("head_bits", [4, 8])

@@ -39,8 +39,8 @@ The graph (`build_gqa_graph`):
   last input, `logits_rows` (int64 scalar, 1 when not fed: `_last_rows`), and
   fetches the last output, `row_logits` [1, logits_rows, vocab]: those last
   rows' logits, from which `logits` is the last.
-- per layer (defaults): [Skip]RMSNorm -> MatMulNBits(q|k|v) -> Split(q|k, v)
-  -> Reshape -> one RMSNormalization over [1, S, n_heads + n_kv, head_dim]
+- per layer (defaults): [Skip]RMSNorm -> MatMulNBits(q|k|v) -> (no q/k norm: into
+  GroupQueryAttention packed, no Split; with one:) Split(q|k, v) -> Reshape -> one RMSNormalization over [1, S, n_heads + n_kv, head_dim]
   with a stacked per-head gamma (q_norm / k_norm: ORT's CPU GQA refuses its
   own q_norm_weight input) -> Reshape -> Split(q, k) -> GroupQueryAttention
   (do_rotary=1 with the layer type's cos/sin cache, `local_window_size` = W on
@@ -108,6 +108,8 @@ OPSET = 23  # RMSNormalization (standard since 23; ORT runs it with its Simplifi
 # Build options (the defaults are what measured fastest here; see benchmarks/gqa_speed.py).
 DEFAULT_OPTIONS = {
     "fuse_qkv": True,          # True: one MatMulNBits for q|k|v; "qk": q|k fused, v on its own; False: three
+    "packed_qkv": True,        # a fused q|k|v (no q/k norm) goes into GroupQueryAttention packed, as
+                               # onnxruntime-genai's builder feeds it: no Split, the same arithmetic
     "fuse_gate_up": True,      # one MatMulNBits for gate|up
     "qk_norm": "joint",        # "joint": Reshape + one RMSNorm over the q|k heads with a stacked gamma;
                                # "branchwise": com.microsoft.BranchwiseRMSNorm on the flat q|k (no Reshape;
@@ -910,6 +912,9 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
             if len(qkv) == 1 and joint_norm:
                 qk, v = g.node("Split", [qkv[0], g.const_i64([(nh + nkv) * hd, nkv * hd])],
                                [f"{pre}.qk", f"{pre}.v"], f"{pre}.split_qkv", axis=-1)
+            elif len(qkv) == 1 and opts["packed_qkv"] and not has_qk_norm:
+                # GQA's packed form: q|k|v as `query`, `key` and `value` left empty; no Split
+                q, k, v = qkv[0], "", ""
             elif len(qkv) == 1:
                 q, k, v = g.node("Split", [qkv[0], g.const_i64(qkv_sizes)], [f"{pre}.q", f"{pre}.k", f"{pre}.v"],
                                  f"{pre}.split_qkv", axis=-1)
@@ -948,7 +953,8 @@ def _build(g: _G, untied_dir, quant_dir, out_dir: Path, max_len: int, accuracy_l
         if softcaps[i]:
             gqa_attrs["softcap"] = float(softcaps[i])
         if kv16:  # GQA takes one type T for q/k/v, the caches and its output
-            q, k, v = (g.node("Cast", [t], [f"{t}16"], f"{t}16", to=TensorProto.FLOAT16) for t in (q, k, v))
+            q, k, v = (g.node("Cast", [t], [f"{t}16"], f"{t}16", to=TensorProto.FLOAT16) if t else t
+                       for t in (q, k, v))
         a = g.node("GroupQueryAttention",
                    [q, k, v, kv_names["past_key"] % i, kv_names["past_value"] % i, "seqlens_k", "total_sequence_length"]
                    + ([f"cos_{key}", f"sin_{key}"] if rotary[i] else []),

@@ -93,6 +93,8 @@ def with_kv_dtype(src_dir, dtype: str, dst_dir) -> None:
             continue
         for j in range(3):  # q, k, v: the builder's casts pointed at dtype, or new ones where it has none
             name = node.input[j]
+            if not name:  # q|k|v packed into `query`: `key` and `value` are empty
+                continue
             if name in casts:
                 cast = casts[name]
                 attrs = [a for a in cast.attribute if a.name != "to"]
