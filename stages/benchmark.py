@@ -102,6 +102,40 @@ def _arm_cmd(arm: str, artifact, b, threads: int, n_ctx: int) -> list[str]:
     ]
 
 
+# The peers' own files (llama.cpp's GGUF of the checkpoint, onnxruntime-genai's int4 build): made here by
+# their tools, not by this build. One their runtime refuses outright is a baseline that cannot be measured
+# on this checkpoint, as a conversion that fails is (skipped, with the reason), not a failed build.
+PEER_ARMS = (LLAMA_ARM, LLAMA_Q4_0_ARM, GENAI_ARM)
+
+
+def run_passes(order, runs: dict, run_one, advance=lambda **kw: None) -> dict:
+    """Every (pass, arm) of `order` through `run_one(arm)` (a finished process printing one JSON line), its
+    figures appended to runs[arm]. A peer's arm (PEER_ARMS) failing on its first pass is dropped from the
+    run: {arm: why} is returned and runs[arm] removed. Any other failure, or a peer failing after it has
+    run, is a StageError naming the arm, how it ended and its last line."""
+    from pipeline.engine.context import StageError
+
+    dropped: dict[str, str] = {}
+    for _, arm in order:
+        if arm in dropped:
+            advance(arm=arm)
+            continue
+        proc = run_one(arm)
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            how = (f"killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
+                   else f"exit {proc.returncode}")
+            if arm in PEER_ARMS and not runs[arm] and proc.returncode > 0:
+                dropped[arm] = f"{arm} baseline skipped: its runtime failed on its first pass ({how}): {last}"
+                del runs[arm]
+                advance(arm=arm)
+                continue
+            raise StageError(f"benchmark arm {arm} failed ({how}); its last line: {last}")
+        runs[arm].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        advance(arm=arm)
+    return dropped
+
+
 def check_context_points(points, context_length: int, decode_tokens: int, warmup: int) -> list[int]:
     """Each point must leave room for its decode (and the warmup) inside the exported context."""
     from pipeline.engine.context import StageError
@@ -325,20 +359,17 @@ def run(ctx) -> dict:
     try:
         with ctx.progress(len(order), f"{len(arms)} arms x {b.passes} passes (fp32 baselines {n_base}), "
                                       f"interleaved") as bar:
-            for _, arm in order:
-                proc = subprocess.run(_arm_cmd(arm, arms[arm], b, threads, context_length),
-                                      capture_output=True, text=True, env=env)
-                if proc.returncode != 0:
-                    last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                    how = (f"killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
-                           else f"exit {proc.returncode}")
-                    raise StageError(f"benchmark arm {arm} failed ({how}); its last line: {last}")
-                runs[arm].append(json.loads(proc.stdout.strip().splitlines()[-1]))
-                bar.advance(arm=arm)
+            dropped = run_passes(order, runs, lambda arm: subprocess.run(
+                _arm_cmd(arm, arms[arm], b, threads, context_length), capture_output=True, text=True, env=env),
+                bar.advance)
     finally:
         if gguf_tmp is not None:
             gguf_tmp.cleanup()
         genai_tmp.cleanup()
+    for arm, why in dropped.items():
+        notes.append(why)
+        for d in (arms, on_disk, read_mb):
+            d.pop(arm, None)
 
     # A figure an arm's runtime does not give (vLLM's server: no load time apart from its start) is left out.
     figures = {arm: {f: spread(v) for f in FIGURES if (v := [r[f] for r in rs if r.get(f) is not None])}

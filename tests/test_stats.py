@@ -159,6 +159,48 @@ def test_fp32_baselines_run_in_the_first_baseline_passes_only():
     assert pass_order(arms, 1, 2)[1] == 1
 
 
+def test_a_peer_its_runtime_refuses_is_skipped_and_any_other_failed_arm_fails_the_stage():
+    """A peer's file its own runtime refuses on the first pass (llama.cpp on a GGUF its converter cut short)
+    is a baseline not measured, named with the reason, its later passes not run; the artifact's arm failing,
+    a peer failing after it has run, or a peer killed by a signal, stop the stage naming the arm."""
+    import json
+    import subprocess
+
+    from stages.benchmark import pass_order, run_passes
+
+    def proc(rc, err=""):
+        return subprocess.CompletedProcess([], rc, stdout=json.dumps({"decode_tok_s": 1.0}) + "\n" if rc == 0 else "",
+                                           stderr=err)
+
+    arms = ["ort_int4", "llamacpp_q4_k_m", "ortgenai_int4"]
+    order, _ = pass_order(arms, 3, None)
+    calls, advanced = [], []
+
+    def refuse_llama(arm):
+        calls.append(arm)
+        return proc(1, "ValueError: Failed to load model from file: x.gguf") if arm == "llamacpp_q4_k_m" else proc(0)
+
+    runs = {a: [] for a in arms}
+    dropped = run_passes(order, runs, refuse_llama, lambda **kw: advanced.append(kw["arm"]))
+    assert list(dropped) == ["llamacpp_q4_k_m"] and "Failed to load model" in dropped["llamacpp_q4_k_m"]
+    assert "exit 1" in dropped["llamacpp_q4_k_m"] and "baseline skipped" in dropped["llamacpp_q4_k_m"]
+    assert "llamacpp_q4_k_m" not in runs and len(runs["ort_int4"]) == len(runs["ortgenai_int4"]) == 3
+    assert calls.count("llamacpp_q4_k_m") == 1 and len(advanced) == len(order)  # the bar still reaches its end
+
+    def fail(name, rc, after=0):
+        seen = []
+
+        def run_one(arm):
+            seen.append(arm)
+            return proc(rc, "boom") if arm == name and seen.count(arm) > after else proc(0)
+        return run_one
+
+    for name, rc, after in (("ort_int4", 1, 0), ("llamacpp_q4_k_m", 1, 1), ("ortgenai_int4", -9, 0)):
+        with pytest.raises(StageError, match=f"benchmark arm {name} failed") as err:
+            run_passes(order, {a: [] for a in arms}, fail(name, rc, after))
+        assert "boom" in str(err.value)
+
+
 def test_report_shows_each_arms_kld_statistics_and_distribution():
     import numpy as np
 
