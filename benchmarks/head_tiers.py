@@ -103,7 +103,6 @@ def main(argv=None) -> int:
     g8, g4 = 32, 32
     w8, w4 = rtn(head, 8, g8, True), rtn(head, 4, g4, True)
     n8 = 65536 if n > 4 * 65536 else n // 4
-    top = order[:n8]
     variants = []
 
     def variant(name: str, tiers: list[tuple[int, int, int, bool]]):
@@ -140,7 +139,6 @@ def main(argv=None) -> int:
                                                                  (tail, 4, 128, True)])
     variant(f"  + the {rest // 3 * 2} least probable at 2-bit g64 asym",
             [(n8, 8, g8, True), (rest - rest // 3 * 2, 4, g4, True), (rest // 3 * 2, 2, 64, False)])
-    del top
     return 0
 
 

@@ -39,8 +39,9 @@ The graph (`build_gqa_graph`):
   last input, `logits_rows` (int64 scalar, 1 when not fed: `_last_rows`), and
   fetches the last output, `row_logits` [1, logits_rows, vocab]: those last
   rows' logits, from which `logits` is the last.
-- per layer (defaults): [Skip]RMSNorm -> MatMulNBits(q|k|v) -> (no q/k norm: into
-  GroupQueryAttention packed, no Split; with one:) Split(q|k, v) -> Reshape -> one RMSNormalization over [1, S, n_heads + n_kv, head_dim]
+- per layer (defaults): [Skip]RMSNorm -> MatMulNBits(q|k|v) -> (no q/k norms:
+  into GroupQueryAttention packed, no Split; with them:) Split(q|k, v) ->
+  Reshape -> one RMSNormalization over [1, S, n_heads + n_kv, head_dim]
   with a stacked per-head gamma (q_norm / k_norm: ORT's CPU GQA refuses its
   own q_norm_weight input) -> Reshape -> Split(q, k) -> GroupQueryAttention
   (do_rotary=1 with the layer type's cos/sin cache, `local_window_size` = W on
