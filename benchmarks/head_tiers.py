@@ -22,8 +22,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -70,7 +68,7 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(str(a.model))
     model = AutoModelForCausalLM.from_pretrained(str(a.model), torch_dtype=torch.float32).eval()
     bos = tok.bos_token_id
-    windows, facts = kld.heldout_windows(a.model, tok, [], a.n_ctx, bos, a.windows)
+    windows, _ = kld.heldout_windows(a.model, tok, [], a.n_ctx, bos, a.windows)
     if len(windows) < 2:
         raise SystemExit(f"{len(windows)} held-out windows: need at least 2")
     hidden = []
@@ -80,30 +78,29 @@ def main(argv=None) -> int:
     head = model.get_output_embeddings().weight.detach().float()
     softcap = getattr(model.config, "final_logit_softcapping", None)
     n, k = head.shape
-    rank, measure = hidden[: len(hidden) // 2], hidden[len(hidden) // 2:]
+    half = len(hidden) // 2
+    rank, measure = hidden[:half], list(zip(hidden[half:], windows[half:]))
     order = torch.argsort(-probability_mass(rank, head), stable=True)
     print(f"{a.model}: head {n} x {k}; {sum(h.shape[0] for h in rank)} tokens rank the rows, "
-          f"{sum(h.shape[0] for h in measure)} held-out tokens measure")
+          f"{sum(h.shape[0] - 1 for h, _ in measure)} held-out tokens measure")
 
     def logits(h, w):
         z = h @ w.T
         return torch.tanh(z / softcap) * softcap if softcap else z
 
     def figures(w) -> dict:
-        klds, same = [], 0
-        for h in measure:
-            for c in range(0, h.shape[0], 64):
-                lp = torch.log_softmax(logits(h[c:c + 64], head), -1)
-                lq = torch.log_softmax(logits(h[c:c + 64], w), -1)
-                klds.append((lp.exp() * (lp - lq)).sum(-1))
-                same += int((lp.argmax(-1) == lq.argmax(-1)).sum())
-        d = torch.cat(klds).double().numpy()
-        return {"kld_mean": float(d.mean()), "kld_p99": float(np.percentile(d, 99)), "same_top1": same / d.size}
+        """llama.cpp's KL-divergence statistics of the head `w` against the full-precision head (kld.Accumulator,
+        as verify_parity reports them), every position of the measuring windows but the last."""
+        acc = kld.Accumulator()
+        for h, ids in measure:
+            for c in range(0, h.shape[0] - 1, 64):
+                e = min(c + 64, h.shape[0] - 1)
+                acc.add(logits(h[c:e], head).numpy(), logits(h[c:e], w).numpy(), ids[c + 1:e + 1])
+        return acc.summary()
 
     g8, g4 = 32, 32
     w8, w4 = rtn(head, 8, g8, True), rtn(head, 4, g4, True)
     n8 = 65536 if n > 4 * 65536 else n // 4
-    variants = []
 
     def variant(name: str, tiers: list[tuple[int, int, int, bool]]):
         """tiers: (rows, bits, group, sym) in order of probability; rows summing to n."""
@@ -120,10 +117,9 @@ def main(argv=None) -> int:
             nbytes += tier_bytes(rows, k, bits, group, sym)
             start += rows
         assert start == n
-        variants.append((name, nbytes, figures(w)))
-        f = variants[-1][2]
+        f = figures(w)
         print(f"{name:58s} {nbytes / 1e6:7.1f} MB  KLD {f['kld_mean']:.5f} / p99 {f['kld_p99']:.4f}  "
-              f"same top-1 {100 * f['same_top1']:.2f}%", flush=True)
+              f"same top-1 {f['same_top1_pct']:.2f}%", flush=True)
 
     rest = n - n8
     variant("every row 8-bit g32", [(n, 8, g8, True)])
