@@ -370,10 +370,8 @@ def run(ctx) -> dict:
         notes.append(why)
         for d in (arms, on_disk, read_mb):
             d.pop(arm, None)
-    if LLAMA_ARM in dropped:  # the report says why, as for a conversion that failed
-        llama_skip = dropped[LLAMA_ARM]
-    if GENAI_ARM in dropped:
-        genai_skip = dropped[GENAI_ARM]
+    # the report says why a dropped peer has no figures, as for a conversion that failed
+    llama_skip, genai_skip = dropped.get(LLAMA_ARM, llama_skip), dropped.get(GENAI_ARM, genai_skip)
 
     # A figure an arm's runtime does not give (vLLM's server: no load time apart from its start) is left out.
     figures = {arm: {f: spread(v) for f in FIGURES if (v := [r[f] for r in rs if r.get(f) is not None])}
