@@ -543,22 +543,39 @@ S25_LAYER_MS = {
 NPU_STEPS, NPU_WARMUP = 8, 2  # emulated steps are tenths of a second, and mean nothing as timings
 
 
-def expected_device_ms(soc_model: str, layers: list[dict], precision: str, context_length: int) -> dict | None:
+def expected_device_ms(soc_model: str, layers: list[dict], precision: str | list[str],
+                       context_length: int) -> dict | None:
     """The notes' per-layer S25 figures summed over this model's layer mix, at
     the measured full-attention context at or above this build's; None where
-    nothing was measured (another chip, or a context past 4k)."""
+    nothing was measured (another chip, or a context past 4k). `precision`: one
+    for every layer, or one per layer (a mixed build's groups)."""
     if soc_model != "SM8750":
         return None
     at = next((c for c in sorted(S25_LAYER_MS["full_attention"]) if c >= context_length), None)
     if at is None:
         return None
+    each = [precision] * len(layers) if isinstance(precision, str) else list(precision)
     n_sliding = sum(1 for x in layers if x["type"] == "sliding_attention")
     n_full = len(layers) - n_sliding
-    ms = n_sliding * S25_LAYER_MS["sliding_attention"][precision] + n_full * S25_LAYER_MS["full_attention"][at][precision]
+    ms = sum(S25_LAYER_MS["sliding_attention"][p] if x["type"] == "sliding_attention"
+             else S25_LAYER_MS["full_attention"][at][p] for x, p in zip(layers, each))
     return {"step_ms": round(ms, 3), "sliding_layers": n_sliding, "full_layers": n_full,
             "full_attention_context_measured": at, "source": S25_LAYER_MS["source"],
             "caveat": "per-layer figures of the 1.7B's layers, summed over this model's layer types: an "
                       "expectation carried until a device run replaces it, not a measurement of this model"}
+
+
+def layer_precisions(info: dict, precision: str, n_layers: int) -> str | list[str]:
+    """`precision`, or for a mixed build (pack.qnn_mix_groups) each layer's, from its groups in qnn.json."""
+    from pipeline.engine.context import StageError
+
+    groups = (info.get("compiled", {}).get(precision) or {}).get("groups")
+    if not groups:
+        return precision
+    each = [g["precision"] for g in groups for _ in range(*g["layers"])]
+    if len(each) != n_layers:
+        raise StageError(f"benchmark: qnn.json's {precision} groups cover {len(each)} layers, the graph has {n_layers}")
+    return each
 
 
 def pass_order(arms: list[str], passes: int, baseline_passes) -> tuple[list[tuple[int, str]], int]:
@@ -603,7 +620,8 @@ def _npu(ctx, b, device, host, sel) -> dict:
                 per_pass.append(1000 * (time.perf_counter() - t0) / NPU_STEPS)
                 bar.advance()
             emulation[p] = spread(per_pass)
-            expected[p] = expected_device_ms(info["target"]["soc_model"], io["layers"], p, int(io["context_length"]))
+            expected[p] = expected_device_ms(info["target"]["soc_model"], io["layers"], layer_precisions(info, p, len(io["layers"])),
+                                             int(io["context_length"]))
     deployed = info["deployed"]
     notes = [f"HTP backend emulation on this {host.device_class} host ({host.cpu_model}): its timings are not "
              f"{device.name} timings and must not be read as such",

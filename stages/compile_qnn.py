@@ -68,13 +68,16 @@ def run(ctx: StageContext) -> dict:
     float_graph = pack / "float" / "model.onnx"
     with ctx.progress(None, "QNN HTP context binaries") as bar:
         for precision in npu["precisions"]:
-            graph = pack / npu["graphs"][precision]["graph"]
+            entry = npu["graphs"][precision]
+            graph = pack / entry["graph"]
             try:
                 facts = qnn.compile_parts(graph, float_graph if float_graph.is_file() else graph, out / precision,
-                                          target, precision, progress=lambda _: bar.advance())
+                                          target, precision, progress=lambda _: bar.advance(),
+                                          ranges=entry.get("parts"))
             except qnn.QnnError as err:
                 raise StageError(f"compile_qnn: {err}") from None
-            compiled[precision] = {"dir": precision, **facts}
+            # a mixed graph (pack.qnn_mix_groups): which layers are 4-bit, which 8-bit
+            compiled[precision] = {"dir": precision, **facts, **({"groups": entry["groups"]} if entry.get("groups") else {})}
             prompt_graph = npu["graphs"][precision].get("prompt_graph")
             if prompt_graph:  # the prompt graph beside the token graph, its own binaries (no weight sharing yet)
                 try:
@@ -82,7 +85,7 @@ def run(ctx: StageContext) -> dict:
                     pfacts = qnn.compile_parts(pack / prompt_graph, float_prompt if float_prompt.is_file()
                                                else pack / prompt_graph, out / precision / "prompt",
                                                target, precision, progress=lambda _: bar.advance(),
-                                               options=qnn.PROMPT_COMPILE_OPTIONS)
+                                               options=qnn.PROMPT_COMPILE_OPTIONS, ranges=entry.get("parts"))
                 except qnn.QnnError as err:
                     # The token graph is the artifact; the prompt graph only shortens a prompt's way in. A
                     # precision whose prompt graph the HTP refuses ships without it, said here and in qnn.json

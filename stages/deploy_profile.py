@@ -511,16 +511,24 @@ def _qnn(ctx, comp_dir) -> dict:
     def variant(p):
         return variant_of(info["compiled"][p])
 
+    def weights_of(c, layers):
+        """A mixed build's (pack.qnn_mix_groups) weight precision over `layers`, from its groups."""
+        if not c.get("groups") or layers is None:
+            return {}
+        inside = {g["precision"] for g in c["groups"] if g["layers"][0] < layers[1] and layers[0] < g["layers"][1]}
+        return {"weights": inside.pop() if len(inside) == 1 else sorted(inside)}
+
     def variant_of(c):
         parts = qnn.compiled_parts(c)
         where = [f"../compile_qnn/{c['dir']}" + ("" if q["dir"] == "." else f"/{q['dir']}") for q in parts]
-        entry = {"binaries": [f"../compile_qnn/{c['dir']}/{b}" for b in c["binaries"]], "bytes": c["bytes"]}
+        entry = {"binaries": [f"../compile_qnn/{c['dir']}/{b}" for b in c["binaries"]], "bytes": c["bytes"],
+                 **({"groups": c["groups"]} if c.get("groups") else {})}
         if len(parts) == 1:
             return {"model": f"{where[0]}/{parts[0]['context_model']}", **entry}
         return {"models": [f"{w}/{q['context_model']}" for w, q in zip(where, parts)], **entry,
                 "parts": [{"model": f"{w}/{q['context_model']}", "layers": q["layers"], "inputs": q["inputs"],
                            "outputs": q["outputs"], "stream_in": q["stream_in"], "stream_out": q["stream_out"],
-                           "bytes": q["bytes"]} for w, q in zip(where, parts)],
+                           "bytes": q["bytes"], **weights_of(c, q["layers"])} for w, q in zip(where, parts)],
                 "run": "the parts in order, each step: part k takes the feed's inputs it names and stream_in, the "
                        "stream_out of part k-1; the K/V outputs of a part's layers and the last part's logits are "
                        "the step's (pipeline/graphs/parts.py PartsSession)"}

@@ -321,10 +321,6 @@ class _Selection:
 
     def measure(self, p: str) -> None:
         """`p` just built: its figures, and whether it ships."""
-        import numpy as np
-
-        from pipeline.graphs import qnn
-        from pipeline.graphs.decode_graph import snr_from_sums
         from pipeline.measure import kld
 
         if p == "fp16" or not self.measured:
@@ -332,11 +328,28 @@ class _Selection:
                                "no CPU stand-in (its arithmetic is the HTP's fp16): verify_parity gates it on the HTP"}
             self.deployed = self.deployed or p
             return
+        figures = self._figures(p, f"{p}/model.onnx")
+        limits = self.ctx.cfg.parity.artifact.get(f"qnn_{p}")
+        missed = kld.below_floors(figures, limits) if limits is not None else []
+        self.options[p] = {"measured": True, "passed": not missed, "missed": missed, **figures}
+        self._say(p, figures, missed, f"parity.artifact.qnn_{p}")
+        if not missed:
+            self.deployed = p
+
+    def _figures(self, what: str, model_file: str) -> dict:
+        """The QDQ graph `model_file` (relative to the pack folder) on the CPU EP against the fp32 export over
+        the held-out windows: llama.cpp's KL statistics and the logits' SNR."""
+        import numpy as np
+
+        from pipeline.graphs import qnn
+        from pipeline.graphs.decode_graph import snr_from_sums
+        from pipeline.measure import kld
+
         if self.base is None:
             self._reference()
-        dec = qnn.cpu_qdq_decoder(self.out, f"{p}/model.onnx")
+        dec = qnn.cpu_qdq_decoder(self.out, model_file)
         acc, sig, err = kld.Accumulator(), 0.0, 0.0
-        with self.ctx.progress(self.data["scored_tokens"], f"precision selection: {p} on the CPU EP") as bar:
+        with self.ctx.progress(self.data["scored_tokens"], f"precision selection: {what} on the CPU EP") as bar:
             for w, rows in zip(self.windows, self.base):
                 got = kld.scored_logits(dec, w, bar.advance)
                 first = kld.scored_positions(len(w)).start
@@ -346,18 +359,149 @@ class _Selection:
                     sig, err = sig + float((b * b).sum()), err + float(((b - q) ** 2).sum())
         del dec
         figures = {**acc.summary(), "logits_snr_db": snr_from_sums(sig, err)}
-        limits = self.ctx.cfg.parity.artifact.get(f"qnn_{p}")
-        missed = kld.below_floors(figures, limits) if limits is not None else []
         keep = ("tokens", "ppl_ratio", "kld_mean", "kld_p99", "kld_max", "same_top1_pct", "logits_snr_db")
-        self.options[p] = {"measured": True, "passed": not missed, "missed": missed,
-                           **{k: float(figures[k]) for k in keep}}
-        self.ctx.log(f"precision selection: {p} on the CPU EP: KLD mean {figures['kld_mean']:.4f}, p99 "
+        return {k: float(figures[k]) for k in keep}
+
+    def _say(self, what: str, figures: dict, missed: list, floors: str) -> None:
+        self.ctx.log(f"precision selection: {what} on the CPU EP: KLD mean {figures['kld_mean']:.4f}, p99 "
                      f"{figures['kld_p99']:.4f}, PPL ratio {figures['ppl_ratio']:.4f}, same top-1 "
                      f"{figures['same_top1_pct']:.2f}%, {figures['logits_snr_db']:.1f} dB over "
                      f"{self.data['scored_tokens']} held-out tokens: "
-                     + (f"meets parity.artifact.qnn_{p}" if not missed else "misses " + ", ".join(missed)))
-        if not missed:
-            self.deployed = p
+                     + (f"meets {floors}" if not missed else "misses " + ", ".join(missed)))
+
+    def mix(self, graphs: dict, float_dir: Path) -> None:
+        """Per part, where w4a16 missed its floors as a whole and w8a16 met its own (pack.qnn_mix_groups):
+        the layers in groups, the w8a16 graph's parts under the HTP's per-graph budget (compile_qnn's
+        plan) or, where it is one part, that many even groups. Each group at w4a16 with the rest at
+        w8a16 (parts.assemble: the two QDQ graphs share one calibration, so a mixed graph is their layers
+        side by side) runs on the CPU EP over the same held-out windows; the groups that meet
+        parity.artifact.qnn_mixed alone are added, least added KLD first, each addition measured and kept
+        while the whole still meets them. Where any group stays 4-bit, `mixed/` ships in w8a16's place
+        (its prompt graph assembled the same way); every trial is recorded. Memory: both QDQ graphs with
+        their weights, the assembled one and one CPU session (~2.5x the w8a16 graph)."""
+        import shutil
+
+        import onnx
+
+        from pipeline.graphs import parts, qnn
+        from pipeline.measure import kld
+        from pipeline.sources.tensorfile import share_external_data
+
+        w4 = self.options.get("w4a16") or {}
+        if not (self.measured and self.deployed == "w8a16" and w4.get("measured") and not w4.get("passed")
+                and "w4a16" in graphs):
+            return
+        groups_cfg = int(self.ctx.cfg.pack.get("qnn_mix_groups", 0) or 0)
+        if groups_cfg <= 1:
+            self.options["mixed"] = {"measured": False, "why": f"pack.qnn_mix_groups={groups_cfg}: the whole "
+                                                                "graph's choice only"}
+            return
+        token = {p: self.out / p / "model.onnx" for p in ("w4a16", "w8a16")}
+        structure = onnx.load(str(token["w8a16"]), load_external_data=False)
+        float_model = onnx.load(str(float_dir / "model.onnx"), load_external_data=False)
+        target = self.ctx.cfg.device.get("qnn") or {}
+        budget = int(qnn.PART_WEIGHT_SHARE * int(target.get("max_graph_bytes") or 2**31))
+        try:
+            bounds = parts.boundaries(structure, float_model)
+            htp = parts.plan(structure, budget, bounds)
+        except parts.PartsError as err:
+            raise StageError(f"pack: per-part precision (pack.qnn_mix_groups): {err}") from None
+        del structure, float_model
+        n = len(bounds) - 1
+        if len(htp) > 1:
+            ranges, how = htp, "the w8a16 graph's parts under the HTP's per-graph budget (compile_qnn's cut)"
+        else:
+            k = min(groups_cfg, n)
+            cuts = [round(i * n / k) for i in range(k + 1)]
+            ranges = list(zip(cuts[:-1], cuts[1:]))
+            how = f"pack.qnn_mix_groups={groups_cfg}: even groups of layers (the w8a16 graph is one part)"
+        if len(ranges) < 2:
+            self.options["mixed"] = {"measured": False, "why": f"{n} layer(s): no groups to choose over"}
+            return
+        limits = self.ctx.cfg.parity.artifact.get("qnn_mixed")
+        if limits is None:  # a build file from before per-part precision: w8a16 ships as it did
+            self.options["mixed"] = {"measured": False, "why": "parity.artifact has no qnn_mixed floors (conf/parity/"
+                                                                "default.yaml has them): the whole graph's choice only"}
+            self.ctx.log("precision selection: no parity.artifact.qnn_mixed floors: per-part precision not tried")
+            return
+        models = {p: onnx.load(str(f)) for p, f in token.items()}
+        mixed_dir, trials, built = self.out / "mixed", [], [None]
+
+        def choice(four: set) -> list[tuple[int, int, str]]:
+            return [(a, b, "w4a16" if i in four else "w8a16") for i, (a, b) in enumerate(ranges)]
+
+        def build(four: set) -> None:
+            shutil.rmtree(mixed_dir, ignore_errors=True)
+            mixed_dir.mkdir()
+            try:
+                m = parts.assemble(models, choice(four), bounds)
+            except parts.PartsError as err:
+                raise StageError(f"pack: per-part precision (pack.qnn_mix_groups): {err}") from None
+            onnx.save(m, str(mixed_dir / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+                      location="model.onnx.data", size_threshold=1024)
+            built[0] = set(four)
+
+        def trial(four: set) -> dict:
+            build(four)
+            label = "mixed, w4a16 in layers " + ", ".join(f"{ranges[i][0]}-{ranges[i][1] - 1}" for i in sorted(four))
+            figures = self._figures(label, "mixed/model.onnx")
+            missed = kld.below_floors(figures, limits)
+            self._say(label, figures, missed, "parity.artifact.qnn_mixed")
+            row = {"w4a16_layers": [list(ranges[i]) for i in sorted(four)], "passed": not missed, "missed": missed,
+                   **figures}
+            trials.append(row)
+            return row
+
+        alone = {i: trial({i}) for i in range(len(ranges))}
+        order = sorted((i for i, r in alone.items() if r["passed"]), key=lambda i: alone[i]["kld_mean"])
+        four, best = set(), None
+        for i in order:
+            row = alone[i] if not four else trial(four | {i})
+            if row["passed"]:
+                four, best = four | {i}, row
+        record = {"measured": True, "groups_from": how, "trials": trials}
+        if not four:
+            shutil.rmtree(mixed_dir, ignore_errors=True)
+            self.options["mixed"] = {**record, "passed": False, "why": "no group meets parity.artifact.qnn_mixed "
+                                                                       "at w4a16 with the rest at w8a16: w8a16 ships"}
+            self.ctx.log("precision selection: no group of layers passes at w4a16 with the rest at w8a16: w8a16 ships")
+            return
+        if built[0] != four:
+            build(four)
+        groups = [{"layers": [a, b], "precision": p} for a, b, p in choice(four)]
+        entry = {**{k: v for k, v in graphs["w8a16"].items()
+                    if k not in ("graph", "prompt_graph", "matmul_weights", "weight_type")},
+                 "weight_type": {p: graphs[p].get("weight_type") for p in ("w4a16", "w8a16")},
+                 "matmul_weights": {p: graphs[p].get("matmul_weights") for p in ("w4a16", "w8a16")},
+                 "graph": "mixed/model.onnx", "groups": groups, "groups_from": how,
+                 "parts": [list(r) for r in ranges] if len(htp) > 1 else None}
+        prompts = [graphs[p].get("prompt_graph") for p in ("w4a16", "w8a16")]
+        if all(prompts):  # the prompt graph the same way, on its own layer boundaries
+            pmodels = {p: onnx.load(str(self.out / graphs[p]["prompt_graph"])) for p in ("w4a16", "w8a16")}
+            pname = Path(prompts[1]).name
+            try:
+                pbounds = parts.boundaries(pmodels["w8a16"], onnx.load(str(float_dir / pname), load_external_data=False))
+                pm = parts.assemble(pmodels, choice(four), pbounds)
+            except parts.PartsError as err:
+                raise StageError(f"pack: per-part precision, the prompt graph: {err}") from None
+            onnx.save(pm, str(mixed_dir / pname), save_as_external_data=True, all_tensors_to_one_file=True,
+                      location=f"{pname}.data", size_threshold=1024)
+            del pmodels, pm
+            differ = qnn.same_weights(mixed_dir / "model.onnx", float_dir / "model.onnx", mixed_dir / pname,
+                                      float_dir / pname)
+            if differ:
+                raise StageError(f"pack: the mixed prompt graph's weights are not its token graph's ({len(differ)} "
+                                 f"differ, first {differ[0]})")
+            share_external_data(mixed_dir / "model.onnx", mixed_dir / pname)
+            entry["prompt_graph"] = f"mixed/{pname}"
+        graphs["mixed"] = entry
+        self.options["mixed"] = {**record, "passed": True, "missed": [], "groups": groups,
+                                 **{k: best[k] for k in best if k not in ("w4a16_layers", "passed", "missed")}}
+        self.precisions = ["mixed", *self.precisions]
+        self.deployed = "mixed"
+        self.ctx.log("precision selection: mixed ships, w4a16 in layers " + ", ".join(
+            f"{g['layers'][0]}-{g['layers'][1] - 1}" for g in groups if g["precision"] == "w4a16")
+            + ", w8a16 in the rest (" + how + ")")
 
     def result(self) -> dict:
         """npu.json's `selection`: the rule, the data, every option's figures or why it has none, what ships,
@@ -366,17 +510,20 @@ class _Selection:
             raise StageError("pack: no phone precision meets its parity.artifact floors on the CPU EP (" + "; ".join(
                 f"qnn_{p}: {', '.join(o['missed'])}" for p, o in self.options.items() if o.get("measured"))
                 + "): add fp16 to pack.qnn_precisions, or pack.qnn_select=first to build the first one regardless")
+        names = (["mixed"] if "mixed" in self.options else []) + self.precisions  # mixed: tried in mix()
         kept = [self.deployed] + [p for p in self.precisions if p == "fp16" and p != self.deployed
                                   or not self.measured and p != self.deployed]
-        dropped = [p for p in self.precisions if p not in kept]
+        dropped = [p for p in names if p not in kept and (p != "mixed" or self.options[p].get("measured"))]
         if self.measured:
             self.ctx.log(f"precision selection: {self.deployed} ships"
                          + (f"; not kept: {', '.join(dropped)}" if dropped else ""))
         return {"rule": ("the first of pack.qnn_precisions whose CPU-EP figures meet parity.artifact.qnn_<p> "
-                         "(pack.qnn_select=measured)") if self.measured else
+                         "(pack.qnn_select=measured); where w4a16 misses and w8a16 passes, w4a16 per group of "
+                         "layers where the whole still meets parity.artifact.qnn_mixed (pack.qnn_mix_groups)")
+                if self.measured else
                         "pack.qnn_select=first: the first listed, not measured",
                 "data": self.data, "reference": "the fp32 export (ONNX Runtime CPU EP)" if self.base else None,
-                "options": {p: self.options[p] for p in self.precisions if p in self.options},
+                "options": {p: self.options[p] for p in names if p in self.options},
                 "deployed": self.deployed, "kept": kept, "dropped": dropped}
 
 
@@ -747,6 +894,7 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
                 graphs[p]["prompt_graph"] = f"{p}/{PROMPT_MODEL}"
                 graphs[p]["prompt_graph_head_ranges"] = {"from": "the token graph's", "tensors": sorted(heads)}
             chosen.measure(p)
+        chosen.mix(graphs, float_dir)
     finally:
         shutil.rmtree(spill, ignore_errors=True)
     selection = chosen.result()

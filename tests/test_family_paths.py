@@ -702,6 +702,55 @@ def test_a_w4a16_phone_graph_computes_the_quantize_stages_4_bit_weights(builds, 
     assert snr_db(four_bit, got) > snr_db(export, got) + 6, (snr_db(four_bit, got), snr_db(export, got))
     assert snr_db(four_bit, got) > 25.0
 
+    # Per part (pack.qnn_mix_groups): this w4a16 graph's layers beside the w8a16 graph's of the same float
+    # graph and calibration (builds.pack's), assembled into one graph (parts.assemble), compute what the two
+    # graphs' parts compute run in order; taken all from one graph, that graph's logits.
+    import onnx
+    import onnxruntime as ort
+
+    from pipeline.graphs import parts
+
+    _, w8dir, _ = builds.pack(family, "galaxy_s25")
+    models = {"w4a16": onnx.load(str(pdir / "w4a16/model.onnx")), "w8a16": onnx.load(str(w8dir / "w8a16/model.onnx"))}
+    bounds = parts.boundaries(models["w8a16"], onnx.load(str(pdir / "float/model.onnx"), load_external_data=False))
+    n = len(bounds) - 1
+    ranges = [(0, 1), (1, n)]
+
+    def assembled(keys, name):
+        m = parts.assemble(models, [(a, b, k) for (a, b), k in zip(ranges, keys)], bounds)
+        (pdir / name).mkdir()
+        onnx.save(m, str(pdir / name / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
+        return decode(qnn.cpu_qdq_decoder(pdir, f"{name}/model.onnx"))
+
+    np.testing.assert_array_equal(assembled(("w4a16", "w4a16"), "all4"), got)
+    mixed = assembled(("w4a16", "w8a16"), "mixed")
+    so = ort.SessionOptions()
+    for k, v in qnn.CPU_QDQ_CONFIG.items():
+        so.add_session_config_entry(k, v)
+    sessions, cut = [], []
+    for (key, src), r in zip((("w4a16", pdir), ("w8a16", w8dir)), ranges):
+        out = tmp_path / f"parts-{key}"
+        parts.link_data(models[key], src / key, out)
+        piece = parts.split(onnx.load(str(src / key / "model.onnx"), load_external_data=False), ranges, bounds, out)
+        k = ranges.index(r)
+        cut.append(piece[k])
+        sessions.append(ort.InferenceSession(str(out / piece[k]["file"]), sess_options=so,
+                                             providers=["CPUExecutionProvider"]))
+    np.testing.assert_array_equal(mixed, decode(OnnxDecoder(pdir, session=parts.PartsSession(sessions, cut))))
+    w8 = decode(qnn.cpu_qdq_decoder(w8dir, "w8a16/model.onnx"))
+    assert not np.array_equal(mixed, got) and not np.array_equal(mixed, w8)
+    # an initializer both parts read (a position table's scale) that differs: not one calibration, refused
+    from onnx import numpy_helper
+
+    used = [parts._used_initializers(models[k], parts._part(models[k], a, b, bounds)[1])
+            for (a, b), k in zip(ranges, ("w4a16", "w8a16"))]
+    name = next(x for x in sorted(used[0] & used[1]) if x.endswith("_scale"))
+    bad = onnx.load(str(w8dir / "w8a16/model.onnx"))
+    t = next(t for t in bad.graph.initializer if t.name == name)
+    t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) * 2, name))
+    with pytest.raises(parts.PartsError, match="not quantized from one calibration"):
+        parts.assemble({**models, "w8a16": bad}, [(a, b, k) for (a, b), k in zip(ranges, ("w4a16", "w8a16"))], bounds)
+
 
 def test_a_released_qwen25_config_without_layer_types_runs_on_vllm():
     # Qwen2.5-0.5B's config.json as released: no layer_types, sliding_window 32768 with use_sliding_window

@@ -1173,8 +1173,9 @@ def test_a_prompt_graphs_codes_are_the_token_graphs_made_once(tmp_path, monkeypa
 def test_the_phone_precision_is_the_first_that_meets_its_floors(phone_build, tmp_path, monkeypatch):
     """pack.qnn_select=measured (the default): each QDQ precision on the CPU EP against the fp32 export over
     held-out windows, gated by parity.artifact.qnn_<p>. w4a16 made to miss its KLD floor: it is recorded
-    with its figures and the reason, not kept; w8a16, measured next, ships beside fp16. Both missing
-    with no fp16 listed: the pack fails naming each one's figures, before any compile."""
+    with its figures and the reason, not kept; w8a16, measured next, ships beside fp16 (the whole graph's
+    choice: pack.qnn_mix_groups=0; per part below). Both missing with no fp16 listed: the pack fails
+    naming each one's figures, before any compile."""
     from pipeline.engine.config import load_build_file
     from stages import pack
 
@@ -1187,7 +1188,7 @@ def test_the_phone_precision_is_the_first_that_meets_its_floors(phone_build, tmp
         artifact = {k: dict(v) for k, v in full["parity"]["artifact"].items()}
         for path, kv in floors.items():
             artifact[path].update(kv)
-        cfg = {"pack": {**full["pack"], "qnn_precisions": precisions}, "device": full["device"],
+        cfg = {"pack": {**full["pack"], "qnn_precisions": precisions, "qnn_mix_groups": 0}, "device": full["device"],
                "priority": full["priority"], "parity": {"artifact": artifact}}
         out.mkdir()
         ctx = StageContext(stage="pack", build="b", inputs=inputs, out=out, cfg=OmegaConf.create(cfg))
@@ -1206,6 +1207,104 @@ def test_the_phone_precision_is_the_first_that_meets_its_floors(phone_build, tmp
     assert sel["deployed"] == npu["deployed"] == "w8a16" and npu["precisions"] == ["w8a16", "fp16"]
     assert sel["dropped"] == ["w4a16"] and not (out / "w4a16").exists() and (out / "w8a16" / "model.onnx").is_file()
     assert any("w4a16 on the CPU EP" in x and "misses kld_mean" in x for x in lines), lines
+    assert sel["options"]["mixed"] == {"measured": False, "why": "pack.qnn_mix_groups=0: the whole graph's choice only"}
     with pytest.raises(StageError, match=r"no phone precision meets .*qnn_w4a16: kld_mean .*qnn_w8a16: same_top1 "):
         run(tmp_path / "b", ["w4a16", "w8a16"], qnn_w4a16={"max_kld_mean": 1e-9},
             qnn_w8a16={"min_top1_agreement": 1.01})
+
+
+@pytest.mark.slow
+@pytest.mark.optional
+@needs_qnn
+def test_per_part_precision_keeps_w4a16_in_the_parts_where_the_whole_still_meets_its_floors(phone_build, tmp_path,
+                                                                                           monkeypatch):
+    """pack.qnn_mix_groups: where w4a16 misses its floors as a whole and w8a16 meets its own, each part of the
+    w8a16 graph (the tiny build's 500 kB budget cuts it in two: layers 0-1, 2-3) is tried at w4a16 with the
+    rest at w8a16, and the parts that pass alone are added while the whole meets parity.artifact.qnn_mixed.
+    The figures are set per trial here (the rule is under test; what an assembled graph computes is
+    tests/test_family_paths.py's): w4a16 in layers 2-3 passes, in 0-1 misses, so `mixed` ships with
+    layers 2-3 at 4 bits: its MatMul weights int4 there and 8-bit in 0-1, its prompt graph holding the
+    same codes; compile_qnn cuts it at those parts and records them, and the S25 expectation sums each
+    layer at its own precision. Every trial is in npu.json."""
+    import onnx
+
+    from pipeline.engine.config import load_build_file
+    from pipeline.graphs import parts
+    from stages import benchmark, compile_qnn, deploy_profile, pack
+
+    repo, _ = phone_build
+    build = repo / "artifacts" / "galaxy_s25-embedded-speed"
+    full = load_build_file(repo / "builds" / "galaxy_s25-embedded-speed.yaml")
+    inputs = {s: build / s for s in pack.INPUTS}
+    kld_of = {"w4a16": 0.5, "w8a16": 0.001, "mixed, w4a16 in layers 0-1": 0.3, "mixed, w4a16 in layers 2-3": 0.1,
+              "mixed, w4a16 in layers 0-1, 2-3": 0.5}
+    seen = []
+
+    def figures(self, what, model_file):
+        self.data = self.data or {"scored_tokens": 62}
+        seen.append(what)
+        return {"tokens": 62.0, "ppl_ratio": 1.0, "kld_mean": kld_of[what], "kld_p99": 0.01, "kld_max": 0.1,
+                "same_top1_pct": 99.0, "logits_snr_db": 30.0}
+
+    monkeypatch.setattr(pack._Selection, "_figures", figures)
+    cfg = {"pack": dict(full["pack"]), "device": full["device"], "priority": full["priority"],
+           "parity": {"artifact": full["parity"]["artifact"]}}
+    out = tmp_path / "pack"
+    out.mkdir()
+    lines = []
+    ctx = StageContext(stage="pack", build="b", inputs=inputs, out=out, cfg=OmegaConf.create(cfg))
+    monkeypatch.setattr(ctx, "log", lines.append)
+    pack.run(ctx)
+    npu = json.loads((out / "npu.json").read_text())
+    sel, mixed = npu["selection"], npu["graphs"]["mixed"]
+    assert seen == ["w4a16", "w8a16", "mixed, w4a16 in layers 0-1", "mixed, w4a16 in layers 2-3"], seen
+    assert sel["deployed"] == npu["deployed"] == "mixed" and npu["precisions"] == ["mixed", "fp16"]
+    assert sel["dropped"] == ["w4a16", "w8a16"] and not (out / "w4a16").exists() and not (out / "w8a16").exists()
+    groups = [{"layers": [0, 2], "precision": "w8a16"}, {"layers": [2, 4], "precision": "w4a16"}]
+    assert mixed["groups"] == sel["options"]["mixed"]["groups"] == groups and mixed["parts"] == [[0, 2], [2, 4]]
+    trials = sel["options"]["mixed"]["trials"]
+    assert [(t["w4a16_layers"], t["passed"]) for t in trials] == [([[0, 2]], False), ([[2, 4]], True)], trials
+    assert sel["options"]["mixed"]["kld_mean"] == 0.1
+    assert any("mixed ships, w4a16 in layers 2-3, w8a16 in the rest" in x for x in lines), lines
+    # on disk: each part's MatMul weights at its own precision, the prompt graph the same codes
+    for graph, float_graph in (("model.onnx", "model.onnx"), ("prompt.onnx", "prompt.onnx")):
+        m = onnx.load(str(out / "mixed" / graph), load_external_data=False)
+        bounds = parts.boundaries(m, onnx.load(str(out / "float" / float_graph), load_external_data=False))
+        inits = {t.name: t.data_type for t in m.graph.initializer}
+        producer = {o: nd for nd in m.graph.node for o in nd.output}
+        for (first, last), want in (((0, 2), {onnx.TensorProto.INT8, onnx.TensorProto.UINT8}),
+                                    ((2, 4), {onnx.TensorProto.INT4})):
+            _, idx = parts._part(m, first, last, bounds)
+            weights = [producer[m.graph.node[i].input[1]] for i in idx if m.graph.node[i].op_type == "MatMul"
+                       and m.graph.node[i].input[1] in producer]
+            codes = {inits[d.input[0]] for d in weights if d.op_type == "DequantizeLinear" and d.input[0] in inits}
+            assert codes and codes <= want, (graph, first, codes)
+    assert qnn.same_weights(out / "mixed/model.onnx", out / "float/model.onnx", out / "mixed/prompt.onnx",
+                            out / "float/prompt.onnx") == []
+    # compile_qnn: the pack's parts, one precision each, and the groups recorded
+    comp = tmp_path / "compile_qnn"
+    comp.mkdir()
+    info = compile_qnn.run(StageContext(stage="compile_qnn", build="b", inputs={"pack": out}, out=comp,
+                                        cfg=OmegaConf.create({"device": full["device"]})))
+    c = info["compiled"]["mixed"]
+    assert [p["layers"] for p in c["parts"]] == [[0, 2], [2, 4]] and c["groups"] == groups
+    assert [p["layers"] for p in c["prompt"]["parts"]] == [[0, 2], [2, 4]]
+    # the deploy profile names each part's weights; Genie's bundle lists the mixed binaries in order
+    dp = tmp_path / "deploy_profile"
+    dp.mkdir()
+    deploy_profile.run(StageContext(stage="deploy_profile", build="b", out=dp,
+                                    inputs={"untie_head": build / "untie_head", "pack": out, "compile_qnn": comp},
+                                    cfg=OmegaConf.create({"device": full["device"], "export": full["export"],
+                                                          "host": json.loads((build / "probe/host.json").read_text())})))
+    profile = json.loads((dp / "qnn.json").read_text())
+    assert profile["deployed"] == "mixed" and profile["context_binary"]["groups"] == groups
+    assert [p["weights"] for p in profile["context_binary"]["parts"]] == ["w8a16", "w4a16"]
+    bins = json.loads((dp / "genie_config.json").read_text())["dialog"]["engine"]["model"]["binary"]["ctx-bins"]
+    assert [b.split("/")[-3:-1] for b in bins] == [["mixed", "part0"], ["mixed", "part1"]], bins
+    layers = [{"type": "sliding_attention"}, {"type": "full_attention"}] * 2
+    each = benchmark.layer_precisions(info, "mixed", 4)
+    assert each == ["w8a16", "w8a16", "w4a16", "w4a16"]
+    ms = benchmark.expected_device_ms("SM8750", layers, each, 64)["step_ms"]
+    table = benchmark.S25_LAYER_MS
+    assert ms == pytest.approx(table["sliding_attention"]["w8a16"] + table["full_attention"][1024]["w8a16"]
+                               + table["sliding_attention"]["w4a16"] + table["full_attention"][1024]["w4a16"], abs=1e-3)

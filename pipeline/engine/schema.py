@@ -347,6 +347,14 @@ class PackConfig:
     # is kept as listed). first: the first listed is deployed, every one compiled.
     qnn_select: str = "measured"
     qnn_select_windows: int = 2
+    # Per part (measured, where w4a16 misses its floors and w8a16 meets its
+    # own): the layers in groups (the w8a16 graph's parts under the HTP's
+    # per-graph budget, or, where it is one part, qnn_mix_groups even groups),
+    # each group tried at w4a16 with the rest at w8a16, then the groups that
+    # pass alone added least-error first while the whole still meets
+    # parity.artifact.qnn_mixed: w4a16 where it passes, w8a16 where not.
+    # <= 1: the whole graph's choice only.
+    qnn_mix_groups: int = 3
     # QDQ calibration: decode steps of the fp32 graph over calibration windows
     # (calibrate stage) joined into sequences as long as the export's context;
     # every `stride`-th step's inputs are one calibration sample.

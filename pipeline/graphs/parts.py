@@ -245,3 +245,55 @@ class PartsSession:
             stream = values.get(part["stream_out"]) if part["stream_out"] else None
         names = output_names or [o for p in self.parts for o in p["outputs"] if o != p["stream_out"]]
         return [values[x] for x in names]
+
+
+def assemble(models: dict[str, onnx.ModelProto], choice: Sequence[tuple[int, int, str]], bounds: Sequence[str],
+             name: str = "mixed") -> onnx.ModelProto:
+    """One graph whose layers [first, last) are taken from `models[key]` for each (first, last, key) of
+    `choice` (covering every layer in order): a phone graph with 4-bit weights in some parts and 8-bit in
+    the rest. The models are QDQ graphs of the same float graph (the same nodes and tensor names, the
+    weights' codes, scales and DequantizeLinear attributes apart); `bounds` their layer boundaries
+    (`boundaries`). Each range's nodes are the ones `split` would give its part, kept in graph order, a
+    node whose outputs an earlier range already computes (a lookup of graph inputs repeated per part)
+    taken once. An initializer both sources use must be the same in both (the activations' scales are:
+    one calibration), else the graph cannot be assembled (PartsError). Initializers are copied with their
+    data: load the models with it."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    n = len(bounds) - 1
+    ranges = [(a, b) for a, b, _ in choice]
+    if not ranges or ranges[0][0] != 0 or ranges[-1][1] != n or any(x[1] != y[0] for x, y in zip(ranges, ranges[1:])):
+        raise PartsError(f"ranges {ranges} do not cover layers 0..{n} in order")
+    base = models[choice[0][2]]
+    nodes, inits, produced, infos = [], {}, set(), []
+    for first, last, key in choice:
+        model = models[key]
+        table = {t.name: t for t in model.graph.initializer}
+        known = {vi.name: vi for vi in model.graph.value_info}
+        _, idx = _part(model, first, last, bounds)
+        for i in idx:
+            node = model.graph.node[i]
+            if all(o in produced for o in node.output if o):
+                continue
+            produced.update(o for o in node.output if o)
+            nodes.append(node)
+            # the quantizer's shapes and types: the QNN EP refuses a MatMul or Reshape it cannot shape
+            infos.extend(known[o] for o in node.output if o in known)
+            for x in node.input:
+                if x not in table:
+                    continue
+                if x in inits:
+                    if inits[x] is not table[x] and not np.array_equal(numpy_helper.to_array(inits[x]),
+                                                                        numpy_helper.to_array(table[x])):
+                        raise PartsError(f"{x!r} differs between the graphs assembled (layers {first}..{last - 1} "
+                                         f"from {key!r}): they were not quantized from one calibration")
+                    continue
+                inits[x] = table[x]
+    missing = sorted({o.name for o in base.graph.output} - produced)
+    if missing:
+        raise PartsError(f"the assembled graph computes none of {missing[:3]}")
+    graph = onnx.helper.make_graph(nodes, f"{base.graph.name}_{name}", list(base.graph.input),
+                                   list(base.graph.output), list(inits.values()), value_info=infos)
+    return onnx.helper.make_model(graph, opset_imports=list(base.opset_import), ir_version=base.ir_version,
+                                  producer_name="edgekiln parts")

@@ -165,12 +165,15 @@ PART_WEIGHT_SHARE = 0.9
 
 
 def compile_parts(graph: Path, float_graph: Path, out_dir: Path, target: dict, precision: str,
-                  progress=lambda _: None, options: dict | None = None) -> dict[str, Any]:
+                  progress=lambda _: None, options: dict | None = None,
+                  ranges: list | None = None) -> dict[str, Any]:
     """Compile `graph` into context binaries under out_dir: one (out_dir/model_ctx.onnx, as compile_context)
     where its weights fit PART_WEIGHT_SHARE of the target's max_graph_bytes, else one per part cut between
     layers (out_dir/part<k>/, pipeline/graphs/parts.py; the layer boundaries found on `float_graph`, the
-    graph a QDQ graph was quantized from). The facts name every part in order: its layers, inputs,
-    outputs, the stream tensors it reads and writes, its binaries (relative to out_dir) and their bytes."""
+    graph a QDQ graph was quantized from). `ranges`: the parts' layer ranges [first, last) where the pack
+    stage chose them (a mixed graph's, one precision a part), else the plan's. The facts name every part
+    in order: its layers, inputs, outputs, the stream tensors it reads and writes, its binaries (relative
+    to out_dir) and their bytes."""
     import shutil
     import tempfile
 
@@ -182,7 +185,7 @@ def compile_parts(graph: Path, float_graph: Path, out_dir: Path, target: dict, p
     model = onnx.load(str(graph), load_external_data=False)
     width = 2 if precision == "fp16" else None  # the HTP holds an fp16 graph's float32 weights as fp16
     whole = parts.weight_bytes(model, width)
-    if whole <= budget:
+    if whole <= budget and not (ranges and len(ranges) > 1):
         facts = compile_context(graph, out_dir, target, precision, options)
         progress(1)
         return {**facts, "weight_bytes": whole, "budget_bytes": budget,
@@ -192,7 +195,13 @@ def compile_parts(graph: Path, float_graph: Path, out_dir: Path, target: dict, p
     float_model = model if float_graph == graph else onnx.load(str(float_graph), load_external_data=False)
     try:
         bounds = parts.boundaries(model, float_model)
-        ranges = parts.plan(model, budget, bounds, width)
+        if ranges and len(ranges) > 1:
+            ranges = [tuple(r) for r in ranges]
+            over = [r for r in ranges if parts.part_bytes(model, r[0], r[1], bounds, width) > budget]
+            if over:
+                raise parts.PartsError(f"the pack stage's part of layers {over[0][0]}..{over[0][1] - 1} is over it")
+        else:
+            ranges = parts.plan(model, budget, bounds, width)
     except parts.PartsError as err:
         raise QnnError(f"the {precision} graph ({whole / 2**20:.0f} MiB of weights) is over the HTP's per-graph "
                        f"budget ({budget / 2**20:.0f} MiB, {PART_WEIGHT_SHARE:.0%} of device.qnn.max_graph_bytes) and "
