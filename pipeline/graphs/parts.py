@@ -274,12 +274,12 @@ def assemble(models: dict[str, onnx.ModelProto], choice: Sequence[tuple[int, int
         _, idx = _part(model, first, last, bounds)
         for i in idx:
             node = model.graph.node[i]
-            if all(o in produced for o in node.output if o):
-                continue
-            produced.update(o for o in node.output if o)
-            nodes.append(node)
-            # the quantizer's shapes and types: the QNN EP refuses a MatMul or Reshape it cannot shape
-            infos.extend(known[o] for o in node.output if o in known)
+            repeated = all(o in produced for o in node.output if o)  # computed by an earlier range: checked, not kept
+            if not repeated:
+                produced.update(o for o in node.output if o)
+                nodes.append(node)
+                # the quantizer's shapes and types: the QNN EP refuses a MatMul or Reshape it cannot shape
+                infos.extend(known[o] for o in node.output if o in known)
             for x in node.input:
                 if x not in table:
                     continue
@@ -289,7 +289,8 @@ def assemble(models: dict[str, onnx.ModelProto], choice: Sequence[tuple[int, int
                         raise PartsError(f"{x!r} differs between the graphs assembled (layers {first}..{last - 1} "
                                          f"from {key!r}): they were not quantized from one calibration")
                     continue
-                inits[x] = table[x]
+                if not repeated:
+                    inits[x] = table[x]
     missing = sorted({o.name for o in base.graph.output} - produced)
     if missing:
         raise PartsError(f"the assembled graph computes none of {missing[:3]}")
