@@ -1114,13 +1114,13 @@ def test_a_prompt_graph_the_htp_refuses_leaves_that_precision_token_by_token(pho
 
     seen = {}  # the provider options each prompt graph was compiled with
 
-    def refusing(graph, float_graph, out_dir, target, precision, progress=lambda _: None, options=None):
+    def refusing(graph, float_graph, out_dir, target, precision, progress=lambda _: None, options=None, ranges=None):
         if graph.name == "prompt.onnx":
             seen[precision] = options
         if precision == q and graph.name == "prompt.onnx":
             (out_dir / "part0").mkdir(parents=True)  # what a failed compile leaves behind
             raise qnn.QnnError(f"QNN HTP (SM8750, v79) refused the {q} graph: QNN_COMMON_ERROR_MEM_ALLOC")
-        return real(graph, float_graph, out_dir, target, precision, progress, options)
+        return real(graph, float_graph, out_dir, target, precision, progress, options, ranges)
 
     monkeypatch.setattr(qnn, "compile_parts", refusing)
     out = tmp_path / "out"
