@@ -497,7 +497,6 @@ class _Selection:
         graphs["mixed"] = entry
         self.options["mixed"] = {**record, "passed": True, "missed": [], "groups": groups,
                                  **{k: best[k] for k in best if k not in ("w4a16_layers", "passed", "missed")}}
-        self.precisions = ["mixed", *self.precisions]
         self.deployed = "mixed"
         self.ctx.log("precision selection: mixed ships, w4a16 in layers " + ", ".join(
             f"{g['layers'][0]}-{g['layers'][1] - 1}" for g in groups if g["precision"] == "w4a16")
