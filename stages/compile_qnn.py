@@ -77,7 +77,8 @@ def run(ctx: StageContext) -> dict:
             except qnn.QnnError as err:
                 raise StageError(f"compile_qnn: {err}") from None
             # a mixed graph (pack.qnn_mix_groups): which layers are 4-bit, which 8-bit
-            compiled[precision] = {"dir": precision, **facts, **({"groups": entry["groups"]} if entry.get("groups") else {})}
+            compiled[precision] = {"dir": precision, **facts,
+                                   **({"groups": entry["groups"], "head": entry.get("head")} if entry.get("groups") else {})}
             prompt_graph = npu["graphs"][precision].get("prompt_graph")
             if prompt_graph:  # the prompt graph beside the token graph, its own binaries (no weight sharing yet)
                 try:

@@ -516,13 +516,15 @@ def _qnn(ctx, comp_dir) -> dict:
         if not c.get("groups") or layers is None:
             return {}
         inside = {g["precision"] for g in c["groups"] if g["layers"][0] < layers[1] and layers[0] < g["layers"][1]}
+        if layers[1] == c["groups"][-1]["layers"][1] and c.get("head"):  # the last part holds the head
+            inside.add(c["head"])
         return {"weights": inside.pop() if len(inside) == 1 else sorted(inside)}
 
     def variant_of(c):
         parts = qnn.compiled_parts(c)
         where = [f"../compile_qnn/{c['dir']}" + ("" if q["dir"] == "." else f"/{q['dir']}") for q in parts]
         entry = {"binaries": [f"../compile_qnn/{c['dir']}/{b}" for b in c["binaries"]], "bytes": c["bytes"],
-                 **({"groups": c["groups"]} if c.get("groups") else {})}
+                 **({"groups": c["groups"], "head": c.get("head")} if c.get("groups") else {})}
         if len(parts) == 1:
             return {"model": f"{where[0]}/{parts[0]['context_model']}", **entry}
         return {"models": [f"{w}/{q['context_model']}" for w, q in zip(where, parts)], **entry,

@@ -372,9 +372,10 @@ class _Selection:
     def mix(self, graphs: dict, float_dir: Path) -> None:
         """Per part, where w4a16 missed its floors as a whole and w8a16 met its own (pack.qnn_mix_groups):
         the layers in groups, the w8a16 graph's parts under the HTP's per-graph budget (compile_qnn's
-        plan) or, where it is one part, that many even groups. Each group at w4a16 with the rest at
-        w8a16 (parts.assemble: the two QDQ graphs share one calibration, so a mixed graph is their layers
-        side by side) runs on the CPU EP over the same held-out windows; the groups that meet
+        plan) or, where it is one part, that many even groups; and the head (the final norm and the head's
+        MatMul) as a unit of its own. Each unit at w4a16 with the rest at w8a16 (parts.assemble: the two QDQ
+        graphs share one calibration, so a mixed graph is their layers side by side) runs on the CPU EP
+        over the same held-out windows; the units that meet
         parity.artifact.qnn_mixed alone are added, least added KLD first, each addition measured and kept
         while the whole still meets them. Where any group stays 4-bit, `mixed/` ships in w8a16's place
         (its prompt graph assembled the same way); every trial is recorded. Memory: both QDQ graphs with
@@ -426,15 +427,23 @@ class _Selection:
             return
         models = {p: onnx.load(str(f)) for p, f in token.items()}
         mixed_dir, trials, built = self.out / "mixed", [], [None]
+        head = len(ranges)  # a unit of its own: the final norm and the head (Gemma 3's 262k rows: most bytes)
 
         def choice(four: set) -> list[tuple[int, int, str]]:
             return [(a, b, "w4a16" if i in four else "w8a16") for i, (a, b) in enumerate(ranges)]
+
+        def head_of(four: set) -> str:
+            return "w4a16" if head in four else "w8a16"
+
+        def named(four: set) -> str:
+            said = [f"layers {', '.join(f'{ranges[i][0]}-{ranges[i][1] - 1}' for i in sorted(four) if i != head)}"]
+            return " and ".join(said[: 1 if len(four - {head}) else 0] + (["the head"] if head in four else []))
 
         def build(four: set) -> None:
             shutil.rmtree(mixed_dir, ignore_errors=True)
             mixed_dir.mkdir()
             try:
-                m = parts.assemble(models, choice(four), bounds)
+                m = parts.assemble(models, choice(four), bounds, head=head_of(four))
             except parts.PartsError as err:
                 raise StageError(f"pack: per-part precision (pack.qnn_mix_groups): {err}") from None
             onnx.save(m, str(mixed_dir / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
@@ -443,16 +452,16 @@ class _Selection:
 
         def trial(four: set) -> dict:
             build(four)
-            label = "mixed, w4a16 in layers " + ", ".join(f"{ranges[i][0]}-{ranges[i][1] - 1}" for i in sorted(four))
+            label = f"mixed, w4a16 in {named(four)}"
             figures = self._figures(label, "mixed/model.onnx")
             missed = kld.below_floors(figures, limits)
             self._say(label, figures, missed, "parity.artifact.qnn_mixed")
-            row = {"w4a16_layers": [list(ranges[i]) for i in sorted(four)], "passed": not missed, "missed": missed,
-                   **figures}
+            row = {"w4a16_layers": [list(ranges[i]) for i in sorted(four) if i != head], "w4a16_head": head in four,
+                   "passed": not missed, "missed": missed, **figures}
             trials.append(row)
             return row
 
-        alone = {i: trial({i}) for i in range(len(ranges))}
+        alone = {i: trial({i}) for i in range(len(ranges) + 1)}
         order = sorted((i for i, r in alone.items() if r["passed"]), key=lambda i: alone[i]["kld_mean"])
         four, best = set(), None
         for i in order:
@@ -473,7 +482,7 @@ class _Selection:
                     if k not in ("graph", "prompt_graph", "matmul_weights", "weight_type")},
                  "weight_type": {p: graphs[p].get("weight_type") for p in ("w4a16", "w8a16")},
                  "matmul_weights": {p: graphs[p].get("matmul_weights") for p in ("w4a16", "w8a16")},
-                 "graph": "mixed/model.onnx", "groups": groups, "groups_from": how,
+                 "graph": "mixed/model.onnx", "groups": groups, "head": head_of(four), "groups_from": how,
                  "parts": [list(r) for r in ranges] if len(htp) > 1 else None}
         prompts = [graphs[p].get("prompt_graph") for p in ("w4a16", "w8a16")]
         if all(prompts):  # the prompt graph the same way, on its own layer boundaries
@@ -481,7 +490,7 @@ class _Selection:
             pname = Path(prompts[1]).name
             try:
                 pbounds = parts.boundaries(pmodels["w8a16"], onnx.load(str(float_dir / pname), load_external_data=False))
-                pm = parts.assemble(pmodels, choice(four), pbounds)
+                pm = parts.assemble(pmodels, choice(four), pbounds, head=head_of(four))
             except parts.PartsError as err:
                 raise StageError(f"pack: per-part precision, the prompt graph: {err}") from None
             onnx.save(pm, str(mixed_dir / pname), save_as_external_data=True, all_tensors_to_one_file=True,
@@ -495,12 +504,11 @@ class _Selection:
             share_external_data(mixed_dir / "model.onnx", mixed_dir / pname)
             entry["prompt_graph"] = f"mixed/{pname}"
         graphs["mixed"] = entry
-        self.options["mixed"] = {**record, "passed": True, "missed": [], "groups": groups,
-                                 **{k: best[k] for k in best if k not in ("w4a16_layers", "passed", "missed")}}
+        self.options["mixed"] = {**record, "passed": True, "missed": [], "groups": groups, "head": head_of(four),
+                                 **{k: best[k] for k in best if k not in ("w4a16_layers", "w4a16_head", "passed",
+                                                                          "missed")}}
         self.deployed = "mixed"
-        self.ctx.log("precision selection: mixed ships, w4a16 in layers " + ", ".join(
-            f"{g['layers'][0]}-{g['layers'][1] - 1}" for g in groups if g["precision"] == "w4a16")
-            + ", w8a16 in the rest (" + how + ")")
+        self.ctx.log(f"precision selection: mixed ships, w4a16 in {named(four)}, w8a16 in the rest ({how})")
 
     def result(self) -> dict:
         """npu.json's `selection`: the rule, the data, every option's figures or why it has none, what ships,

@@ -716,8 +716,8 @@ def test_a_w4a16_phone_graph_computes_the_quantize_stages_4_bit_weights(builds, 
     n = len(bounds) - 1
     ranges = [(0, 1), (1, n)]
 
-    def assembled(keys, name):
-        m = parts.assemble(models, [(a, b, k) for (a, b), k in zip(ranges, keys)], bounds)
+    def assembled(keys, name, head=None):
+        m = parts.assemble(models, [(a, b, k) for (a, b), k in zip(ranges, keys)], bounds, head=head)
         (pdir / name).mkdir()
         onnx.save(m, str(pdir / name / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
         return decode(qnn.cpu_qdq_decoder(pdir, f"{name}/model.onnx"))
@@ -740,6 +740,19 @@ def test_a_w4a16_phone_graph_computes_the_quantize_stages_4_bit_weights(builds, 
     np.testing.assert_array_equal(mixed, decode(OnnxDecoder(pdir, session=parts.PartsSession(sessions, cut))))
     w8 = decode(qnn.cpu_qdq_decoder(w8dir, "w8a16/model.onnx"))
     assert not np.array_equal(mixed, got) and not np.array_equal(mixed, w8)
+    # the head (final norm and head) as a unit of its own: from w8a16 beside w4a16's layers; all from one graph
+    # with the head named apart, that graph
+    np.testing.assert_array_equal(assembled(("w8a16", "w8a16"), "all8", head="w8a16"), w8)
+    head8 = assembled(("w4a16", "w4a16"), "head8", head="w8a16")
+    assert not np.array_equal(head8, got) and not np.array_equal(head8, w8)
+    m = onnx.load(str(pdir / "head8/model.onnx"), load_external_data=False)
+    inits = {t.name: t.data_type for t in m.graph.initializer}
+    producer = {o: nd for nd in m.graph.node for o in nd.output}
+    logits = [o.name for o in m.graph.output if not parts._PRESENT.match(o.name)]
+    codes = {inits[producer[m.graph.node[i].input[1]].input[0]] for i in parts._part_nodes(m, logits, bounds[n])
+             if m.graph.node[i].op_type == "MatMul" and m.graph.node[i].input[1] in producer
+             and producer[m.graph.node[i].input[1]].input[0] in inits}
+    assert codes and onnx.TensorProto.INT4 not in codes, codes  # the head's weights: w8a16's 8-bit codes
     # an initializer both parts read (a position table's scale) that differs: not one calibration, refused
     from onnx import numpy_helper
 

@@ -1219,13 +1219,14 @@ def test_the_phone_precision_is_the_first_that_meets_its_floors(phone_build, tmp
 def test_per_part_precision_keeps_w4a16_in_the_parts_where_the_whole_still_meets_its_floors(phone_build, tmp_path,
                                                                                            monkeypatch):
     """pack.qnn_mix_groups: where w4a16 misses its floors as a whole and w8a16 meets its own, each part of the
-    w8a16 graph (the tiny build's 500 kB budget cuts it in two: layers 0-1, 2-3) is tried at w4a16 with the
-    rest at w8a16, and the parts that pass alone are added while the whole meets parity.artifact.qnn_mixed.
-    The figures are set per trial here (the rule is under test; what an assembled graph computes is
-    tests/test_family_paths.py's): w4a16 in layers 2-3 passes, in 0-1 misses, so `mixed` ships with
-    layers 2-3 at 4 bits: its MatMul weights int4 there and 8-bit in 0-1, its prompt graph holding the
-    same codes; compile_qnn cuts it at those parts and records them, and the S25 expectation sums each
-    layer at its own precision. Every trial is in npu.json."""
+    w8a16 graph (the tiny build's 500 kB budget cuts it in two: layers 0-1, 2-3) and the head are tried at
+    w4a16 with the rest at w8a16, and the units that pass alone are added while the whole meets
+    parity.artifact.qnn_mixed. The figures are set per trial here (the rule is under test; what an
+    assembled graph computes is tests/test_family_paths.py's): w4a16 in layers 2-3 passes, in 0-1 and in
+    the head misses, so `mixed` ships with layers 2-3 at 4 bits: its MatMul weights int4 there, 8-bit in
+    0-1 and the head, its prompt graph holding the same codes; compile_qnn cuts it at those parts and
+    records them, the deploy profile names each part's weights, and the S25 expectation sums each layer at
+    its own precision. Every trial is in npu.json."""
     import onnx
 
     from pipeline.engine.config import load_build_file
@@ -1237,7 +1238,7 @@ def test_per_part_precision_keeps_w4a16_in_the_parts_where_the_whole_still_meets
     full = load_build_file(repo / "builds" / "galaxy_s25-embedded-speed.yaml")
     inputs = {s: build / s for s in pack.INPUTS}
     kld_of = {"w4a16": 0.5, "w8a16": 0.001, "mixed, w4a16 in layers 0-1": 0.3, "mixed, w4a16 in layers 2-3": 0.1,
-              "mixed, w4a16 in layers 0-1, 2-3": 0.5}
+              "mixed, w4a16 in the head": 0.3}
     seen = []
 
     def figures(self, what, model_file):
@@ -1257,13 +1258,16 @@ def test_per_part_precision_keeps_w4a16_in_the_parts_where_the_whole_still_meets
     pack.run(ctx)
     npu = json.loads((out / "npu.json").read_text())
     sel, mixed = npu["selection"], npu["graphs"]["mixed"]
-    assert seen == ["w4a16", "w8a16", "mixed, w4a16 in layers 0-1", "mixed, w4a16 in layers 2-3"], seen
+    assert seen == ["w4a16", "w8a16", "mixed, w4a16 in layers 0-1", "mixed, w4a16 in layers 2-3",
+                    "mixed, w4a16 in the head"], seen
     assert sel["deployed"] == npu["deployed"] == "mixed" and npu["precisions"] == ["mixed", "fp16"]
     assert sel["dropped"] == ["w4a16", "w8a16"] and not (out / "w4a16").exists() and not (out / "w8a16").exists()
     groups = [{"layers": [0, 2], "precision": "w8a16"}, {"layers": [2, 4], "precision": "w4a16"}]
     assert mixed["groups"] == sel["options"]["mixed"]["groups"] == groups and mixed["parts"] == [[0, 2], [2, 4]]
+    assert mixed["head"] == sel["options"]["mixed"]["head"] == "w8a16"
     trials = sel["options"]["mixed"]["trials"]
-    assert [(t["w4a16_layers"], t["passed"]) for t in trials] == [([[0, 2]], False), ([[2, 4]], True)], trials
+    assert [(t["w4a16_layers"], t["w4a16_head"], t["passed"]) for t in trials] == [
+        ([[0, 2]], False, False), ([[2, 4]], False, True), ([], True, False)], trials
     assert sel["options"]["mixed"]["kld_mean"] == 0.1
     assert any("mixed ships, w4a16 in layers 2-3, w8a16 in the rest" in x for x in lines), lines
     # on disk: each part's MatMul weights at its own precision, the prompt graph the same codes
@@ -1272,13 +1276,16 @@ def test_per_part_precision_keeps_w4a16_in_the_parts_where_the_whole_still_meets
         bounds = parts.boundaries(m, onnx.load(str(out / "float" / float_graph), load_external_data=False))
         inits = {t.name: t.data_type for t in m.graph.initializer}
         producer = {o: nd for nd in m.graph.node for o in nd.output}
-        for (first, last), want in (((0, 2), {onnx.TensorProto.INT8, onnx.TensorProto.UINT8}),
-                                    ((2, 4), {onnx.TensorProto.INT4})):
-            _, idx = parts._part(m, first, last, bounds)
-            weights = [producer[m.graph.node[i].input[1]] for i in idx if m.graph.node[i].op_type == "MatMul"
+        eight = {onnx.TensorProto.INT8, onnx.TensorProto.UINT8}
+        head = [o.name for o in m.graph.output if not parts._PRESENT.match(o.name)]
+        kv = [o.name for o in m.graph.output if parts._PRESENT.match(o.name) and int(o.name.split("_")[-1]) >= 2]
+        for nodes, want in ((parts._part(m, 0, 2, bounds)[1], eight),
+                            (parts._part_nodes(m, kv + [bounds[4]], bounds[2]), {onnx.TensorProto.INT4}),
+                            (parts._part_nodes(m, head, bounds[4]), eight)):
+            weights = [producer[m.graph.node[i].input[1]] for i in nodes if m.graph.node[i].op_type == "MatMul"
                        and m.graph.node[i].input[1] in producer]
             codes = {inits[d.input[0]] for d in weights if d.op_type == "DequantizeLinear" and d.input[0] in inits}
-            assert codes and codes <= want, (graph, first, codes)
+            assert codes and codes <= want, (graph, codes, want)
     assert qnn.same_weights(out / "mixed/model.onnx", out / "float/model.onnx", out / "mixed/prompt.onnx",
                             out / "float/prompt.onnx") == []
     # compile_qnn: the pack's parts, one precision each, and the groups recorded
@@ -1298,7 +1305,7 @@ def test_per_part_precision_keeps_w4a16_in_the_parts_where_the_whole_still_meets
                                                           "host": json.loads((build / "probe/host.json").read_text())})))
     profile = json.loads((dp / "qnn.json").read_text())
     assert profile["deployed"] == "mixed" and profile["context_binary"]["groups"] == groups
-    assert [p["weights"] for p in profile["context_binary"]["parts"]] == ["w8a16", "w4a16"]
+    assert [p["weights"] for p in profile["context_binary"]["parts"]] == ["w8a16", ["w4a16", "w8a16"]]
     bins = json.loads((dp / "genie_config.json").read_text())["dialog"]["engine"]["model"]["binary"]["ctx-bins"]
     assert [b.split("/")[-3:-1] for b in bins] == [["mixed", "part0"], ["mixed", "part1"]], bins
     layers = [{"type": "sliding_attention"}, {"type": "full_attention"}] * 2

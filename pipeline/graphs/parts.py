@@ -248,16 +248,17 @@ class PartsSession:
 
 
 def assemble(models: dict[str, onnx.ModelProto], choice: Sequence[tuple[int, int, str]], bounds: Sequence[str],
-             name: str = "mixed") -> onnx.ModelProto:
+             head: str | None = None, name: str = "mixed") -> onnx.ModelProto:
     """One graph whose layers [first, last) are taken from `models[key]` for each (first, last, key) of
-    `choice` (covering every layer in order): a phone graph with 4-bit weights in some parts and 8-bit in
-    the rest. The models are QDQ graphs of the same float graph (the same nodes and tensor names, the
-    weights' codes, scales and DequantizeLinear attributes apart); `bounds` their layer boundaries
-    (`boundaries`). Each range's nodes are the ones `split` would give its part, kept in graph order, a
-    node whose outputs an earlier range already computes (a lookup of graph inputs repeated per part)
-    taken once. An initializer both sources use must be the same in both (the activations' scales are:
-    one calibration), else the graph cannot be assembled (PartsError). Initializers are copied with their
-    data: load the models with it."""
+    `choice` (covering every layer in order), and, with `head`, the final norm and head (every node after
+    the last layer's stream) from `models[head]`, else from the last range's: a phone graph with 4-bit
+    weights in some parts and 8-bit in the rest. The models are QDQ graphs of the same float graph (the
+    same nodes and tensor names, the weights' codes, scales and DequantizeLinear attributes apart);
+    `bounds` their layer boundaries (`boundaries`). Each range's nodes are the ones `split` would give its
+    part, kept in graph order, a node whose outputs an earlier range already computes (a lookup of graph
+    inputs repeated per part) taken once. An initializer both sources use must be the same in both (the
+    activations' scales are: one calibration), else the graph cannot be assembled (PartsError).
+    Initializers are copied with their data: load the models with it."""
     import numpy as np
     from onnx import numpy_helper
 
@@ -266,12 +267,24 @@ def assemble(models: dict[str, onnx.ModelProto], choice: Sequence[tuple[int, int
     if not ranges or ranges[0][0] != 0 or ranges[-1][1] != n or any(x[1] != y[0] for x, y in zip(ranges, ranges[1:])):
         raise PartsError(f"ranges {ranges} do not cover layers 0..{n} in order")
     base = models[choice[0][2]]
+
+    def units():  # (source, its nodes) in graph order: each range, then the head where it is apart
+        for first, last, key in choice:
+            model = models[key]
+            if head is None or last < n:
+                yield key, _part(model, first, last, bounds)[1]
+            else:  # the last range up to the stream the head reads
+                outs = [o for o in _outputs_of(model, first, last, n) if _PRESENT.match(o)] + [bounds[n]]
+                yield key, _part_nodes(model, outs, bounds[first] if first else None)
+        if head is not None:
+            model = models[head]
+            yield head, _part_nodes(model, [o.name for o in model.graph.output if not _PRESENT.match(o.name)], bounds[n])
+
     nodes, inits, produced, infos = [], {}, set(), []
-    for first, last, key in choice:
+    for key, idx in units():
         model = models[key]
         table = {t.name: t for t in model.graph.initializer}
         known = {vi.name: vi for vi in model.graph.value_info}
-        _, idx = _part(model, first, last, bounds)
         for i in idx:
             node = model.graph.node[i]
             repeated = all(o in produced for o in node.output if o)  # computed by an earlier range: checked, not kept
@@ -286,8 +299,8 @@ def assemble(models: dict[str, onnx.ModelProto], choice: Sequence[tuple[int, int
                 if x in inits:
                     if inits[x] is not table[x] and not np.array_equal(numpy_helper.to_array(inits[x]),
                                                                         numpy_helper.to_array(table[x])):
-                        raise PartsError(f"{x!r} differs between the graphs assembled (layers {first}..{last - 1} "
-                                         f"from {key!r}): they were not quantized from one calibration")
+                        raise PartsError(f"{x!r} differs between the graphs assembled ({key!r}'s and another's): "
+                                         "they were not quantized from one calibration")
                     continue
                 if not repeated:
                     inits[x] = table[x]
