@@ -376,7 +376,7 @@ class _Selection:
         MatMul) as a unit of its own. Each unit at w4a16 with the rest at w8a16 (parts.assemble: the two QDQ
         graphs share one calibration, so a mixed graph is their layers side by side) runs on the CPU EP
         over the same held-out windows; the units that meet
-        parity.artifact.qnn_mixed alone are added, least added KLD first, each addition measured and kept
+        parity.artifact.qnn_mixed alone are added, least KLD added per byte saved first, each addition measured and kept
         while the whole still meets them. Where any group stays 4-bit, `mixed/` ships in w8a16's place
         (its prompt graph assembled the same way); every trial is recorded. Memory: both QDQ graphs with
         their weights, the assembled one and one CPU session (~2.5x the w8a16 graph)."""
@@ -439,7 +439,8 @@ class _Selection:
             said = [f"layers {', '.join(f'{ranges[i][0]}-{ranges[i][1] - 1}' for i in sorted(four) if i != head)}"]
             return " and ".join(said[: 1 if len(four - {head}) else 0] + (["the head"] if head in four else []))
 
-        def build(four: set) -> None:
+        def build(four: set) -> int:
+            """The mixed graph written to mixed/; its weights' bytes."""
             shutil.rmtree(mixed_dir, ignore_errors=True)
             mixed_dir.mkdir()
             try:
@@ -449,26 +450,34 @@ class _Selection:
             onnx.save(m, str(mixed_dir / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
                       location="model.onnx.data", size_threshold=1024)
             built[0] = set(four)
+            return parts.weight_bytes(m)
 
         def trial(four: set) -> dict:
-            build(four)
+            size = build(four)
             label = f"mixed, w4a16 in {named(four)}"
             figures = self._figures(label, "mixed/model.onnx")
             missed = kld.below_floors(figures, limits)
             self._say(label, figures, missed, "parity.artifact.qnn_mixed")
             row = {"w4a16_layers": [list(ranges[i]) for i in sorted(four) if i != head], "w4a16_head": head in four,
-                   "passed": not missed, "missed": missed, **figures}
+                   "weight_bytes": size, "passed": not missed, "missed": missed, **figures}
             trials.append(row)
             return row
 
         alone = {i: trial({i}) for i in range(len(ranges) + 1)}
-        order = sorted((i for i, r in alone.items() if r["passed"]), key=lambda i: alone[i]["kld_mean"])
+        # by the error a byte saved costs, as the quantize stage spends its 8-bit budget (a 262k-row head
+        # saves more bytes than a group of layers at a like error)
+        base_bytes, base_kld = parts.weight_bytes(models["w8a16"]), float(self.options["w8a16"]["kld_mean"])
+
+        def cost(i: int) -> float:
+            return max(alone[i]["kld_mean"] - base_kld, 0.0) / max(base_bytes - alone[i]["weight_bytes"], 1)
+
+        order = sorted((i for i, r in alone.items() if r["passed"]), key=cost)
         four, best = set(), None
         for i in order:
             row = alone[i] if not four else trial(four | {i})
             if row["passed"]:
                 four, best = four | {i}, row
-        record = {"measured": True, "groups_from": how, "trials": trials}
+        record = {"measured": True, "groups_from": how, "w8a16_weight_bytes": base_bytes, "trials": trials}
         if not four:
             shutil.rmtree(mixed_dir, ignore_errors=True)
             self.options["mixed"] = {**record, "passed": False, "why": "no group meets parity.artifact.qnn_mixed "

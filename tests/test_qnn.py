@@ -1265,6 +1265,8 @@ def test_per_part_precision_keeps_w4a16_in_the_parts_where_the_whole_still_meets
     groups = [{"layers": [0, 2], "precision": "w8a16"}, {"layers": [2, 4], "precision": "w4a16"}]
     assert mixed["groups"] == sel["options"]["mixed"]["groups"] == groups and mixed["parts"] == [[0, 2], [2, 4]]
     assert mixed["head"] == sel["options"]["mixed"]["head"] == "w8a16"
+    w8_bytes = sel["options"]["mixed"]["w8a16_weight_bytes"]  # each trial's weights: fewer bytes than all-w8a16's
+    assert all(0 < t["weight_bytes"] < w8_bytes for t in sel["options"]["mixed"]["trials"]), w8_bytes
     trials = sel["options"]["mixed"]["trials"]
     assert [(t["w4a16_layers"], t["w4a16_head"], t["passed"]) for t in trials] == [
         ([[0, 2]], False, False), ([[2, 4]], False, True), ([], True, False)], trials

@@ -349,9 +349,9 @@ class PackConfig:
     qnn_select_windows: int = 2
     # Per part (measured, where w4a16 misses its floors and w8a16 meets its
     # own): the layers in groups (the w8a16 graph's parts under the HTP's
-    # per-graph budget, or, where it is one part, qnn_mix_groups even groups),
-    # each group tried at w4a16 with the rest at w8a16, then the groups that
-    # pass alone added least-error first while the whole still meets
+    # per-graph budget, or, where it is one part, qnn_mix_groups even groups)
+    # and the head, each unit tried at w4a16 with the rest at w8a16, then those
+    # that pass alone added least KLD per byte saved first while the whole meets
     # parity.artifact.qnn_mixed: w4a16 where it passes, w8a16 where not.
     # <= 1: the whole graph's choice only.
     qnn_mix_groups: int = 3

@@ -51,6 +51,10 @@ def _tensor_bytes(t: onnx.TensorProto, float_itemsize: int | None = None) -> int
         info = {e.key: e.value for e in t.external_data}
         if "length" in info:
             return int(info["length"])
+    if t.raw_data:
+        return len(t.raw_data)
+    if t.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):  # two to a byte (numpy holds one)
+        return (n + 1) // 2
     return n * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
 
 
