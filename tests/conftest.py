@@ -344,3 +344,13 @@ def fleet_db_url(request, tmp_path):
     url, drop = _pg_database(base)
     yield url
     drop()
+
+
+def matmul_weight_codes(model, nodes) -> set[int]:
+    """The ONNX data types of the codes behind the MatMul weights among `nodes` (indices into `model`'s
+    node list) of a QDQ graph: each weight a DequantizeLinear of an initializer (INT4, INT8, UINT8, ...)."""
+    inits = {t.name: t.data_type for t in model.graph.initializer}
+    producer = {o: nd for nd in model.graph.node for o in nd.output}
+    dqs = [producer[model.graph.node[i].input[1]] for i in nodes
+           if model.graph.node[i].op_type == "MatMul" and model.graph.node[i].input[1] in producer]
+    return {inits[d.input[0]] for d in dqs if d.op_type == "DequantizeLinear" and d.input[0] in inits}

@@ -43,7 +43,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from pipeline.engine import devices  # noqa: E402
 from pipeline.engine.context import StageContext, StageError  # noqa: E402
 from pipeline.graphs.decode_graph import snr_db  # noqa: E402
-from tests.conftest import variants  # noqa: E402
+from tests.conftest import matmul_weight_codes, variants  # noqa: E402
 from pipeline.quant import weight_path  # noqa: E402
 from pipeline.runtimes.reference import TorchReference  # noqa: E402
 from pipeline.sources import families  # noqa: E402
@@ -705,12 +705,11 @@ def test_a_w4a16_phone_graph_computes_the_quantize_stages_4_bit_weights(builds, 
     # Per part (pack.qnn_mix_groups): this w4a16 graph's layers beside the w8a16 graph's of the same float
     # graph and calibration (builds.pack's), assembled into one graph (parts.assemble), compute what the two
     # graphs' parts compute run in order; taken all from one graph, that graph's logits.
-    import onnx
+    import shutil
+
     import onnxruntime as ort
 
     from pipeline.graphs import parts
-
-    import shutil
 
     _, shared, _ = builds.pack(family, "galaxy_s25")
     # a copy: other tests hard-link the shared pack's data files, and onnx refuses to load data from a file
@@ -753,12 +752,8 @@ def test_a_w4a16_phone_graph_computes_the_quantize_stages_4_bit_weights(builds, 
     head8 = assembled(("w4a16", "w4a16"), "head8", head="w8a16")
     assert not np.array_equal(head8, got) and not np.array_equal(head8, w8)
     m = onnx.load(str(pdir / "head8/model.onnx"), load_external_data=False)
-    inits = {t.name: t.data_type for t in m.graph.initializer}
-    producer = {o: nd for nd in m.graph.node for o in nd.output}
     logits = [o.name for o in m.graph.output if not parts._PRESENT.match(o.name)]
-    codes = {inits[producer[m.graph.node[i].input[1]].input[0]] for i in parts._part_nodes(m, logits, bounds[n])
-             if m.graph.node[i].op_type == "MatMul" and m.graph.node[i].input[1] in producer
-             and producer[m.graph.node[i].input[1]].input[0] in inits}
+    codes = matmul_weight_codes(m, parts._part_nodes(m, logits, bounds[n]))
     assert codes and onnx.TensorProto.INT4 not in codes, codes  # the head's weights: w8a16's 8-bit codes
     # an initializer both parts read (a position table's scale) that differs: not one calibration, refused
     from onnx import numpy_helper

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from pipeline.graphs import qnn
 from pipeline.engine.context import StageContext, StageError
-from tests.conftest import PHONE_ARGS, ran_stages, run_cli
+from tests.conftest import PHONE_ARGS, matmul_weight_codes, ran_stages, run_cli
 
 needs_qnn = pytest.mark.skipif(qnn.missing() is not None, reason=f"QNN toolchain absent: {qnn.missing()}")
 S25 = {"soc_model": "SM8750", "htp_arch": "v79", "soc_id": 69}
@@ -1276,17 +1276,13 @@ def test_per_part_precision_keeps_w4a16_in_the_parts_where_the_whole_still_meets
     for graph, float_graph in (("model.onnx", "model.onnx"), ("prompt.onnx", "prompt.onnx")):
         m = onnx.load(str(out / "mixed" / graph), load_external_data=False)
         bounds = parts.boundaries(m, onnx.load(str(out / "float" / float_graph), load_external_data=False))
-        inits = {t.name: t.data_type for t in m.graph.initializer}
-        producer = {o: nd for nd in m.graph.node for o in nd.output}
         eight = {onnx.TensorProto.INT8, onnx.TensorProto.UINT8}
         head = [o.name for o in m.graph.output if not parts._PRESENT.match(o.name)]
         kv = [o.name for o in m.graph.output if parts._PRESENT.match(o.name) and int(o.name.split("_")[-1]) >= 2]
         for nodes, want in ((parts._part(m, 0, 2, bounds)[1], eight),
                             (parts._part_nodes(m, kv + [bounds[4]], bounds[2]), {onnx.TensorProto.INT4}),
                             (parts._part_nodes(m, head, bounds[4]), eight)):
-            weights = [producer[m.graph.node[i].input[1]] for i in nodes if m.graph.node[i].op_type == "MatMul"
-                       and m.graph.node[i].input[1] in producer]
-            codes = {inits[d.input[0]] for d in weights if d.op_type == "DequantizeLinear" and d.input[0] in inits}
+            codes = matmul_weight_codes(m, nodes)
             assert codes and codes <= want, (graph, codes, want)
     assert qnn.same_weights(out / "mixed/model.onnx", out / "float/model.onnx", out / "mixed/prompt.onnx",
                             out / "float/prompt.onnx") == []
