@@ -436,8 +436,8 @@ class _Selection:
             return "w4a16" if head in four else "w8a16"
 
         def named(four: set) -> str:
-            said = [f"layers {', '.join(f'{ranges[i][0]}-{ranges[i][1] - 1}' for i in sorted(four) if i != head)}"]
-            return " and ".join(said[: 1 if len(four - {head}) else 0] + (["the head"] if head in four else []))
+            layers = [f"{ranges[i][0]}-{ranges[i][1] - 1}" for i in sorted(four - {head})]
+            return " and ".join((["layers " + ", ".join(layers)] if layers else []) + (["the head"] if head in four else []))
 
         def build(four: set) -> int:
             """The mixed graph written to mixed/; its weights' bytes."""
