@@ -35,7 +35,8 @@ Per weight path (pack's weight_path.json):
   fallback disabled), every input and output with shape and dtype, the KV
   layout per layer type with the ring-slot rule, the runtime it is for and
   the QNN SDK version the binaries need. Beside it, Qualcomm Genie's bundle:
-  `genie_config.json`, `htp_backend_ext_config.json` and `tokenizer.json`
+  `genie_config.json`, `htp_backend_ext_config.json`, `tokenizer.json` and,
+  where the binaries take embeddings, the embedding LUT `embedding_lut.bin`
   (pipeline/runtimes/genie.py), with a `genie` entry (in qnn.json and
   profile.json) that is `verified: false` and lists what Genie needs that our
   binary lacks (graph names, a prompt graph, its I/O and KV conventions).
@@ -611,14 +612,22 @@ def _genie(ctx, comp_dir, info: dict, io: dict) -> dict:
     from pipeline.runtimes import genie
 
     c = info["compiled"][info["deployed"]]
+    e = info.get("embedding", {"in_graph": True})
+    embed_model = None if e.get("in_graph") or "embedding" not in io else comp_dir / e["dir"] / e["model"]
+    if embed_model is not None:
+        ctx.log(f"Genie bundle: writing its embedding LUT ({genie.LUT}, float32) from {e['dir']}/{e['model']}")
     try:
         entry = genie.write_bundle(
             ctx.out, model_dir=ctx.inputs["untie_head"], io=io, target=info["target"],
             ctx_bins=[f"../compile_qnn/{c['dir']}/{b}" for b in c["binaries"]],
             graphs=[g for q in qnn.compiled_parts(c)
-                    for g in genie.context_graphs(comp_dir / c["dir"] / q["dir"] / q["context_model"])])
+                    for g in genie.context_graphs(comp_dir / c["dir"] / q["dir"] / q["context_model"])],
+            embed_model=embed_model)
     except genie.GenieError as err:
         raise StageError(f"deploy_profile: Genie bundle: {err}") from None
+    if "embedding_lut" in entry:
+        lut = entry["embedding_lut"]
+        ctx.log(f"Genie embedding LUT: {lut['rows']:,} x {lut['size']} float32, {lut['bytes'] / 1e6:,.1f} MB")
     ctx.log(f"Genie bundle: {', '.join(entry['files'])} for {info['target']['soc_model']}; UNVERIFIED (no Genie "
             f"or phone here), {len(entry['missing'])} things Genie needs that our binary lacks, listed in "
             "qnn.json genie.missing (graph names, a prompt graph, its I/O and KV conventions)")

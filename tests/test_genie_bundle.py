@@ -42,6 +42,12 @@ DOCUMENTED = {"dialog.sampler.greedy": bool}
 ROPE_SCALING = {f"dialog.engine.model.positional-encoding.rope-scaling.{k}": t for k, t in {
     "rope-type": str, "factor": NUMBER, "low-freq-factor": NUMBER, "high-freq-factor": NUMBER,
     "original-max-position-embeddings": int}.items()}
+# dialog.embedding as the Genie SDK's own validator takes it (the QAIRT SDK's Genie sources,
+# examples/Genie/Genie/src/Dialog.cpp validateEmbeddingConfig, read in the public copy kyungraekim/qnn): version
+# and size mandatory, type "lut" or "callback", a lut-path with type lut and only then, a datatype from its list.
+EMBEDDING = {"dialog.embedding.version": int, "dialog.embedding.size": int, "dialog.embedding.type": str,
+             "dialog.embedding.lut-path": str, "dialog.embedding.datatype": str}
+SDK_LUT_DATATYPES = {"float32", "native", "ufixed4", "ufixed8", "ufixed16", "sfixed8", "sfixed16"}
 HTP_SCHEMA = {
     "devices[].soc_model": int, "devices[].dsp_arch": str, "devices[].cores[].core_id": int,
     "devices[].cores[].perf_profile": str, "devices[].cores[].rpc_control_latency": int,
@@ -104,11 +110,28 @@ def check_schema(doc: dict, schema: dict) -> dict:
     return got
 
 
-def _bundle(tmp_path, config=LLAMA, io=IO, qnn_info=PHONE_QNN, device="galaxy_s25", spill_fill=0):
+def _bundle(tmp_path, config=LLAMA, io=IO, qnn_info=PHONE_QNN, device="galaxy_s25", spill_fill=0, extra=None):
     out, result = run(tmp_path, "qnn_graph", device={"name": device, "threads": 4},
-                      compiled=phone_compiled(io, qnn_info, spill_fill),
+                      compiled={**phone_compiled(io, qnn_info, spill_fill), **(extra or {})},
                       untie_files={"config.json": json.dumps(config), **tokenizer_files()})
     return out, result
+
+
+def check_lut(lut_file, cfg: dict, embed_model, ids) -> None:
+    """The LUT holds, for each id, exactly the row the phone runtime's lookup (the compiled embedding model,
+    one id a call, as pipeline/runtimes/onnx.py runs it) feeds the binaries, in the layout Genie's LUT encoder
+    reads: row-major float32, a row of `size` elements at id x size."""
+    import numpy as np
+    import onnxruntime as ort
+
+    e = cfg["dialog"]["embedding"]
+    assert e["type"] == "lut" and e["datatype"] in SDK_LUT_DATATYPES and e["datatype"] == "float32"
+    assert lut_file.name == e["lut-path"]
+    rows = np.fromfile(lut_file, "<f4").reshape(-1, e["size"])
+    sess = ort.InferenceSession(str(embed_model), providers=["CPUExecutionProvider"])
+    for i in ids:
+        ours = sess.run(None, {"input_ids": np.array([[i]], np.int64)})[0].reshape(-1)
+        assert np.array_equal(rows[i], ours), i
 
 
 def test_the_bundle_carries_every_key_of_qualcomms_configs_with_the_models_values(tmp_path):
@@ -148,12 +171,53 @@ def test_the_profile_says_the_bundle_is_unverified_and_what_genie_lacks(tmp_path
         # read from the compiled model_ctx.onnx
         assert entry["graphs"] == [{"name": "QNNExecutionProvider_QNN_0_0", "spill_fill_bytes": 0}]
         missing = "\n".join(entry["missing"])
-        assert "token_ar1_cl256_1_of_1" in missing and "QNNExecutionProvider_QNN_0_0" in missing  # graph names
-        assert "the prompt processor is a binary of its own" in missing and "(ar128)" in missing
-        assert "past_key_{l}_in" in missing and "position_ids_cos" in missing
-        assert "ring of 15 slots" in missing  # the sliding layer's KV
-        assert "embed/model.onnx" in missing  # the token embedding off the binary
-        assert "float32" in missing  # I/O types
+        # our io.json against the rules of Genie's sources, one line a rule missed
+        assert "inputs_embeds float32" in missing and "ufixed16" in missing  # the embeddings' type
+        assert "attention_mask" in missing and "position_ids_cos" in missing  # fed by Genie, ours inside
+        assert "ours past_key_0 ... new_key_0" in missing  # KV names
+        assert "[1, 1, 15, 32], head_dim last" in missing  # keys not transposed
+        assert "ring of 15 slots" in missing and "cache-groups" in missing  # the sliding layer's KV
+        assert "embed/model.onnx" in missing  # the compiled embedding model absent here: no LUT
+        assert "part order" not in missing  # one graph: nothing to order
+
+
+def test_the_embedding_lut_holds_the_rows_our_runtime_feeds_the_binaries(tmp_path, monkeypatch):
+    """Where the binaries take inputs_embeds (the table off the HTP, pack.qnn_embedding), the bundle carries
+    Genie's embedding LUT, written from the compiled embedding model, and genie_config.json names it."""
+    import hashlib
+
+    import numpy as np
+
+    monkeypatch.setattr(genie, "LUT_CHUNK", 4)  # two lookups over the 6 ids: the chunk seam is crossed
+    table = np.random.default_rng(0).standard_normal((6, 64)).astype(np.float32)
+    emb = qnn.write_embedding(table, tmp_path / "e", 8, [1, 1])
+    info = {**PHONE_QNN, "embedding": {"dir": "embed", **{k: emb[k] for k in ("model", "bits", "bytes", "input",
+                                                                               "output")}, "block_size": 32}}
+    out, result = _bundle(tmp_path, qnn_info=info,
+                          extra={f"embed/{f}": (tmp_path / "e" / f).read_bytes() for f in emb["files"]})
+    assert result["files"] == ["qnn.json", "genie_config.json", "htp_backend_ext_config.json", "tokenizer.json",
+                               "embedding_lut.bin"]
+    cfg = json.loads((out / "genie_config.json").read_text())
+    check_schema(cfg, {**GENIE_SCHEMA, **DOCUMENTED, **ROPE_SCALING, **EMBEDDING})
+    assert cfg["dialog"]["embedding"]["size"] == 64  # the hidden width (Genie's n-embd), not the vocabulary
+    lut = out / "embedding_lut.bin"
+    assert lut.stat().st_size == 6 * 64 * 4
+    check_lut(lut, cfg, tmp_path / "compile_qnn" / "embed" / "model.onnx", range(6))
+    # the int8 blocks' rows, not the float table's: the LUT carries what the binaries were verified with
+    assert not np.array_equal(np.fromfile(lut, "<f4").reshape(6, 64), table)
+    entry = json.loads((out / "qnn.json").read_text())["genie"]
+    assert entry["embedding_lut"]["sha256"] == hashlib.sha256(lut.read_bytes()).hexdigest()
+    assert entry["embedding_lut"]["rows"] == 6 and not any("token embedding" in m for m in entry["missing"])
+
+
+def test_parts_whose_names_sort_out_of_order_or_repeat_are_said(tmp_path):
+    """Genie orders the parts of one graph by their names sorted as strings and keys buffers by name
+    (its nsp-model.cpp): onnxruntime-qnn names each part's graph from a hash, so the order can come out wrong."""
+    said = lambda names: [m for m in genie.missing(IO, names, tokenizer=True, lut=True, extra=[])
+                          if m.startswith(("part order", "graph names repeat"))]
+    assert said(["QNN_1_0", "QNN_2_0"]) == []
+    assert said(["QNN_9_0", "QNN_10_0"])[0].startswith("part order")  # '10' sorts before '9'
+    assert said(["QNN_1_0", "QNN_1_0"])[0].startswith("graph names repeat")
 
 
 def test_the_spill_fill_buffer_is_the_one_the_binary_was_compiled_with(tmp_path):
@@ -188,11 +252,21 @@ def test_a_model_with_a_rotary_base_per_layer_type_says_which_one_genie_gets(tmp
     enc, gaps = genie.positional_encoding(gemma, 32)
     assert enc == {"type": "rope", "rope-dim": 16, "rope-theta": 1000000} and "rope-scaling" not in enc
     assert len(gaps) == 1 and "one rope-theta" in gaps[0]
-    # a partial rotary (Phi-4-mini rotates 3/4 of each head) and a scaling Genie's configs do not show
-    phi = {"head_dim": 128, "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
-           "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}}
+    # Phi-4-mini's: a partial rotary (3/4 of each head) with longrope, as Genie's sources read it (the
+    # factor from the context extension: Genie's validator takes no max-position-embeddings)
+    phi = {"head_dim": 128, "rope_theta": 10000.0, "partial_rotary_factor": 0.75, "max_position_embeddings": 131072,
+           "original_max_position_embeddings": 4096,
+           "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}}
     enc, gaps = genie.positional_encoding(phi, 128)
-    assert enc["rope-dim"] == 48 and "rope-scaling" not in enc and "'longrope'" in gaps[0]
+    assert enc["rope-dim"] == 48 and gaps == []
+    assert enc["rope-scaling"] == {"rope-type": "longrope", "factor": 32.0, "short-factor": [1.0] * 48,
+                                   "long-factor": [2.0] * 48, "original-max-position-embeddings": 4096}
+    # factors that do not fit rope-dim, a scaling Genie does not take, a base with a fraction: each said
+    phi["rope_scaling"]["short_factor"] = [1.0]
+    assert "48" in genie.positional_encoding(phi, 128)[1][0]
+    enc, gaps = genie.positional_encoding({"head_dim": 64, "rope_theta": 10000.5,
+                                           "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, 64)
+    assert "rope-scaling" not in enc and "'yarn'" in gaps[0] and "int32" in gaps[1]
 
 
 def test_a_tokenizer_without_bos_writes_minus_one_and_no_eos_is_refused(tmp_path):
@@ -216,7 +290,7 @@ def test_the_phone_builds_bundle_lists_its_binaries_in_order_and_ships_its_token
     for name in genie.FILES:
         assert (prof / name).is_file(), name
     cfg = json.loads((prof / "genie_config.json").read_text())
-    check_schema(cfg, {**GENIE_SCHEMA, **DOCUMENTED})  # the embedded model's rope has no scaling
+    check_schema(cfg, {**GENIE_SCHEMA, **DOCUMENTED, **EMBEDDING})  # the embedded model's rope has no scaling
     check_schema(json.loads((prof / "htp_backend_ext_config.json").read_text()), HTP_SCHEMA)
     info = json.loads((build / "compile_qnn" / "qnn.json").read_text())
     deployed = info["compiled"][info["deployed"]]
@@ -235,11 +309,18 @@ def test_the_phone_builds_bundle_lists_its_binaries_in_order_and_ships_its_token
     for text in ("def read_file(path):\n    return open(path).read()", "x = [1, 2, 3]  # ünïcode"):
         assert bundled.encode(text).ids == list(ours(text)["input_ids"]), text
 
+    # the embedding LUT: the embedded model's 512 x 64 table as the phone runtime's lookup returns it
+    e = info["embedding"]
+    check_lut(prof / "embedding_lut.bin", cfg, build / "compile_qnn" / e["dir"] / e["model"], [0, 1, 255, 511])
+    assert (prof / "embedding_lut.bin").stat().st_size == 512 * cfg["dialog"]["embedding"]["size"] * 4
+
     entry = json.loads((prof / "qnn.json").read_text())["genie"]
     assert entry["verified"] is False and len(entry["missing"]) >= 5
-    # one graph a part (PHONE_ARGS cuts the tiny model into parts), named by onnxruntime-qnn (not Genie's
-    # token_ar1_cl64_1_of_1), no spill-fill buffer compiled
-    assert [g["name"].startswith("QNNExecutionProvider") for g in entry["graphs"]] == [True] * len(deployed["parts"])
-    assert entry["graphs"][0]["name"] in entry["missing"][0] and "token_ar1_cl64_1_of_1" in entry["missing"][0]
+    # one graph a part, named by onnxruntime-qnn; Genie orders the
+    # parts by name, so the profile says so exactly where their names sort out of the parts' order
+    names = [g["name"] for g in entry["graphs"]]
+    assert [n.startswith("QNNExecutionProvider") for n in names] == [True] * len(deployed["parts"])
+    assert len(set(names)) == len(names)
+    assert any(m.startswith("part order") for m in entry["missing"]) == (names != sorted(names))
     assert cfg["dialog"]["engine"]["backend"]["QnnHtp"]["spill-fill-bufsize"] == 0
     assert "Genie bundle" in first.stderr + first.stdout and "UNVERIFIED" in first.stderr + first.stdout

@@ -1,20 +1,24 @@
 """Qualcomm Genie: the bundle a phone's Genie runtime (libGenie, `genie-t2t-run` in the
 QAIRT SDK) starts from, written beside the phone build's qnn.json.
 
-Genie reads three files:
+Genie reads these files:
 - `genie_config.json`: a "dialog": the context (size, vocabulary, BOS / EOS ids), the
   sampler, the tokenizer's path, and an engine on the QnnHtp backend (mmap, the
   spill-fill buffer, kv-dim, CPU mask and polling; the context binaries in order; the
   model's positional encoding);
 - `htp_backend_ext_config.json`: the HTP's soc model and DSP arch, its core profile,
   shared-buffer memory and weight sharing;
-- `tokenizer.json`: the model's Hugging Face tokenizer.
+- `tokenizer.json`: the model's Hugging Face tokenizer;
+- `embedding_lut.bin`, where the binaries take `inputs_embeds` (the table off the HTP): the
+  token-embedding table Genie looks rows up in (`dialog.embedding`, type `lut`).
 
 The schema is the one Qualcomm publishes, read (not copied) from quic/ai-hub-apps
 v0.20.0 `tutorials/llm_on_genie` (`configs/genie/*.json`,
 `configs/htp/htp_backend_ext_config.json.template`, `manual_bundle.md`'s soc table)
 and quic/ai-hub-models v0.46.1 (`utils/llm_helpers.py`: how its export fills them;
-`models/_shared/llm/`: how it splits an LLM and names the graphs). The files are
+`models/_shared/llm/`: how it splits an LLM and names the graphs); the embedding block and
+what the LUT must hold from the Genie sources the QAIRT SDK ships in its examples
+(`examples/Genie/Genie/src/Dialog.cpp` and `qualla/`, read in a public copy, kyungraekim/qnn). The files are
 written here from the build's own facts; tests/test_genie_bundle.py checks their keys
 and types against that schema.
 
@@ -26,13 +30,17 @@ stands between this bundle and Genie loading it. Nothing here runs Genie or a ph
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 CONFIG = "genie_config.json"
 HTP_CONFIG = "htp_backend_ext_config.json"
 TOKENIZER = "tokenizer.json"
-FILES = (CONFIG, HTP_CONFIG, TOKENIZER)
+LUT = "embedding_lut.bin"
+FILES = (CONFIG, HTP_CONFIG, TOKENIZER, LUT)
+# Ids looked up a call when the LUT is written: 8192 rows of 2048 floats are 64 MB.
+LUT_CHUNK = 8192
 
 # Qualcomm's published soc_model / dsp_arch per chip (ai-hub-apps tutorials/llm_on_genie/manual_bundle.md,
 # "HTP Backend Config": Snapdragon 8 Gen 2 43 v73, 8 Gen 3 57 v75, 8 Elite 69 v79). A device config that
@@ -49,13 +57,16 @@ N_THREADS, CPU_MASK, POLL, USE_MMAP = 3, "0xe0", True, True
 # used only when greedy is set false.
 SAMPLER = {"version": 1, "seed": 42, "temp": 0.8, "top-k": 40, "top-p": 0.95, "greedy": True}
 
-# What Genie's HTP engine feeds and reads, as Qualcomm's exports build their graphs (ai-hub-models
-# _shared/llm/model.py `_get_input_spec`, `_get_output_names`, `construct_qnn_context_graph_name`).
-GENIE_GRAPH = "token_ar1_cl{context}_1_of_1"
-GENIE_IO = ("input_ids int32 [1, ar] (or input_embeds [1, ar, hidden]), attention_mask float [1, 1, ar, cl], "
-            "position_ids_cos / position_ids_sin [1, 1, ar, rope-dim], past_key_{l}_in [n_kv, 1, head_dim, cl-ar] "
-            "(keys transposed), past_value_{l}_in [n_kv, 1, cl-ar, head_dim]; outputs logits, past_key_{l}_out, "
-            "past_value_{l}_out")
+# What Genie's HTP engine asks of a binary's graphs, read in the Genie sources the QAIRT SDK ships
+# (examples/Genie/Genie/src/qualla/engines/qnn-htp/nsp-graph.cpp, nsp-model.cpp, qnn-api/qnn-utils.hpp; the
+# public copy kyungraekim/qnn at da1ce87). It sorts graphs by their tensors, not their names: a graph's
+# tokens a call (AR) from input_ids' size or attention_mask's rows, its context (CL) from attention_mask's
+# last dimension or its KV lengths; names are a fallback only, and they order the parts of one (AR, CL)
+# (sorted as strings) and key shared buffers (so they must be unique across the ctx-bins). Tensor names are
+# looked up exactly. `missing()` checks our io.json against these, so the list shrinks as the graph meets them.
+GENIE_FIRST_INPUT = {"input_ids": ("int32",), "inputs_embeds": ("uint8", "uint16")}
+GENIE_KV_IN = re.compile(r"^past_.*(key|value).*_in$")
+GENIE_KV_OUT = re.compile(r"^past_.*(key|value).*_out$")
 
 
 class GenieError(ValueError):
@@ -158,9 +169,23 @@ def positional_encoding(config: dict, head_dim: int) -> tuple[dict, list[str]]:
                                "low-freq-factor": float(chosen["low_freq_factor"]),
                                "high-freq-factor": float(chosen["high_freq_factor"]),
                                "original-max-position-embeddings": int(chosen["original_max_position_embeddings"])}
+    elif kind == "longrope":  # Phi-3.5 / Phi-4-mini: Genie's sources take it (nsp-params.cpp, nsp-model.cpp)
+        orig = int(chosen.get("original_max_position_embeddings") or text["original_max_position_embeddings"])
+        # Genie's validator takes `factor` (not max-position-embeddings): HF's longrope factor when the config
+        # gives none is the context extension itself
+        scale = float(chosen.get("factor") or text["max_position_embeddings"] / orig)
+        short, long = ([float(x) for x in chosen[k]] for k in ("short_factor", "long_factor"))
+        enc["rope-scaling"] = {"rope-type": "longrope", "factor": scale, "short-factor": short, "long-factor": long,
+                               "original-max-position-embeddings": orig}
+        if not len(short) == len(long) == enc["rope-dim"]:
+            gaps.append(f"longrope: Genie's engine wants short-factor and long-factor of rope-dim "
+                        f"({enc['rope-dim']}) entries each; the model has {len(short)} and {len(long)}")
     elif kind != "default":
-        gaps.append(f"rope type {kind!r}: Qualcomm's published Genie configs show rope-scaling for llama3 "
-                    "only; none is written")
+        gaps.append(f"rope type {kind!r}: Genie's sources take rope-scaling for llama3 and longrope only; "
+                    "none is written")
+    if not float(chosen["rope_theta"]).is_integer():
+        gaps.append(f"rope-theta {chosen['rope_theta']}: Genie's engine reads it as an int32 (nsp-params.cpp), "
+                    "dropping the fraction")
     thetas = {k: _number(v["rope_theta"]) for k, v in sets.items()}
     if len(set(thetas.values())) > 1:
         gaps.append(f"one rotary base per layer type ({thetas}): Genie's positional-encoding holds one "
@@ -168,10 +193,56 @@ def positional_encoding(config: dict, head_dim: int) -> tuple[dict, list[str]]:
     return enc, gaps
 
 
+def write_lut(embed_model: Path, out_file: Path) -> dict:
+    """Genie's token-embedding table from the build's embedding model (compile_qnn's embed/model.onnx): each
+    row exactly as our phone runtime feeds it to the binaries, because it is that model's own output (ONNX
+    Runtime's GatherBlockQuantized over the build's int codes; the model's [1, 1] ids opened to [1, n] to
+    look up LUT_CHUNK ids a call: a row depends on its id alone). Row-major [vocab, hidden], little-endian.
+
+    float32, and why not 16 or 8 bits: Genie's engine quantizes a float32 LUT's rows into the binary's
+    embedding input with that input's own scale and offset (nsp-model.cpp quantizeInput), and requantizes a
+    fixed-point LUT from the LUT's encoding to the input's (qualla/dialog.cpp, fixed-point pairs only): a
+    float32 table is rounded once, into whatever encoding the binary's input has, and needs no encoding of
+    its own. The cost is 4 bytes an element: Gemma 3 270M's 262,144 x 640 table is 671 MB here against
+    178 MB as int8 blocks in embed/model.onnx. (That input must be ufixed8 / ufixed16 for Genie: ours is
+    float32 today, listed in `missing`.)"""
+    import hashlib
+
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    m = onnx.load(str(embed_model))  # with its data: the table as int codes (the 1.75B geometry's: 0.3 GB)
+    ids, rows = m.graph.input[0], m.graph.output[0]
+    ids.type.tensor_type.shape.dim[-1].dim_param = "n"
+    rows.type.tensor_type.shape.dim[-2].dim_param = "n"
+    table = next(n.input[0] for n in m.graph.node if n.op_type in ("GatherBlockQuantized", "Gather"))
+    vocab = int(next(t.dims[0] for t in m.graph.initializer if t.name == table))
+    hidden = int(rows.type.tensor_type.shape.dim[-1].dim_value)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    del m
+    digest, part = hashlib.sha256(), out_file.with_name(out_file.name + ".part")
+    with open(part, "wb") as f:
+        for start in range(0, vocab, LUT_CHUNK):
+            chunk = np.arange(start, min(vocab, start + LUT_CHUNK), dtype=np.int64)[None, :]
+            data = np.ascontiguousarray(sess.run(None, {ids.name: chunk})[0].reshape(-1, hidden), "<f4").tobytes()
+            digest.update(data)
+            f.write(data)
+    part.replace(out_file)
+    return {"lut-path": out_file.name, "datatype": "float32", "rows": vocab, "size": hidden,
+            "bytes": out_file.stat().st_size, "sha256": digest.hexdigest()}
+
+
 def genie_config(*, context: int, vocab: int, tokens: dict, kv_dim: int, ctx_bins: list[str],
-                 encoding: dict, spill_fill: int) -> dict:
-    """genie_config.json (the dialog schema of Qualcomm's published configs)."""
+                 encoding: dict, spill_fill: int, lut: dict | None = None) -> dict:
+    """genie_config.json (the dialog schema of Qualcomm's published configs; with `lut`, the SDK's
+    dialog.embedding block: its Dialog.cpp validator takes version and size (the hidden width, its
+    n-embd), type lut with a lut-path, a datatype)."""
     eos = tokens["eos"]
+    embedding = {"embedding": {"version": 1, "type": "lut", "lut-path": lut["lut-path"], "size": int(lut["size"]),
+                               "datatype": lut["datatype"]}} if lut else {}
     return {"dialog": {
         "version": 1,
         "type": "basic",
@@ -179,6 +250,7 @@ def genie_config(*, context: int, vocab: int, tokens: dict, kv_dim: int, ctx_bin
                     "eos-token": eos[0] if len(eos) == 1 else list(eos)},
         "sampler": dict(SAMPLER),
         "tokenizer": {"version": 1, "path": TOKENIZER},
+        **embedding,
         "engine": {
             "version": 1,
             "n-threads": N_THREADS,
@@ -213,50 +285,83 @@ def context_graphs(ctx_model: Path) -> list[dict]:
     return graphs
 
 
-def missing(io: dict, graph_names: list[str], *, tokenizer: bool, extra: list[str]) -> list[str]:
-    """What stands between this bundle and Genie loading it on a phone, one line each."""
-    C = int(io["context_length"])
-    ours_in = ", ".join(f"{i['name']} {i['dtype']} {i['shape']}" for i in io["inputs"][:4])
-    ours_out = ", ".join(o["name"] for o in io["outputs"][:3])
-    gaps = [
-        f"graph names: Genie picks a graph by its name, {GENIE_GRAPH.format(context=C)} for the token "
-        f"generator (and prompt_ar<N>_cl{C}_1_of_1 for a prompt processor); ours is {graph_names} as "
-        "onnxruntime-qnn named it",
-        ("the prompt processor is a binary of its own: " + (f"ours takes {io['prompt']['tokens']} tokens a call "
-         "(compile_qnn's <precision>/prompt/), its weights the token graph's but compiled apart" if "prompt" in io
-         else "none: our binary holds one decode-step graph (one token a call)") +
-         "; Qualcomm's Genie exports link a prompt graph (ar128) and a token graph (ar1) over one set of "
-         "weights into each binary (weight sharing, which this host's HTP emulation cannot load to check)"),
-        f"graph I/O: ours {ours_in}, ... -> {ours_out}, ... (the mask and rotary computed inside from "
-        f"`position`); Genie's HTP engine feeds {GENIE_IO}",
-        "I/O types: ours float32 at the binary's boundary; Qualcomm's Genie exports quantize the I/O "
-        "(AI Hub --quantize_io, 16-bit activations)",
-        "the .bin is onnxruntime-qnn's EPContext binary: that Genie takes it as a ctx-bin is unchecked",
-    ]
+def _io_gaps(io: dict) -> list[str]:
+    """Our graph's I/O against what Genie's HTP engine feeds and reads (GENIE_*), one line per rule missed."""
+    names = {i["name"]: i for i in io["inputs"]}
+    first = io["inputs"][0]
+    gaps = []
+    if first["name"] not in GENIE_FIRST_INPUT:
+        gaps.append(f"first input {first['name']}: Genie's engine feeds input_ids (int32) or inputs_embeds")
+    elif first["dtype"] not in GENIE_FIRST_INPUT[first["name"]]:
+        gaps.append(f"{first['name']} {first['dtype']}: Genie's engine writes "
+                    + ("token ids as 4-byte int32" if first["name"] == "input_ids" else
+                       "embeddings only into a ufixed8 / ufixed16 input, quantized with the tensor's own scale "
+                       "and offset (nsp-model.cpp quantizeInput); a float input is left unfilled")
+                    + ": the binary's boundary would have to be quantized")
+    if "attention_mask" not in names:
+        gaps.append("attention_mask: Genie's engine feeds it (and reads a graph's context from its last "
+                    "dimension); ours computes the mask inside the graph from `position`")
+    if not {"position_ids_cos", "position_ids_sin"} <= set(names):
+        gaps.append("position_ids_cos / position_ids_sin [1, 1, ar, rope-dim]: Genie's engine feeds the rotary "
+                    "tables for rope (int32 position_ids for its absolute / alibi types); ours computes them inside "
+                    "from `position`")
+    kv_in = [n for n in names if re.search(r"key|value", n)]
+    kv_out = [o["name"] for o in io["outputs"] if re.search(r"key|value", o["name"])]
+    bad = [n for n in kv_in if not GENIE_KV_IN.match(n)] + [n for n in kv_out if not GENIE_KV_OUT.match(n)]
+    if bad:
+        gaps.append(f"KV names: Genie's engine pairs past_<...>key<...>_in with its _out, the layer the first number "
+                    f"in the name (qnn-utils.hpp); ours {bad[0]} ... {bad[-1]}")
+    key = next((names[n] for n in kv_in if "key" in n), None)
+    if key is not None and int(key["shape"][-1]) == int(io["head_dim"]):
+        gaps.append(f"key layout: Genie's engine keeps keys transposed, [n_kv, head_dim, len] (values [n_kv, len, "
+                    f"head_dim]); ours {key['name']} is {key['shape']}, head_dim last")
+    return gaps
+
+
+def missing(io: dict, graph_names: list[str], *, tokenizer: bool, lut: bool, extra: list[str]) -> list[str]:
+    """What stands between this bundle and Genie loading it on a phone, one line each: our io.json and graph
+    names checked against the rules of Genie's sources (GENIE_*), and what nothing here can check."""
+    gaps = _io_gaps(io)
+    if graph_names != sorted(graph_names):
+        gaps.append(f"part order: Genie orders the parts of one graph by their names sorted as strings; ours, "
+                    f"named by onnxruntime-qnn, sort otherwise: {graph_names}")
+    if len(set(graph_names)) != len(graph_names):
+        gaps.append(f"graph names repeat across the ctx-bins ({graph_names}): Genie keys each graph by its name")
     rings = [x for x in io["layers"] if x["slot_rule"] != "position"]
     if rings:
         gaps.append(f"sliding layers' KV: ours a ring of {rings[0]['cache_len']} slots written at "
-                    f"`{rings[0]['slot_rule']}` ({len(rings)} of {len(io['layers'])} layers); Genie's HTP engine feeds "
-                    "every layer a linear past of cl-ar entries (no ring)")
-    if io.get("embedding"):
+                    f"`{rings[0]['slot_rule']}` ({len(rings)} of {len(io['layers'])} layers), masked inside the "
+                    "graph; Genie gives such layers a cache group of their own (engine cache-groups: a name prefix, "
+                    "its own attention mask and KV length, longcontext sliding-window), which our names and masks "
+                    "do not form")
+    gaps.append("the prompt graph is a binary of its own " + (
+        f"({io['prompt']['tokens']} tokens a call, compile_qnn's <precision>/prompt/), not listed in ctx-bins: "
+        "Genie would tell it from the token graph by its tensors' shapes, but its weights are compiled apart "
+        "(Qualcomm's exports link the two over one set of weights, which this host's HTP emulation cannot load)"
+        if "prompt" in io else "(none built: our binary holds one decode-step graph, one token a call)"))
+    gaps.append("the .bin is onnxruntime-qnn's EPContext binary: that Genie takes it as a ctx-bin is unchecked")
+    if io.get("embedding") and not lut:
         gaps.append(f"token embedding: our binaries take {io['inputs'][0]['name']} from an ONNX Runtime lookup "
                     f"({io['embedding']['model']}, int{io['embedding']['bits']} blocks) run on the CPU; Genie would "
-                    "need the table in its own embedding-LUT form (lut-path, datatype, quant-param), not written")
+                    f"need the table as its embedding LUT ({LUT}), not written: the compiled embedding model "
+                    "is missing")
     if not tokenizer:
         gaps.append("tokenizer.json: the checkpoint has none (Genie reads only that form)")
     return gaps + list(extra)
 
 
 def write_bundle(out: Path, *, model_dir: Path, io: dict, target: dict, ctx_bins: list[str],
-                 graphs: list[dict]) -> dict:
-    """Write the three files into `out` (ctx-bins as given, relative to `out`); the profile's `genie` entry."""
+                 graphs: list[dict], embed_model: Path | None = None) -> dict:
+    """Write the bundle's files into `out` (ctx-bins as given, relative to `out`; the embedding LUT from
+    `embed_model` where the binaries take embeddings); the profile's `genie` entry."""
     tokens = special_tokens(model_dir)
+    lut = write_lut(embed_model, out / LUT) if embed_model is not None and embed_model.is_file() else None
     config = json.loads((model_dir / "config.json").read_text())
     encoding, rope_gaps = positional_encoding(config, int(io["head_dim"]))
     logits = next(o for o in io["outputs"] if o["name"] == "logits")
     cfg = genie_config(context=int(io["context_length"]), vocab=int(logits["shape"][-1]), tokens=tokens,
                        kv_dim=int(io["head_dim"]), ctx_bins=ctx_bins, encoding=encoding,
-                       spill_fill=max((g["spill_fill_bytes"] for g in graphs), default=0))
+                       spill_fill=max((g["spill_fill_bytes"] for g in graphs), default=0), lut=lut)
     (out / CONFIG).write_text(json.dumps(cfg, indent=4) + "\n")
     (out / HTP_CONFIG).write_text(json.dumps(htp_config(target), indent=4) + "\n")
     has_tokenizer = (model_dir / TOKENIZER).is_file()
@@ -274,5 +379,8 @@ def write_bundle(out: Path, *, model_dir: Path, io: dict, target: dict, ctx_bins
         "ctx_bins": list(ctx_bins),
         "graphs": graphs,
         "tokens": tokens,
-        "missing": missing(io, [g["name"] for g in graphs], tokenizer=has_tokenizer, extra=rope_gaps),
+        **({"embedding_lut": {**lut, "from": "the build's embedding model, every id through ONNX Runtime: the "
+                              "rows our phone runtime feeds the binaries"}} if lut else {}),
+        "missing": missing(io, [g["name"] for g in graphs], tokenizer=has_tokenizer, lut=lut is not None,
+                           extra=rope_gaps),
     }
