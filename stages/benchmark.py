@@ -540,7 +540,13 @@ S25_LAYER_MS = {
     "full_attention": {1024: {"fp16": 1.559, "w8a16": 1.129, "w4a16": 1.127},
                        4096: {"fp16": 2.964, "w8a16": 1.681, "w4a16": 1.662}},
 }
-NPU_STEPS, NPU_WARMUP = 8, 2  # emulated steps are tenths of a second, and mean nothing as timings
+# Emulated steps mean nothing as device timings, and they are slow: a tenth of a second on the embedded
+# model, ~43 s on Gemma 3 270M's mixed binary (2026-12-06, an AVX2 host), where 5 passes of 2 + 8 steps for
+# each of two precisions ran past an hour. So the run is bounded in time (benchmark.qnn_minutes, null:
+# NPU_MINUTES across the precisions): npu_plan cuts the steps a pass, then the passes, never below
+# NPU_MIN_PASSES passes of one step.
+NPU_STEPS, NPU_WARMUP = 8, 2
+NPU_MINUTES, NPU_MIN_PASSES = 10.0, 2
 
 
 def expected_device_ms(soc_model: str, layers: list[dict], precision: str | list[str],
@@ -587,6 +593,26 @@ def pass_order(arms: list[str], passes: int, baseline_passes) -> tuple[list[tupl
     return [(p, arm) for p, arm in interleave(arms, passes) if arm not in FP32_BASELINES or p < n_base], n_base
 
 
+def npu_plan(s_per_step: float, budget_s: float, passes: int) -> tuple[int, int]:
+    """(passes, timed steps a pass) for one precision's HTP emulation timing within `budget_s`: every pass
+    after the first re-runs NPU_WARMUP untimed steps (the first pass's were the probe that timed
+    `s_per_step`, already spent). The steps a pass are cut first, down to one, then the passes, never
+    below NPU_MIN_PASSES (a spread needs two): the fewest may still take longer than the budget."""
+    n_pass, n_step = passes, NPU_STEPS
+
+    def cost(a: int, k: int) -> float:
+        return (a * k + (a - 1) * NPU_WARMUP) * s_per_step
+
+    while cost(n_pass, n_step) > budget_s and n_step > 1:
+        n_step -= 1
+    while cost(n_pass, n_step) > budget_s and n_pass > min(passes, NPU_MIN_PASSES):
+        n_pass -= 1
+    if n_step < NPU_STEPS:  # passes were cut: give the steps back what the budget now allows
+        while n_step < NPU_STEPS and cost(n_pass, n_step + 1) <= budget_s:
+            n_step += 1
+    return n_pass, n_step
+
+
 def _npu(ctx, b, device, host, sel) -> dict:
     import time
 
@@ -603,22 +629,43 @@ def _npu(ctx, b, device, host, sel) -> dict:
     except qnn.QnnError as err:
         raise StageError(f"benchmark: {err}") from None
     passes = int(b.passes)
-    emulation, expected = {}, {}
+    minutes = b.get("qnn_minutes", None)
+    minutes = float(NPU_MINUTES if minutes is None else minutes)
+    emulation, expected, plan = {}, {}, {}
     prompt = list(range(4, 4 + NPU_WARMUP))
-    with ctx.progress(passes * len(info["precisions"]), "HTP emulation timing (not device timings)") as bar:
-        for p in info["precisions"]:
+    start = time.perf_counter()
+    precisions = list(info["precisions"])
+    with ctx.progress(passes * len(precisions), "HTP emulation timing (not device timings)") as bar:
+        for i, p in enumerate(precisions):
             session = qnn.open_htp(comp, info, p)
             dec = OnnxDecoder(comp, session=session)
+            # the probe: the first pass's warm-up, its second step timed (the first carries the set-up)
+            dec.reset()
+            dec.step(prompt[0])
+            t0 = time.perf_counter()
+            for t in prompt[1:]:
+                dec.step(t)
+            s_step = (time.perf_counter() - t0) / max(1, len(prompt) - 1)
+            left = max(0.0, minutes * 60 - (time.perf_counter() - start)) / (len(precisions) - i)
+            n_pass, n_step = npu_plan(s_step, left, passes)
+            plan[p] = {"s_per_step": round(s_step, 3), "passes": n_pass, "steps_per_pass": n_step,
+                       "cut": (n_pass, n_step) != (passes, NPU_STEPS), "budget_s": round(left, 1)}
+            if plan[p]["cut"]:
+                ctx.log(f"HTP emulation timing, {p}: {s_step:.2f} s a step here; {n_pass} pass(es) of {n_step} "
+                        f"step(s) instead of {passes} of {NPU_STEPS}, within benchmark.qnn_minutes={minutes:g} "
+                        f"(~{left / 60:.1f} min for this precision)")
             per_pass = []
-            for _ in range(passes):
-                dec.reset()
-                for t in prompt:
-                    dec.step(t)
+            for k in range(n_pass):
+                if k:
+                    dec.reset()
+                    for t in prompt:
+                        dec.step(t)
                 t0 = time.perf_counter()
-                for k in range(NPU_STEPS):
-                    dec.step(10 + k)
-                per_pass.append(1000 * (time.perf_counter() - t0) / NPU_STEPS)
+                for j in range(n_step):
+                    dec.step(10 + j)
+                per_pass.append(1000 * (time.perf_counter() - t0) / n_step)
                 bar.advance()
+            bar.advance(passes - n_pass)
             emulation[p] = spread(per_pass)
             expected[p] = expected_device_ms(info["target"]["soc_model"], io["layers"], layer_precisions(info, p, len(io["layers"])),
                                              int(io["context_length"]))
@@ -628,9 +675,15 @@ def _npu(ctx, b, device, host, sel) -> dict:
              "no CPU arm runs for a phone build: a CPU figure of this host is no phone's"]
     if expected[deployed] is None:
         notes.append(f"no device figures measured for {info['target']['soc_model']}: no expected latency")
+    cut = [p for p in plan if plan[p]["cut"]]
+    if cut:
+        notes.append(f"HTP emulation timing cut to benchmark.qnn_minutes={minutes:g} for {', '.join(cut)}: "
+                     + "; ".join(f"{p} {plan[p]['passes']} pass(es) of {plan[p]['steps_per_pass']} step(s) at "
+                                 f"{plan[p]['s_per_step']} s a step" for p in cut))
     report = {
         "settings": {"passes": passes, "steps_per_pass": NPU_STEPS, "warmup_steps": NPU_WARMUP,
-                     "context_length": int(io["context_length"])},
+                     "context_length": int(io["context_length"]), "qnn_minutes": minutes},
+        "htp_plan": plan,
         "on_target": False,
         "host": OmegaConf.to_container(host),
         "device": device.name,

@@ -145,6 +145,19 @@ def test_compile_does_not_apply_to_a_cpu_device(tmp_path):
     assert compile_qnn.run(ctx)["applies"] is False
 
 
+def test_the_htp_emulation_timing_is_bounded_in_time_cutting_steps_then_passes():
+    """A phone build's benchmark times the HTP emulation (no device timing) within benchmark.qnn_minutes:
+    Gemma 3 270M's mixed binary took ~43 s a step on an AVX2 host, 5 passes of 2 + 8 steps an hour."""
+    from stages.benchmark import NPU_STEPS, npu_plan
+
+    assert npu_plan(0.1, 300, 5) == (5, NPU_STEPS)  # the embedded model's 48 steps in 4.8 s: all of them
+    # 43 s a step, 5 minutes for this precision: one step a pass leaves (5 + 4 x 2) x 43 s, too long; two
+    # passes (a spread) of two steps, (4 + 2) x 43 = 258 s, the most that fits
+    assert npu_plan(43, 300, 5) == (2, 2)
+    assert npu_plan(43, 300, 1) == (1, 6)  # one pass asked: never more, the steps cut to fit
+    assert npu_plan(100, 60, 5) == (2, 1)  # the fewest the spread stands on, though past the bound
+
+
 def test_expected_device_latency_is_the_s25_table_labelled_as_such():
     from stages.benchmark import expected_device_ms
 
@@ -317,6 +330,9 @@ def test_phone_build_end_to_end_compiles_once_and_verifies_on_the_htp(phone_buil
     assert bench["device_measured"] is False and bench["on_target"] is False
     assert any("not galaxy_s25 timings" in n for n in bench["notes"])
     assert bench["htp_emulation_ms_per_step"]["w4a16"]["median"] > 0
+    # a tiny model's steps fit the default bound: nothing cut, the plan recorded per precision
+    assert bench["settings"]["qnn_minutes"] == 10 and not any(v["cut"] for v in bench["htp_plan"].values())
+    assert bench["htp_plan"]["w4a16"]["passes"] == 5 and bench["htp_plan"]["w4a16"]["s_per_step"] > 0
     assert "HTP emulation" in first.stdout + first.stderr
 
     gen = run_cli(repo, "generate", "galaxy_s25-embedded-speed", "def f(x):", "--max-new-tokens", "4")

@@ -220,6 +220,9 @@ class BenchmarkConfig:
     # speculative_tokens new tokens each): auto where the graph has row_logits; off: never.
     speculative: str = "auto"  # auto | off
     speculative_tokens: int = 128
+    # A phone build's HTP emulation timing, bounded in minutes across its precisions (null: 10):
+    # the steps a pass, then the passes, cut where a step is slow (stages/benchmark.py npu_plan).
+    qnn_minutes: Optional[float] = None
 
 
 @dataclass
