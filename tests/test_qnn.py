@@ -332,7 +332,7 @@ def test_phone_build_end_to_end_compiles_once_and_verifies_on_the_htp(phone_buil
     assert bench["htp_emulation_ms_per_step"]["w4a16"]["median"] > 0
     # a tiny model's steps fit the default bound: nothing cut, the plan recorded per precision
     assert bench["settings"]["qnn_minutes"] == 10 and not any(v["cut"] for v in bench["htp_plan"].values())
-    assert bench["htp_plan"]["w4a16"]["passes"] == 5 and bench["htp_plan"]["w4a16"]["s_per_step"] > 0
+    assert bench["htp_plan"]["w4a16"]["passes"] == bench["settings"]["passes"] and bench["htp_plan"]["w4a16"]["s_per_step"] > 0
     assert "HTP emulation" in first.stdout + first.stderr
 
     gen = run_cli(repo, "generate", "galaxy_s25-embedded-speed", "def f(x):", "--max-new-tokens", "4")
