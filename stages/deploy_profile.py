@@ -39,7 +39,8 @@ Per weight path (pack's weight_path.json):
   where the binaries take embeddings, the embedding LUT `embedding_lut.bin`
   (pipeline/runtimes/genie.py), with a `genie` entry (in qnn.json and
   profile.json) that is `verified: false` and lists what Genie needs that our
-  binary lacks (graph names, a prompt graph, its I/O and KV conventions).
+  binary lacks (its I/O and KV conventions, the sliding layers' ring, a prompt
+  graph compiled apart), checked against the rules of Genie's own sources.
 - gguf_q4_0 (llama.cpp devices): `llama.cpp.json`: the GGUF file, threads
   (the device config's), context and batch sizes, the KV cache type, and the
   same settings as `llama-cli` / `llama-server` arguments and as
@@ -630,7 +631,7 @@ def _genie(ctx, comp_dir, info: dict, io: dict) -> dict:
         ctx.log(f"Genie embedding LUT: {lut['rows']:,} x {lut['size']} float32, {lut['bytes'] / 1e6:,.1f} MB")
     ctx.log(f"Genie bundle: {', '.join(entry['files'])} for {info['target']['soc_model']}; UNVERIFIED (no Genie "
             f"or phone here), {len(entry['missing'])} things Genie needs that our binary lacks, listed in "
-            "qnn.json genie.missing (graph names, a prompt graph, its I/O and KV conventions)")
+            "qnn.json genie.missing (its I/O and KV conventions, the sliding ring, a prompt graph compiled apart)")
     return entry
 
 
