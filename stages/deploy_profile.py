@@ -623,7 +623,7 @@ def _genie(ctx, comp_dir, info: dict, io: dict) -> dict:
             ctx_bins=[f"../compile_qnn/{c['dir']}/{b}" for b in c["binaries"]],
             graphs=[g for q in qnn.compiled_parts(c)
                     for g in genie.context_graphs(comp_dir / c["dir"] / q["dir"] / q["context_model"])],
-            embed_model=embed_model)
+            embed_model=embed_model, prompt_binary="prompt" in c and "prompt" in io)
     except genie.GenieError as err:
         raise StageError(f"deploy_profile: Genie bundle: {err}") from None
     if "embedding_lut" in entry:

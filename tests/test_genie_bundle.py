@@ -220,6 +220,15 @@ def test_parts_whose_names_sort_out_of_order_or_repeat_are_said(tmp_path):
     assert said(["QNN_1_0", "QNN_1_0"])[0].startswith("graph names repeat")
 
 
+def test_a_prompt_binary_compiled_apart_is_said_only_where_the_deployed_precision_has_one():
+    """Genie runs a prompt through an ar1 graph as well: a precision whose prompt graph the HTP refused
+    (SmolLM2's w4a16) lacks nothing there; one with its own prompt binary has weights compiled apart."""
+    io = {**IO, "prompt": {"tokens": 128}}
+    said = lambda **kw: [m for m in genie.missing(io, ["g"], tokenizer=True, lut=True, extra=[], **kw)
+                         if m.startswith("the prompt graph")]
+    assert said(prompt_binary=False) == [] and "128 tokens a call" in said(prompt_binary=True)[0]
+
+
 def test_the_spill_fill_buffer_is_the_one_the_binary_was_compiled_with(tmp_path):
     """onnxruntime-qnn records a binary's spill-fill buffer in its EPContext node (max_size): Genie is told
     that size, 0 where none was compiled (our compile's default)."""
@@ -322,5 +331,6 @@ def test_the_phone_builds_bundle_lists_its_binaries_in_order_and_ships_its_token
     assert [n.startswith("QNNExecutionProvider") for n in names] == [True] * len(deployed["parts"])
     assert len(set(names)) == len(names)
     assert any(m.startswith("part order") for m in entry["missing"]) == (names != sorted(names))
+    assert any(m.startswith("the prompt graph is a binary of its own") for m in entry["missing"]) == ("prompt" in deployed)
     assert cfg["dialog"]["engine"]["backend"]["QnnHtp"]["spill-fill-bufsize"] == 0
     assert "Genie bundle" in first.stderr + first.stdout and "UNVERIFIED" in first.stderr + first.stdout

@@ -318,7 +318,8 @@ def _io_gaps(io: dict) -> list[str]:
     return gaps
 
 
-def missing(io: dict, graph_names: list[str], *, tokenizer: bool, lut: bool, extra: list[str]) -> list[str]:
+def missing(io: dict, graph_names: list[str], *, tokenizer: bool, lut: bool, extra: list[str],
+            prompt_binary: bool = False) -> list[str]:
     """What stands between this bundle and Genie loading it on a phone, one line each: our io.json and graph
     names checked against the rules of Genie's sources (GENIE_*), and what nothing here can check."""
     gaps = _io_gaps(io)
@@ -334,11 +335,11 @@ def missing(io: dict, graph_names: list[str], *, tokenizer: bool, lut: bool, ext
                     "graph; Genie gives such layers a cache group of their own (engine cache-groups: a name prefix, "
                     "its own attention mask and KV length, longcontext sliding-window), which our names and masks "
                     "do not form")
-    gaps.append("the prompt graph is a binary of its own " + (
-        f"({io['prompt']['tokens']} tokens a call, compile_qnn's <precision>/prompt/), not listed in ctx-bins: "
-        "Genie would tell it from the token graph by its tensors' shapes, but its weights are compiled apart "
-        "(Qualcomm's exports link the two over one set of weights, which this host's HTP emulation cannot load)"
-        if "prompt" in io else "(none built: our binary holds one decode-step graph, one token a call)"))
+    if prompt_binary:  # without one (none built, or the HTP refused it) Genie runs a prompt through ar1 too
+        gaps.append(f"the prompt graph is a binary of its own ({io['prompt']['tokens']} tokens a call, compile_qnn's "
+                    "<precision>/prompt/), not listed in ctx-bins: Genie would tell it from the token graph by its "
+                    "tensors' shapes, but its weights are compiled apart (Qualcomm's exports link the two over one "
+                    "set of weights, which this host's HTP emulation cannot load)")
     gaps.append("the .bin is onnxruntime-qnn's EPContext binary: that Genie takes it as a ctx-bin is unchecked")
     if io.get("embedding") and not lut:
         gaps.append(f"token embedding: our binaries take {io['inputs'][0]['name']} from an ONNX Runtime lookup "
@@ -351,7 +352,7 @@ def missing(io: dict, graph_names: list[str], *, tokenizer: bool, lut: bool, ext
 
 
 def write_bundle(out: Path, *, model_dir: Path, io: dict, target: dict, ctx_bins: list[str],
-                 graphs: list[dict], embed_model: Path | None = None) -> dict:
+                 graphs: list[dict], embed_model: Path | None = None, prompt_binary: bool = False) -> dict:
     """Write the bundle's files into `out` (ctx-bins as given, relative to `out`; the embedding LUT from
     `embed_model` where the binaries take embeddings); the profile's `genie` entry."""
     tokens = special_tokens(model_dir)
@@ -382,5 +383,5 @@ def write_bundle(out: Path, *, model_dir: Path, io: dict, target: dict, ctx_bins
         **({"embedding_lut": {**lut, "from": "the build's embedding model, every id through ONNX Runtime: the "
                               "rows our phone runtime feeds the binaries"}} if lut else {}),
         "missing": missing(io, [g["name"] for g in graphs], tokenizer=has_tokenizer, lut=lut is not None,
-                           extra=rope_gaps),
+                           extra=rope_gaps, prompt_binary=prompt_binary),
     }
