@@ -616,7 +616,7 @@ def _genie(ctx, comp_dir, info: dict, io: dict) -> dict:
     e = info.get("embedding", {"in_graph": True})
     embed_model = None if e.get("in_graph") or "embedding" not in io else comp_dir / e["dir"] / e["model"]
     if embed_model is not None:
-        ctx.log(f"Genie bundle: writing its embedding LUT ({genie.LUT}, float32) from {e['dir']}/{e['model']}")
+        ctx.log(f"Genie bundle: writing its embedding LUT ({genie.LUT}, ufixed16) from {e['dir']}/{e['model']}")
     try:
         entry = genie.write_bundle(
             ctx.out, model_dir=ctx.inputs["untie_head"], io=io, target=info["target"],
@@ -628,7 +628,8 @@ def _genie(ctx, comp_dir, info: dict, io: dict) -> dict:
         raise StageError(f"deploy_profile: Genie bundle: {err}") from None
     if "embedding_lut" in entry:
         lut = entry["embedding_lut"]
-        ctx.log(f"Genie embedding LUT: {lut['rows']:,} x {lut['size']} float32, {lut['bytes'] / 1e6:,.1f} MB")
+        ctx.log(f"Genie embedding LUT: {lut['rows']:,} x {lut['size']} {lut['datatype']}, {lut['bytes'] / 1e6:,.1f} MB, "
+                f"{lut['snr_db']} dB from the rows the phone runtime feeds the binaries")
     ctx.log(f"Genie bundle: {', '.join(entry['files'])} for {info['target']['soc_model']}; UNVERIFIED (no Genie "
             f"or phone here), {len(entry['missing'])} things Genie needs that our binary lacks, listed in "
             "qnn.json genie.missing (its I/O and KV conventions, the sliding ring, a prompt graph compiled apart)")

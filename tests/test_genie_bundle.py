@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from pipeline.graphs import qnn
@@ -46,7 +47,8 @@ ROPE_SCALING = {f"dialog.engine.model.positional-encoding.rope-scaling.{k}": t f
 # examples/Genie/Genie/src/Dialog.cpp validateEmbeddingConfig, read in the public copy kyungraekim/qnn): version
 # and size mandatory, type "lut" or "callback", a lut-path with type lut and only then, a datatype from its list.
 EMBEDDING = {"dialog.embedding.version": int, "dialog.embedding.size": int, "dialog.embedding.type": str,
-             "dialog.embedding.lut-path": str, "dialog.embedding.datatype": str}
+             "dialog.embedding.lut-path": str, "dialog.embedding.datatype": str,
+             "dialog.embedding.quant-param.scale": float, "dialog.embedding.quant-param.offset": int}
 SDK_LUT_DATATYPES = {"float32", "native", "ufixed4", "ufixed8", "ufixed16", "sfixed8", "sfixed16"}
 HTP_SCHEMA = {
     "devices[].soc_model": int, "devices[].dsp_arch": str, "devices[].cores[].core_id": int,
@@ -117,21 +119,24 @@ def _bundle(tmp_path, config=LLAMA, io=IO, qnn_info=PHONE_QNN, device="galaxy_s2
     return out, result
 
 
-def check_lut(lut_file, cfg: dict, embed_model, ids) -> None:
-    """The LUT holds, for each id, exactly the row the phone runtime's lookup (the compiled embedding model,
-    one id a call, as pipeline/runtimes/onnx.py runs it) feeds the binaries, in the layout Genie's LUT encoder
-    reads: row-major float32, a row of `size` elements at id x size."""
-    import numpy as np
+def check_lut(lut_file, cfg: dict, embed_model, ids) -> np.ndarray:
+    """The LUT holds, for each id, the row the phone runtime's lookup (the compiled embedding model, one id
+    a call, as pipeline/runtimes/onnx.py runs it) feeds the binaries, to within half a step of its ufixed16
+    encoding, in the layout Genie's LUT encoder reads (row-major, a row of `size` elements at id x size) and
+    the encoding Genie's engine decodes: value = (q + offset) x scale. Returns the decoded table."""
     import onnxruntime as ort
 
     e = cfg["dialog"]["embedding"]
-    assert e["type"] == "lut" and e["datatype"] in SDK_LUT_DATATYPES and e["datatype"] == "float32"
+    assert e["type"] == "lut" and e["datatype"] in SDK_LUT_DATATYPES and e["datatype"] == "ufixed16"
     assert lut_file.name == e["lut-path"]
-    rows = np.fromfile(lut_file, "<f4").reshape(-1, e["size"])
+    scale, offset = e["quant-param"]["scale"], e["quant-param"]["offset"]
+    assert scale > 0 and offset <= 0
+    rows = (np.fromfile(lut_file, "<u2").reshape(-1, e["size"]).astype(np.float64) + offset) * scale
     sess = ort.InferenceSession(str(embed_model), providers=["CPUExecutionProvider"])
     for i in ids:
         ours = sess.run(None, {"input_ids": np.array([[i]], np.int64)})[0].reshape(-1)
-        assert np.array_equal(rows[i], ours), i
+        assert np.abs(rows[i] - ours).max() <= scale / 2 * (1 + 1e-9), i
+    return rows
 
 
 def test_the_bundle_carries_every_key_of_qualcomms_configs_with_the_models_values(tmp_path):
@@ -186,8 +191,6 @@ def test_the_embedding_lut_holds_the_rows_our_runtime_feeds_the_binaries(tmp_pat
     Genie's embedding LUT, written from the compiled embedding model, and genie_config.json names it."""
     import hashlib
 
-    import numpy as np
-
     monkeypatch.setattr(genie, "LUT_CHUNK", 4)  # two lookups over the 6 ids: the chunk seam is crossed
     table = np.random.default_rng(0).standard_normal((6, 64)).astype(np.float32)
     emb = qnn.write_embedding(table, tmp_path / "e", 8, [1, 1])
@@ -201,13 +204,20 @@ def test_the_embedding_lut_holds_the_rows_our_runtime_feeds_the_binaries(tmp_pat
     check_schema(cfg, {**GENIE_SCHEMA, **DOCUMENTED, **ROPE_SCALING, **EMBEDDING})
     assert cfg["dialog"]["embedding"]["size"] == 64  # the hidden width (Genie's n-embd), not the vocabulary
     lut = out / "embedding_lut.bin"
-    assert lut.stat().st_size == 6 * 64 * 4
-    check_lut(lut, cfg, tmp_path / "compile_qnn" / "embed" / "model.onnx", range(6))
-    # the int8 blocks' rows, not the float table's: the LUT carries what the binaries were verified with
-    assert not np.array_equal(np.fromfile(lut, "<f4").reshape(6, 64), table)
+    assert lut.stat().st_size == 6 * 64 * 2  # 16 bits an element
+    rows = check_lut(lut, cfg, tmp_path / "compile_qnn" / "embed" / "model.onnx", range(6))
+    # the int8 blocks' rows, not the float table's: the LUT carries what the binaries were verified with,
+    # and its 16 bits sit far closer to those rows than the blocks to the table
     entry = json.loads((out / "qnn.json").read_text())["genie"]
-    assert entry["embedding_lut"]["sha256"] == hashlib.sha256(lut.read_bytes()).hexdigest()
-    assert entry["embedding_lut"]["rows"] == 6 and not any("token embedding" in m for m in entry["missing"])
+    lut_e = entry["embedding_lut"]
+    blocks_err, lut_err = np.abs(table - rows).max(), lut_e["max_abs_error"]
+    assert lut_err <= cfg["dialog"]["embedding"]["quant-param"]["scale"] / 2 and 50 * lut_err < blocks_err
+    assert lut_e["snr_db"] > 80 and lut_e["range"][0] < 0 < lut_e["range"][1]
+    assert lut_e["sha256"] == hashlib.sha256(lut.read_bytes()).hexdigest()
+    assert lut_e["rows"] == 6 and not any("token embedding" in m for m in entry["missing"])
+    # the encoding's edges: the table's extremes land on codes 0 and 65535
+    codes = np.fromfile(lut, "<u2")
+    assert codes.min() == 0 and codes.max() == 65535
 
 
 def test_parts_whose_names_sort_out_of_order_or_repeat_are_said(tmp_path):
@@ -321,7 +331,7 @@ def test_the_phone_builds_bundle_lists_its_binaries_in_order_and_ships_its_token
     # the embedding LUT: the embedded model's 512 x 64 table as the phone runtime's lookup returns it
     e = info["embedding"]
     check_lut(prof / "embedding_lut.bin", cfg, build / "compile_qnn" / e["dir"] / e["model"], [0, 1, 255, 511])
-    assert (prof / "embedding_lut.bin").stat().st_size == 512 * cfg["dialog"]["embedding"]["size"] * 4
+    assert (prof / "embedding_lut.bin").stat().st_size == 512 * cfg["dialog"]["embedding"]["size"] * 2
 
     entry = json.loads((prof / "qnn.json").read_text())["genie"]
     assert entry["verified"] is False and len(entry["missing"]) >= 5
