@@ -39,7 +39,7 @@ HTP_CONFIG = "htp_backend_ext_config.json"
 TOKENIZER = "tokenizer.json"
 LUT = "embedding_lut.bin"
 FILES = (CONFIG, HTP_CONFIG, TOKENIZER, LUT)
-# Ids looked up a call when the LUT is written: 8192 rows of 2048 floats are 64 MB.
+# Ids looked up a call when the LUT is written: 8192 rows of 2048 are 134 MB in the float64 its error is summed in.
 LUT_CHUNK = 8192
 
 # Qualcomm's published soc_model / dsp_arch per chip (ai-hub-apps tutorials/llm_on_genie/manual_bundle.md,
@@ -202,8 +202,9 @@ def lut_encoding(lo: float, hi: float) -> tuple[float, int]:
 
 
 def write_lut(embed_model: Path, out_file: Path) -> dict:
-    """Genie's token-embedding table from the build's embedding model (compile_qnn's embed/model.onnx), in
-    the form of Qualcomm's own 16-bit exports: ufixed16 with one scale and offset (`quant-param`), row-major
+    """Genie's token-embedding table from the build's embedding model (compile_qnn's embed/model.onnx), at
+    the width of the 16-bit activations Qualcomm's exports quantize their I/O to: ufixed16 with one scale
+    and offset (`quant-param`), row-major
     [vocab, hidden], little-endian. Its rows are that model's own output (ONNX Runtime's
     GatherBlockQuantized over the build's int codes, exactly what our phone runtime feeds the binaries;
     the model's [1, 1] ids opened to [1, n] to look up LUT_CHUNK ids a call: a row depends on its id
