@@ -607,9 +607,8 @@ def npu_plan(s_per_step: float, budget_s: float, passes: int) -> tuple[int, int]
         n_step -= 1
     while cost(n_pass, n_step) > budget_s and n_pass > min(passes, NPU_MIN_PASSES):
         n_pass -= 1
-    if n_step < NPU_STEPS:  # passes were cut: give the steps back what the budget now allows
-        while n_step < NPU_STEPS and cost(n_pass, n_step + 1) <= budget_s:
-            n_step += 1
+    while n_step < NPU_STEPS and cost(n_pass, n_step + 1) <= budget_s:  # fewer passes: steps the budget allows
+        n_step += 1
     return n_pass, n_step
 
 
