@@ -491,10 +491,16 @@ def _llamacpp(ctx, device, pack_dir, kv, context_length: int) -> dict:
     return {"runtime": "llama.cpp", "files": ["llama.cpp.json"], "llama.cpp": profile}
 
 
+def _off_graph_embedding(info: dict, io: dict) -> dict | None:
+    """compile_qnn's embedding lookup where the binaries take embeddings (the table off the HTP), else None."""
+    e = info.get("embedding", {"in_graph": True})
+    return None if e.get("in_graph") or "embedding" not in io else e
+
+
 def _qnn_embedding(info: dict, io: dict) -> dict:
     """How the phone turns a token into the binaries' first input."""
-    e = info.get("embedding", {"in_graph": True})
-    if e.get("in_graph") or "embedding" not in io:
+    e = _off_graph_embedding(info, io)
+    if e is None:
         return {"in_graph": True, "note": "the binaries take input_ids: the table is inside them"}
     return {"model": f"../compile_qnn/{e['dir']}/{e['model']}", "bytes": e["bytes"], "bits": e["bits"],
             "block_size": e["block_size"],
@@ -613,8 +619,8 @@ def _genie(ctx, comp_dir, info: dict, io: dict) -> dict:
     from pipeline.runtimes import genie
 
     c = info["compiled"][info["deployed"]]
-    e = info.get("embedding", {"in_graph": True})
-    embed_model = None if e.get("in_graph") or "embedding" not in io else comp_dir / e["dir"] / e["model"]
+    e = _off_graph_embedding(info, io)
+    embed_model = None if e is None else comp_dir / e["dir"] / e["model"]
     if embed_model is not None:
         ctx.log(f"Genie bundle: writing its embedding LUT ({genie.LUT}, ufixed16) from {e['dir']}/{e['model']}")
     try:
