@@ -98,6 +98,27 @@ def test_a_stop_while_no_stage_runs_unwinds_the_build():
     assert stopping.requested() == signal.SIGHUP
 
 
+def test_a_stop_that_lands_in_a_finalizer_unwinds_the_build_after_it(monkeypatch):
+    """Python swallows an exception raised in __del__ (printing "Exception ignored ... Traceback"):
+    a stop that lands in one (dulwich closes its packs in __del__ while DVC hashes) is raised
+    just after it instead (seen on CI: tests/test_stop_build.py's sweep stopped by SIGTERM)."""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+
+    class Closing:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100):  # the handler runs here, inside the finalizer
+                pass
+
+    with stopping.stoppable():
+        with pytest.raises(stopping.Stopped) as stopped:
+            Closing()
+            time.sleep(5)  # delivered again here
+        assert stopped.value.signum == signal.SIGTERM
+    assert unraisable == []
+
+
 def test_a_stop_as_the_stage_starts_reaches_it(tmp_path, monkeypatch):
     """The signal lands after DVC started the command but before its pid was recorded:
     not raised there (the new process would run on behind the unwinding build), the

@@ -24,6 +24,7 @@ supervisor watches its parent (run_stage.py `_parents_watched`).
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
 import signal
@@ -47,6 +48,7 @@ class _State:
     building = False  # inside stoppable()
     watching = False  # watch_parent's thread runs
     signum: int | None = None
+    deferred = False  # a stop that landed in a finalizer, delivered again (_on_signal)
     stage: str | None = None  # the stage running when the stop came
     last: str | None = None  # the last stage started, for a stop between stages
     running: dict[int, str] = {}  # pid of a stage's command -> its DVC stage name
@@ -107,8 +109,30 @@ def _on_signal(signum, _frame):
         return  # DVC sees the stage exit non-zero and stops there; a later signal changes nothing
     if _state.starting:
         return  # _run_stage_cmd signals it once started
-    if first:
-        raise Stopped(signum)
+    if not (first or _state.deferred):
+        return  # the build is unwinding already
+    if _in_finalizer(_frame):
+        # Python prints an exception raised in a finalizer ("Exception ignored in ...
+        # Traceback") and swallows it: a stop that lands while one runs (dulwich's
+        # object store closes its packs in __del__ while DVC hashes) would not unwind the
+        # build. The same signal is delivered again in a moment, outside it.
+        _state.deferred = True
+        threading.Timer(FINALIZER_RETRY_S, _thread.interrupt_main, (signum,)).start()
+        return
+    _state.deferred = False
+    raise Stopped(_state.signum)
+
+
+FINALIZER_RETRY_S = 0.05
+
+
+def _in_finalizer(frame) -> bool:
+    """Is `frame` (where a signal landed) inside an object's __del__?"""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _signal_stage(pid: int, signum: int) -> None:
@@ -186,6 +210,7 @@ def stoppable(worker: bool = False) -> Iterator[None]:
 
     if not worker:
         _state.signum = None
+    _state.deferred = False
     _state.stage = _state.last = None
     _state.running = {}
     before = {s: signal.signal(s, _on_signal) for s in SIGNALS}
