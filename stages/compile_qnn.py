@@ -12,6 +12,10 @@ hold nothing but EPContext nodes: a graph that would silently run on the CPU
 is a failure (pipeline/graphs/qnn.py). The QNN SDK version the wheel bundles is in
 this stage's toolchain key (`qnn-sdk`), since a context binary is tied to it.
 
+Where the pack stage built the deployed precision's token graph in the I/O form Qualcomm's Genie runtime
+feeds (its `genie/`), that graph is compiled too, into `genie/<precision>/` with `genie/io.json`: the
+binary the phone's Genie bundle lists (stages/deploy_profile.py).
+
 `io.json` (inputs, outputs, per-layer KV layout and slot rules), the token
 embedding's lookup (`embed/model.onnx`, which the phone runs on its CPU and
 whose rows are the binaries' `inputs_embeds`, pack.qnn_embedding) and the
@@ -108,6 +112,19 @@ def run(ctx: StageContext) -> dict:
                     + (f", {n} parts of layers {', '.join('%d-%d' % (p['layers'][0], p['layers'][1] - 1) for p in facts['parts'])}"
                        f" ({max(p['weight_bytes'] for p in facts['parts']) / 2**20:.0f} MiB of weights at most, the "
                        f"budget {facts['budget_bytes'] / 2**20:.0f} MiB)" if n > 1 else ""))
+    genie = npu.get("genie") or {"built": False, "why": "the pack stage predates the Genie form"}
+    if genie["built"]:  # the deployed precision's token graph in Genie's I/O form (pack's genie/)
+        p = genie["precision"]
+        with ctx.progress(None, f"the {p} token graph in Genie's form: its context binary"):
+            try:
+                gfacts = qnn.compile_parts(pack / genie["graph"], pack / "genie" / "float" / "model.onnx",
+                                           out / "genie" / p, target, p, ranges=npu["graphs"][p].get("parts"))
+            except qnn.QnnError as err:
+                raise StageError(f"compile_qnn: the Genie form: {err}") from None
+        shutil.copy2(pack / genie["io"], out / "genie" / "io.json")
+        genie = {"built": True, "precision": p, "dir": f"genie/{p}", "io": "genie/io.json", **gfacts}
+        ctx.log(f"{p} in Genie's form: {gfacts['bytes'] / 1e6:.1f} MB of context binary in {len(gfacts['parts'])} "
+                f"part(s), {gfacts['compile_s']:.1f} s")
     shutil.copy2(pack / "io.json", out / "io.json")
     embedding = npu.get("embedding", {})
     off_graph = (pack / qnn.EMBED_DIR).is_dir()
@@ -125,6 +142,7 @@ def run(ctx: StageContext) -> dict:
         "qnn_sdk": qnn.sdk_version(),
         "max_graph_bytes": int(target.get("max_graph_bytes") or 2**31),
         "backend": "onnxruntime-qnn HTP backend (libQnnHtp), plugin EP, CPU fallback disabled",
+        "genie": genie,
         "embedding": ({"dir": qnn.EMBED_DIR, **{k: embedding[k] for k in ("model", "bits", "block_size", "bytes",
                                                                         "input", "output", "op")}}
                       if off_graph else {"in_graph": True}),

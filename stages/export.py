@@ -5,6 +5,10 @@ a call over the same weights and KV layout.
 The artifact (ctx.out) is self-contained: `model.onnx`, `io.json` (inputs,
 outputs, per-layer cache sizes and slot rules; see pipeline/graphs/decode_graph.py),
 plus the checkpoint's `config.json`, generation config and tokenizer files.
+
+With export.genie (a phone's default), `genie/` beside them: the same graphs in the I/O form Qualcomm's
+Genie runtime feeds (decode_graph.export_genie_step), where the model has that form; where it has not
+(sliding layers, two rotary tables) the stage says why and `graph.genie` records it.
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ TOOLCHAIN = ("torch", "transformers", "onnx", "onnxscript", "onnxruntime")
 MEMORY_KEYS = ("export.context_length",)  # the settings that size its memory (named when the kernel kills it)
 
 MIN_OPSET = 18  # the dynamo exporter's floor
+GENIE_DIR = "genie"  # the Genie-form graphs, beside ours
 
 
 def run(ctx: StageContext) -> dict:
     from pipeline.sources.checkpoint_files import copy_side_files
-    from pipeline.graphs.decode_graph import DecodeGraphError, export_decode_step
+    from pipeline.graphs.decode_graph import DecodeGraphError, export_decode_step, export_genie_step
 
     src = Path(ctx.inputs["untie_head"])
     if not (src / "config.json").is_file():
@@ -56,6 +61,21 @@ def run(ctx: StageContext) -> dict:
                                          mask_value=mask_value, prompt_tokens=prompt_tokens)
     except DecodeGraphError as err:
         raise StageError(f"export: {err}") from None
+
+    genie = None
+    if cfg.get("genie"):
+        try:
+            # the token graph only: the pack stage builds no Genie-form prompt graph yet (Genie runs a prompt
+            # through the token graph, a token a call), so exporting one would be work for nothing
+            with ctx.progress(None, "the decode step in Genie's I/O form (genie/)"):
+                g = export_genie_step(src, Path(ctx.out) / GENIE_DIR, context_length=context_length, opset=opset)
+        except DecodeGraphError as err:
+            genie = {"built": False, "why": str(err)}
+            ctx.log(f"Genie form not built: {err}")
+        else:
+            genie = {"built": True, "dir": GENIE_DIR, "bytes": g["bytes"], "prompt_bytes": g["prompt_bytes"],
+                     "context_length": context_length, "export_s": g["export_s"]}
+            ctx.log(f"{GENIE_DIR}/model.onnx (Genie's form) {g['bytes'] / 1e6:.1f} MB, {g['export_s']} s")
 
     # config and tokenizer travel with the graph, so the artifact serves on its own
     copied = copy_side_files(src, Path(ctx.out))
@@ -92,6 +112,8 @@ def run(ctx: StageContext) -> dict:
     if prompt_tokens:
         graph["prompt"] = {"file": io["prompt"]["file"], "tokens": prompt_tokens, "bytes": summary["prompt_bytes"],
                            "masks": io["prompt"]["masks"]}
+    if genie is not None:
+        graph["genie"] = genie
     ctx.log(f"model.onnx {summary['bytes'] / 1e6:.1f} MB, {summary['nodes']} nodes, {summary['export_s']} s")
     return {
         "graph": graph,

@@ -666,6 +666,148 @@ def _prompt_float(export_dir: Path, float_dir: Path, C: int, embedding_out: bool
             {"overrides": overrides, "float_nodes": float_nodes})
 
 
+GENIE_DIR = "genie"  # the export's Genie-form graphs (stages/export.py), and this stage's of them
+# The inputs Genie's engine writes as codes into a quantized graph (pipeline/runtimes/genie_feed.py)
+GENIE_WRITES = ("inputs_embeds", "attention_mask", "position_ids_cos", "position_ids_sin")
+
+
+def _genie_float(export_dir: Path, out: Path, C: int, factor: int, want: list, check: list[int], embed,
+                 embedding: dict | None, cfg) -> tuple[dict, dict | None]:
+    """The export's Genie-form token graph (genie/, decode_graph.export_genie_step) made QNN-ready as ours
+    was (prepare, the embedding's lookup out, the residual stream divided by the same `factor`), saved as
+    genie/float/, and checked against the export's decode steps `want` over `check`, fed as Genie feeds it
+    (pipeline/runtimes/genie_feed.py): ({graph, worst_snr_db}, what its QDQ graph takes: overrides, float
+    nodes); ({built: false, why}, None) where there is none to build."""
+    import gc
+
+    import numpy as np
+    import onnx
+
+    from pipeline.graphs import npu_rewrite
+    from pipeline.graphs.decode_graph import GENIE_ATTEND, GENIE_MASKED, snr_db
+    from pipeline.runtimes.genie_feed import GenieFeedDecoder
+    from pipeline.sources.tensorfile import load_onnx
+
+    src = export_dir / GENIE_DIR
+    if not (src / "io.json").is_file():
+        return {"built": False, "why": "the export wrote no Genie form (export.genie=false, or the model has none: "
+                                       "the export stage's graph.genie says why)"}, None
+    if embedding is None:
+        return {"built": False, "why": "pack.qnn_embedding=graph: Genie feeds inputs_embeds from its LUT, so its "
+                                       "form takes the embedding off the graph (pack.qnn_embedding=int8)"}, None
+    gio = json.loads((src / "io.json").read_text())
+    try:
+        graph, _ = npu_rewrite.prepare(load_onnx(src / "model.onnx"), position="position", context_length=C)
+        overrides = npu_rewrite.embedding_ranges(graph)
+        float_nodes, _, _ = _float_islands(graph, cfg)
+        graph, _ = _embedding_out(graph, overrides)
+        if factor > 1:
+            muls = npu_rewrite.scale_residual(graph, factor)["muls"]
+            float_nodes += muls if str(cfg.qnn_residual) == "fp16" else []
+    except npu_rewrite.RewriteError as err:
+        raise StageError(f"pack: the export's Genie-form graph cannot be made QNN-ready: {err}") from None
+    # The inputs Genie writes, at their full ranges (the calibration's positions and masks may not reach
+    # them): the rotary tables within +-their scaling, the mask from its masked value to its attend value.
+    s = float(gio["rope"]["attention_scaling"])
+    overrides.update({t: [{"rmin": np.float32(-s), "rmax": np.float32(s)}]
+                      for t in ("position_ids_cos", "position_ids_sin")})
+    overrides["attention_mask"] = [{"rmin": np.float32(GENIE_MASKED), "rmax": np.float32(GENIE_ATTEND)}]
+    fdir = out / GENIE_DIR / "float"
+    fdir.mkdir(parents=True)
+    onnx.save(graph, str(fdir / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="model.onnx.data", size_threshold=1024)
+    del graph
+    gc.collect()
+    (fdir / "io.json").write_text(json.dumps(_phone_io(gio, embedding, "../../"), indent=2) + "\n")
+    dec = GenieFeedDecoder(fdir, threads=2, embed=embed)
+    worst = min(snr_db(w, dec.step(t)) for w, t in zip(want, check))
+    del dec
+    if worst < QNN_CHECK_MIN_SNR_DB:
+        raise StageError(f"pack: the QNN-ready Genie-form graph departs from the export ({worst:.1f} dB at worst "
+                         f"over {len(check)} steps, needs {QNN_CHECK_MIN_SNR_DB:g}): a rewrite is wrong")
+    return ({"graph": f"{GENIE_DIR}/float/model.onnx", "worst_snr_db": worst, "steps": len(check)},
+            {"overrides": overrides, "float_nodes": float_nodes})
+
+
+def _genie_qdq(ctx, out: Path, p: str, float_facts: dict, quant: dict, seqs: list, stride: int,
+               cal_dir: Path) -> dict:
+    """The deployed precision's graph in Genie's form: the QNN-ready float graph (_genie_float) quantized as
+    ours was (its own calibration, fed as Genie feeds it; the same weight codes, checked), then its boundary
+    in the types Genie writes and reads (pipeline/graphs/genie_io.py: uint16 inputs and KV outputs, each
+    KV pair one encoding), and run on the CPU EP fed as Genie feeds it against our QDQ graph of the same
+    precision: genie/<p>/model.onnx, genie/io.json (with the boundary's encodings); its facts."""
+    import gc
+    import shutil
+
+    import numpy as np
+    import onnx
+
+    from pipeline.graphs import genie_io, qnn
+    from pipeline.graphs.decode_graph import snr_db
+    from pipeline.runtimes.genie_feed import GenieFeedDecoder
+
+    fdir = out / GENIE_DIR / "float"
+    dst = out / GENIE_DIR / p
+    dst.mkdir()
+    spill = out / GENIE_DIR / ".calibration_samples"
+    try:
+        dec = GenieFeedDecoder(fdir, threads=2)
+        n = sum(len(q) for q in seqs)
+        with ctx.progress(n, "Genie form: QDQ calibration, decode steps fed as Genie feeds them") as bar:
+            paths = qnn.spill_samples(qnn.decode_samples(dec, seqs, stride, advance=bar.advance), spill)
+        del dec
+        gc.collect()
+        facts = _qdq_graph(ctx, p, fdir / "model.onnx", dst / "model.onnx", paths, quant["overrides"],
+                           quant["float_nodes"], cal_dir, what="Genie's form")
+    finally:
+        shutil.rmtree(spill, ignore_errors=True)
+    differ = qnn.same_weights(out / p / "model.onnx", out / "float" / "model.onnx", dst / "model.onnx",
+                              fdir / "model.onnx")
+    if differ:
+        raise StageError(f"pack: the Genie-form {p} graph's weights are not the deployed graph's ({len(differ)} "
+                         f"differ, first {differ[0]})")
+    structure = onnx.load(str(dst / "model.onnx"), load_external_data=False)
+    try:
+        # the inputs Genie writes, at the ranges their quantization was given, where only float islands read them
+        ranges = {t: (float(o[0]["rmin"]), float(o[0]["rmax"])) for t, o in quant["overrides"].items()
+                  if t in GENIE_WRITES and "rmin" in o[0]}
+        structure, enc = genie_io.quantized_boundary(structure, ranges=ranges)
+        missed = [t for t in GENIE_WRITES if t not in enc]
+        if missed:
+            raise genie_io.BoundaryError(f"{missed} left float: Genie writes them as codes")
+        gio = json.loads((fdir / "io.json").read_text())
+        tied = genie_io.tie_kv(structure, enc, int(gio["n_layers"]))
+    except genie_io.BoundaryError as err:
+        raise StageError(f"pack: the Genie-form {p} graph's boundary: {err}") from None
+    onnx.save(structure, str(dst / "model.onnx"))  # the structure only: its data file is unchanged
+    del structure
+    dtypes = {v["name"]: v for v in gio["inputs"] + gio["outputs"]}
+    for name, e in enc.items():
+        dtypes[name]["dtype"] = e["dtype"]
+    # one folder up from genie/float/: the embedding model's path one ../ shorter
+    gio = {**gio, "boundary": enc,
+           "embedding": {**gio["embedding"], "model": gio["embedding"]["model"].removeprefix("../")}}
+    (out / GENIE_DIR / "io.json").write_text(json.dumps(gio, indent=2) + "\n")
+    # what the Genie form computes against our deployed graph, both on the CPU EP's QDQ arithmetic, over
+    # the first calibration sequence's first steps
+    steps = seqs[0][:QNN_CHECK_STEPS]
+    ours = qnn.cpu_qdq_decoder(out, f"{p}/model.onnx")
+    a = [ours.step(t) for t in steps]
+    del ours
+    genie = GenieFeedDecoder(out / GENIE_DIR, threads=2, model_file=f"{p}/model.onnx", config=qnn.CPU_QDQ_CONFIG)
+    b = [genie.step(t) for t in steps]
+    del genie
+    agree = float(np.mean([int(np.argmax(x)) == int(np.argmax(y)) for x, y in zip(a, b)]))
+    snr = snr_db(np.stack(a), np.stack(b))
+    ctx.log(f"Genie form ({p}): the boundary uint16 ({len(enc)} tensors, {tied} KV pairs given one encoding "
+            f"over both ranges), against our {p} graph over {len(steps)} steps: {snr:.1f} dB, top-1 {agree:.3f}")
+    return {"built": True, "precision": p, "graph": f"{GENIE_DIR}/{p}/model.onnx", "io": f"{GENIE_DIR}/io.json",
+            "float": float_facts, "quantize": facts, "boundary": enc, "kv_scales_tied": tied,
+            "against_ours": {"precision": p, "steps": len(steps), "snr_db": snr, "top1_agreement": agree,
+                             "feed": "as Genie's engine feeds it (pipeline/runtimes/genie_feed.py), CPU EP QDQ"},
+            "prompt": "not built: Genie runs a prompt through the token graph, a token a call"}
+
+
 def _phone_io(io: dict, embedding: dict | None, up: str = "") -> dict:
     """The export's io.json for a phone graph: with the embedding off the graph, `input_ids` is
     replaced by `inputs_embeds` and "embedding" names the lookup's model (relative to the io.json)."""
@@ -814,6 +956,15 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
                              f"{QNN_CHECK_MIN_SNR_DB:g}): a rewrite is wrong")
         ctx.log(f"QNN-ready prompt graph matches the export's decode steps: worst chunk end "
                 f"{prompt['worst_snr_db']:.1f} dB over {prompt['chunks']} calls of at most {io['prompt']['tokens']} tokens")
+    genie_float, genie_quant = ({"built": False, "why": "no QDQ precision asked (pack.qnn_precisions): Genie writes "
+                                                        "a quantized inputs_embeds"}, None)
+    if qdq:
+        with ctx.progress(None, "the Genie-form token graph made QNN-ready"):
+            genie_float, genie_quant = _genie_float(export_dir, out, C, scaled["factor"], want, check, embed,
+                                                    embedding, cfg)
+        if genie_quant is not None:
+            ctx.log(f"QNN-ready Genie-form graph matches the export: worst step {genie_float['worst_snr_db']:.1f} dB "
+                    f"over {len(check)} steps, fed as Genie feeds it")
     # The calibration sees what the device will feed: the shipped lookup's rows.
     del want, table, embed
     gc.collect()
@@ -919,6 +1070,17 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
             shutil.rmtree(out / p)
             del graphs[p]
     precisions = selection["kept"]
+    deployed = selection["deployed"]
+    genie = genie_float
+    if genie_quant is not None and deployed in ("w8a16", "w4a16"):
+        genie = _genie_qdq(ctx, out, deployed, genie_float, genie_quant, seqs, stride, cal_dir)
+    elif genie_quant is not None:
+        shutil.rmtree(out / GENIE_DIR)  # its float graph, made for nothing
+        genie = {"built": False, "why": f"{deployed} ships, whose Genie form is not built: "
+                                        + ("Genie writes a quantized inputs_embeds" if deployed == "fp16"
+                                           else "the per-part mix (pack.qnn_mix_groups) is not assembled in it yet")}
+    if not genie["built"]:
+        ctx.log(f"Genie form not built: {genie['why']}")
     info = {"format": "edgekiln-qnn-pack/1", "precisions": precisions, "deployed": selection["deployed"],
             "selection": selection,
             "graphs": graphs, "rewrites": rewrites, "rewrite_check": {"steps": len(check), "worst_snr_db": worst},
@@ -936,7 +1098,8 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
                 "note": "two graphs, two binaries: no weight sharing in one context yet (on disk, each prompt "
                         "graph reads its weights from its token graph's data file)"},
             "embedding": embedding or {"in_graph": True, "note": "pack.qnn_embedding=graph: the table is in the "
-                                                                  "binaries, a Gather the HTP runs"}}
+                                                                  "binaries, a Gather the HTP runs"},
+            "genie": genie}
     (out / "npu.json").write_text(json.dumps(info, indent=2, default=float) + "\n")
     size = sum(f.stat().st_size for f in out.rglob("*.onnx*"))
     return {**info, "bytes": size}

@@ -89,6 +89,12 @@ def ctx(stage: str, out: Path, cfg: dict, inputs: dict) -> StageContext:
     return StageContext(stage=stage, build="t", cfg=OmegaConf.create(cfg), inputs=inputs, out=out)
 
 
+# The families whose graphs have Genie's I/O form (decode_graph.build_genie_step): no sliding layers, one
+# rotary table. Mistral's window binds every layer, Gemma 2 and 3 slide (Gemma 3 has two tables too), and
+# so does this module's Qwen2 (use_sliding_window, for a short sequence to pass its window).
+GENIE_FAMILIES = {"llama", "qwen3", "phi3", "smollm3", "granite"}
+
+
 def decode(runtime, tokens=TOKENS) -> np.ndarray:
     runtime.reset()
     return np.stack([runtime.step(t) for t in tokens])
@@ -148,7 +154,8 @@ class Builds:
             # with a prompt graph of 8 tokens a call (longer than the ring of 7): every family's phone pack
             # builds, checks and quantizes it beside the token graph
             export.run(ctx("export", base / "export", {"export": {"context_length": 32, "opset": 21,
-                                                                  "mask_value": -100.0, "prompt_tokens": 8}},
+                                                                  "mask_value": -100.0, "prompt_tokens": 8,
+                                                                  "genie": True}},
                            {"untie_head": base / "untied"}))
         return base / "export"
 
@@ -825,4 +832,25 @@ def test_every_familys_phone_binaries_compile_and_run_on_the_htp(builds, family,
     assert w8 > 20.0 and top1(export, got["w8a16"]) >= 0.85, (w8, top1(export, got["w8a16"]))
     print(f"{family}: HTP fp16 {fp16:.1f} dB (top-1 {top1(export, got['fp16']):.2f}), "
           f"w8a16 {w8:.1f} dB (top-1 {top1(export, got['w8a16']):.2f})")
+    # The w8a16 token graph in Genie's I/O form (where the family has it: no sliding layers, one rotary
+    # table), its binary fed as Genie's engine feeds it (codes in, KV codes copied in place)
+    from pipeline.graphs import genie_io
+    from pipeline.runtimes import genie
+    from pipeline.runtimes.genie_feed import GenieFeedDecoder
+
+    g = info["genie"]
+    assert g["built"] == (family in GENIE_FAMILIES), g
+    if not g["built"]:
+        assert g["why"]
+        return
+    gio = json.loads((comp / "genie" / "io.json").read_text())
+    assert genie._io_gaps(gio) == [] and genie_io.untied(gio["boundary"], gio["n_layers"]) == []
+    assert gio["inputs"][0] == {"name": "inputs_embeds", "shape": [1, 1, gio["inputs"][0]["shape"][-1]],
+                                "dtype": "uint16"}
+    session = qnn.htp_session(comp / g["dir"] / qnn.CONTEXT_MODEL, info["target"], g["precision"])
+    fed = decode(GenieFeedDecoder(comp / "genie", session=session, model_file=None))
+    gw8 = snr_db(export, fed)
+    assert gw8 > 20.0 and top1(export, fed) >= 0.85, (gw8, top1(export, fed))
+    print(f"{family}: HTP w8a16 in Genie's form, fed as Genie feeds it: {gw8:.1f} dB (top-1 {top1(export, fed):.2f}), "
+          f"against ours {snr_db(got['w8a16'], fed):.1f} dB")
 

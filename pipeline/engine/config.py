@@ -261,11 +261,13 @@ def _model_defaults(c: dict, where, refuse: bool):
 
 def _device_defaults(c: dict) -> None:
     """The null settings that follow the device: export.prompt_tokens, a phone's qnn.prompt_tokens (at most
-    the context: a chunk longer than the context could never be filled)."""
+    the context: a chunk longer than the context could never be filled); export.genie, true on a phone."""
     if c["export"].get("prompt_tokens") is None:
         qnn = c["device"].get("qnn") or {}
         tokens = int(qnn.get("prompt_tokens") or 0) if c["device"].get("accelerator") == "qnn_htp" else 0
         c["export"]["prompt_tokens"] = min(tokens, int(c["export"]["context_length"]))
+    if c["export"].get("genie", None) is None:
+        c["export"]["genie"] = c["device"].get("accelerator") == "qnn_htp"
 
 
 def _facts(c: dict):

@@ -98,6 +98,11 @@ class ExportConfig:
     # Tokens a call of the prompt graph exported beside the decode step (prompt.onnx; 0: none).
     # null: the device's qnn.prompt_tokens on a phone, else 0 (the CPU devices' graphs take a prompt whole).
     prompt_tokens: Optional[int] = None
+    # The token graph (and the prompt graph) also in the I/O form Qualcomm's Genie runtime feeds
+    # (genie/: pipeline/graphs/decode_graph.py "Genie's form"), which the phone's pack and compile_qnn
+    # then build for its Genie bundle, where the model has the form (no sliding layers, one rotary
+    # table: else the export says why and builds ours only). null: true on a phone, else false.
+    genie: Optional[bool] = None
 
 
 @dataclass

@@ -45,6 +45,23 @@ Shared by `export`, `verify_parity` and the benchmark stages. Two pieces:
     new_key_i / new_value_i [1, n_kv, T, head_dim], the runtime writing each real
     row into its slot.
 
+- `build_genie_step(hf_model, context_length, tokens)`: the same layers in the I/O form Qualcomm's
+  Genie runtime feeds a graph (its HTP engine's validator and feeding, read in the Genie sources the
+  QAIRT SDK ships: qualla/engines/qnn-htp/nsp-model.cpp, attention-mask.cpp; pipeline/runtimes/genie.py):
+
+  * inputs: input_ids int32 [1, T]; attention_mask [1, 1, T, CL] (columns: the past's CL - T entries,
+    then the call's own T tokens; Genie writes 0 where a token may attend and -1000 elsewhere into a
+    float mask, 0xffff / 0 into a quantized one); position_ids_cos / position_ids_sin [1, 1, T, rot/2]
+    (Genie computes the rotary tables, half their width, from rope-theta); past_key_i_in
+    [1, n_kv, head_dim, CL - T] (keys transposed) and past_value_i_in [1, n_kv, CL - T, head_dim];
+  * outputs: logits [1, T, vocab] (every row: Genie pads a short call at the end and reads the last real
+    row), past_key_i_out [1, n_kv, head_dim, T], past_value_i_out [1, n_kv, T, head_dim]: Genie's
+    engine writes them into the _in buffers itself (pipeline/runtimes/genie_feed.py does as it does);
+  * CL is `context_length`, one for the token graph (T = 1) and the prompt graph alike, so the past is
+    CL - T long: Genie's layout, not the shared cache of the form above.
+  Refused where Genie's engine would need what is not built: sliding layers (Genie's cache groups) and
+  more than one rotary table (Gemma 3's two bases).
+
 - `export_decode_step(...)`: the module to `model.onnx` (dynamo exporter, static
   shapes) plus `io.json` describing inputs, outputs and per-layer slot rules; with
   `prompt_tokens` > 1 the prompt graph beside it (`prompt.onnx`, io.json "prompt").
@@ -73,6 +90,10 @@ IO_VERSION = 1
 _STATIC_ROPE = set(families.STATIC_ROPE)
 _EXTERNAL_DATA_BYTES = int(1.5e9)
 PROMPT_MODEL = "prompt.onnx"
+# Genie's form (the module docstring): its inputs before the KV, and the values its engine writes into a float
+# attention mask (nsp-model.cpp: 0 where a token may attend, -1000 elsewhere).
+GENIE_INPUTS = ("input_ids", "attention_mask", "position_ids_cos", "position_ids_sin")
+GENIE_ATTEND, GENIE_MASKED = 0.0, -1000.0
 
 
 class DecodeGraphError(ValueError):
@@ -205,6 +226,29 @@ def build_prompt_step(hf_model, context_length: int, tokens: int, mask_value: fl
     return _step_module(hf_model, context_length, mask_value, "ring", tokens=tokens)
 
 
+def build_genie_step(hf_model, context_length: int, tokens: int = 1):
+    """The step module in the I/O form Qualcomm's Genie feeds (the module docstring, "Genie's form"):
+    `tokens` a call (1: the token graph, AR-1; more: a prompt graph, AR-N) over a context of
+    `context_length` (Genie's CL), keys transposed, masks and rotary tables as inputs."""
+    if not 1 <= tokens < context_length:
+        raise DecodeGraphError(f"a Genie-form graph takes 1 to context_length - 1 tokens a call, got {tokens}")
+    return _step_module(hf_model, context_length, GENIE_MASKED, "ring", tokens=tokens, genie=True)
+
+
+def _genie_plan(plan: list[dict[str, Any]], rope: dict, context_length: int, tokens: int) -> list[dict[str, Any]]:
+    """Genie's form of the layer plan: every layer's past `context_length - tokens` entries long (Genie's
+    past = CL - AR), slot = the token's index; refused where Genie's engine would not feed the graph."""
+    rings = [p["index"] for p in plan if p["ring"] or p["window"]]
+    if rings:
+        raise DecodeGraphError(f"Genie's form: layers {rings} slide over a window, which Genie's engine serves as a "
+                               "KV cache group of their own (engine cache-groups), not built here; such a model's "
+                               "phone build keeps the ring")
+    if len(rope) > 1:
+        raise DecodeGraphError(f"Genie's form: {len(rope)} rotary tables ({', '.join(sorted(rope))}); Genie's engine "
+                               "computes one from its rope-theta")
+    return [{**p, "cache_len": context_length - tokens, "slot_rule": "position"} for p in plan]
+
+
 def mask_inputs(plan: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     """The prompt graph's mask inputs: {name: {cache_len, ring}}, one per kind of layer the plan has
     (full layers' `mask_full`, sliding rings' `mask_ring`), in input order."""
@@ -216,7 +260,8 @@ def mask_inputs(plan: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     return dict(sorted(masks.items()))
 
 
-def _step_module(hf_model, context_length: int, mask_value: float, sliding_layout: str, tokens: int):
+def _step_module(hf_model, context_length: int, mask_value: float, sliding_layout: str, tokens: int,
+                 genie: bool = False):
     import torch
     from torch import nn
 
@@ -231,6 +276,8 @@ def _step_module(hf_model, context_length: int, mask_value: float, sliding_layou
 
     plan = layer_plan(cfg, context_length, sliding_layout)
     rope = _rope_tables(hf_model, context_length)
+    if genie:
+        plan = _genie_plan(plan, rope, context_length, tokens)
     family = families.of_config(cfg)
     rotary = families.rotary_layers(cfg)
     mult = families.multipliers(cfg)
@@ -270,7 +317,8 @@ def _step_module(hf_model, context_length: int, mask_value: float, sliding_layou
             self.residual_multiplier = mult.get("residual_multiplier")
             self.logits_scaling = mult.get("logits_scaling")
             self.tokens = tokens
-            self.masks = mask_inputs(plan) if tokens > 1 else {}
+            self.genie = genie
+            self.masks = mask_inputs(plan) if tokens > 1 and not genie else {}
 
         @staticmethod
         def _rotate(x, cos, sin):
@@ -283,6 +331,13 @@ def _step_module(hf_model, context_length: int, mask_value: float, sliding_layou
             return torch.cat((xr * cos + torch.cat((-x2, x1), dim=-1) * sin, xp), dim=-1)
 
         def forward(self, input_ids, position, *rest):
+            if self.genie:  # (input_ids, attention_mask, position_ids_cos, position_ids_sin, *past)
+                mask, cos, sin = position, rest[0], rest[1]
+                cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # halves -> [1, 1, T, rot]
+                if self.tokens > 1:  # rows (group member, token), as the scores' rows; one row broadcasts as it is
+                    mask = mask.repeat(1, 1, self.group, 1)
+                return self._layers(input_ids, None, {(p["cache_len"], p["ring"], p["window"]): mask
+                                                      for p in self.plan}, rest[2:], trig={"default": (cos, sin)})
             if self.tokens > 1:  # the prompt graph: its masks are inputs, one per kind of layer
                 masks = dict(zip(self.masks, rest))
                 return self._layers(input_ids, position, {
@@ -306,7 +361,7 @@ def _step_module(hf_model, context_length: int, mask_value: float, sliding_layou
                 masks[key] = torch.cat((invalid.to(torch.float32) * self.mask_value, zero))  # [cache_len + 1]
             return masks
 
-        def _layers(self, input_ids, position, masks, past):
+        def _layers(self, input_ids, position, masks, past, trig=None):
             """Every layer over T = self.tokens tokens (T = 1: the decode step's ops exactly; T > 1: the
             prompt graph's, each mask [T, cache_len + T] with rows in token order). At most 4-D tensors:
             the HTP's ops are specified to rank 4."""
@@ -314,13 +369,14 @@ def _step_module(hf_model, context_length: int, mask_value: float, sliding_layou
             h = self.embed_tokens(input_ids)  # [1, T, H]
             if self.embedding_multiplier is not None:
                 h = h * self.embedding_multiplier
-            pos_f = position.to(torch.float32)  # [T]
-            trig = {}
-            for key in self.rope_scale:
-                freqs = pos_f[:, None] * getattr(self, f"inv_freq_{key}")[None, :]  # [T, rot/2]
-                emb = torch.cat((freqs, freqs), dim=-1)  # [T, rot]
-                trig[key] = (emb.cos() * self.rope_scale[key], emb.sin() * self.rope_scale[key])
-            if T > 1:  # query rows are (kv head, group member, token): each group member sees its token's mask
+            if trig is None:  # from `position` (Genie's form takes the tables as inputs)
+                pos_f = position.to(torch.float32)  # [T]
+                trig = {}
+                for key in self.rope_scale:
+                    freqs = pos_f[:, None] * getattr(self, f"inv_freq_{key}")[None, :]  # [T, rot/2]
+                    emb = torch.cat((freqs, freqs), dim=-1)  # [T, rot]
+                    trig[key] = (emb.cos() * self.rope_scale[key], emb.sin() * self.rope_scale[key])
+            if T > 1 and not self.genie:  # query rows are (kv head, group member, token): each member sees its token's mask
                 masks = {key: m.repeat(self.group, 1) for key, m in masks.items()}
             new_kv = []
             for p in self.plan:
@@ -348,11 +404,17 @@ def _step_module(hf_model, context_length: int, mask_value: float, sliding_layou
                     cos, sin = trig[self.rope_key[i]]
                     q = self._rotate(q, cos, sin)
                     k = self._rotate(k, cos, sin)
+                if self.genie:  # keys kept transposed: [1, nkv, hd, L] in, [1, nkv, hd, T] out
+                    # one token: the same bytes, a Reshape (where the layer has no rotary the exporter joins the
+                    # two transposes into one of perm [0, 2, 3, 1], which the HTP refuses: SmolLM3's NoPE layers)
+                    k = k.reshape(1, self.n_kv, self.head_dim, 1) if T == 1 else k.transpose(2, 3)
+                    keys_t = torch.cat((past_k, k), dim=3)  # [1, nkv, hd, L+T]
+                else:
+                    keys_t = torch.cat((past_k, k), dim=2).transpose(2, 3)  # [1, nkv, L+T, hd] -> [.., hd, L+T]
                 new_kv += [k, v]
-                keys = torch.cat((past_k, k), dim=2)  # [1, nkv, L+T, hd]
                 values = torch.cat((past_v, v), dim=2)
                 qg = q.reshape(1, self.n_kv, self.group * T, self.head_dim) * attn.scaling
-                scores = torch.matmul(qg, keys.transpose(2, 3))  # [1, nkv, group*T, L+T]
+                scores = torch.matmul(qg, keys_t)  # [1, nkv, group*T, L+T]
                 softcap = self.attn_softcap[i]
                 if softcap is not None:
                     scores = torch.tanh(scores / softcap) * softcap
@@ -373,7 +435,7 @@ def _step_module(hf_model, context_length: int, mask_value: float, sliding_layou
                     h = residual + o
                     h = h + layer.mlp(layer.post_attention_layernorm(h))
             h = self.norm(h)
-            if T > 1:  # the prompt graph's logits: its last row only (a runtime pads a short chunk in front).
+            if T > 1 and not self.genie:  # the prompt graph's logits: its last row only (a runtime pads a short chunk in front).
                 # Cut after the final norm: the residual stream's readers stay Adds and norms, which the
                 # phone's rewrite needs to carry it scaled (npu_rewrite.scale_residual).
                 h = h[:, -1:, :]
@@ -386,6 +448,14 @@ def _step_module(hf_model, context_length: int, mask_value: float, sliding_layou
 
         def example_inputs(self, position: int = 0):
             T = self.tokens
+            if self.genie:
+                half = rope["default"][0].shape[0]  # rot / 2
+                args = [torch.zeros(1, T, dtype=torch.int32), torch.zeros(1, 1, T, self.plan[0]["cache_len"] + T),
+                        torch.zeros(1, 1, T, half), torch.zeros(1, 1, T, half)]
+                for p in self.plan:
+                    args += [torch.zeros(1, self.n_kv, self.head_dim, p["cache_len"]),
+                             torch.zeros(1, self.n_kv, p["cache_len"], self.head_dim)]
+                return tuple(args)
             args = [torch.zeros(1, T, dtype=torch.int64), torch.arange(position, position + T, dtype=torch.int64)]
             args += [torch.zeros(T, m["cache_len"] + T) for m in self.masks.values()]
             for p in self.plan:
@@ -413,6 +483,16 @@ def io_names(n_layers: int) -> tuple[list[str], list[str]]:
 def prompt_io_names(n_layers: int, masks: dict) -> tuple[list[str], list[str]]:
     ins, outs = io_names(n_layers)
     return ins[:2] + list(masks) + ins[2:], outs
+
+
+def genie_io_names(n_layers: int) -> tuple[list[str], list[str]]:
+    """Genie's tensor names (the module docstring, "Genie's form")."""
+    ins = list(GENIE_INPUTS)
+    outs = ["logits"]
+    for i in range(n_layers):
+        ins += [f"past_key_{i}_in", f"past_value_{i}_in"]
+        outs += [f"past_key_{i}_out", f"past_value_{i}_out"]
+    return ins, outs
 
 
 def _export_module(step, ins: list[str], outs: list[str], onnx_path: Path, opset: int, external: bool):
@@ -480,20 +560,30 @@ def export_decode_step(hf_model_dir, out_dir, context_length: int, opset: int = 
                   "inputs": _values(pgraph.graph.input), "outputs": _values(pgraph.graph.output)}
     t_export = time.perf_counter() - t0
 
-    plan = layer_plan(cfg, context_length)
-    gen_cfg = getattr(model, "generation_config", None)
     io = {
         "version": IO_VERSION,
         "inputs": _values(graph_model.graph.input),
         "outputs": _values(graph_model.graph.output),
-        "layers": [{k: p[k] for k in ("index", "type", "cache_len", "slot_rule")} for p in plan],
+        **_model_facts(model, step, context_length, opset, external),
+        "mask_value": float(mask_value),
+    }
+    if prompt is not None:
+        io["prompt"] = prompt
+    return _written(out_dir, io, graph_model, n_bytes, t_export)
+
+
+def _model_facts(model, step, context_length: int, opset: int, external: bool) -> dict[str, Any]:
+    """io.json's facts of the model and the graph, both forms alike."""
+    cfg = _text_config(model.config)
+    gen_cfg = getattr(model, "generation_config", None)
+    return {
+        "layers": [{k: p[k] for k in ("index", "type", "cache_len", "slot_rule")} for p in step.plan],
         "context_length": context_length,
         "vocab_size": cfg.vocab_size,
         "n_layers": cfg.num_hidden_layers,
         "n_kv_heads": cfg.num_key_value_heads,
         "head_dim": step.head_dim,
         "sliding_window": getattr(cfg, "sliding_window", None),
-        "mask_value": float(mask_value),
         "final_logit_softcapping": step.final_softcap,
         "attn_logit_softcapping_applied": step.attn_softcap[0],
         "opset": opset,
@@ -502,13 +592,17 @@ def export_decode_step(hf_model_dir, out_dir, context_length: int, opset: int = 
         "eos_token_id": _id_list(getattr(cfg, "eos_token_id", None), getattr(gen_cfg, "eos_token_id", None)),
         "external_data": external,
     }
-    if prompt is not None:
-        io["prompt"] = prompt
+
+
+def _written(out_dir: Path, io: dict, graph_model, n_bytes: int, t_export: float) -> dict[str, Any]:
+    """io.json written beside the graphs; the export's summary."""
     (out_dir / "io.json").write_text(json.dumps(io, indent=2) + "\n")
     ops: dict[str, int] = {}
     for node in graph_model.graph.node:
         ops[node.op_type] = ops.get(node.op_type, 0) + 1
-    files = [onnx_path] + ([out_dir / "model.onnx.data"] if external else [])
+    onnx_path = out_dir / "model.onnx"
+    prompt_path = out_dir / PROMPT_MODEL
+    files = [onnx_path] + ([out_dir / "model.onnx.data"] if io["external_data"] else [])
     return {
         "onnx": str(onnx_path),
         "io": io,
@@ -520,6 +614,51 @@ def export_decode_step(hf_model_dir, out_dir, context_length: int, opset: int = 
         "param_bytes": n_bytes,
         "export_s": round(t_export, 2),
     }
+
+
+def export_genie_step(hf_model_dir, out_dir, context_length: int, opset: int = 21,
+                      prompt_tokens: int = 0) -> dict[str, Any]:
+    """The checkpoint's token graph in Genie's form (`model.onnx`, AR-1 over a context of `context_length`),
+    with `prompt_tokens` > 1 its prompt graph beside it (`prompt.onnx`, AR-N, every row's logits), and
+    io.json with `"form": "genie"` and the rotary frequencies Genie's engine computes its tables from
+    (pipeline/runtimes/genie_feed.py feeds the graphs as that engine does)."""
+    out_dir = Path(out_dir)
+    t0 = time.perf_counter()
+    model = load_hf_model(hf_model_dir)
+    cfg = _text_config(model.config)
+    step = build_genie_step(model, context_length, 1)  # refused here (DecodeGraphError), before any file
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ins, outs = genie_io_names(cfg.num_hidden_layers)
+    n_bytes = sum(p.numel() * p.element_size() for p in step.parameters())
+    external = n_bytes > _EXTERNAL_DATA_BYTES
+    onnx_path = out_dir / "model.onnx"
+    graph_model = _export_module(step, ins, outs, onnx_path, opset, external)
+    prompt_path = out_dir / PROMPT_MODEL
+    for stale in (prompt_path, prompt_path.with_name(PROMPT_MODEL + ".data")):
+        stale.unlink(missing_ok=True)
+    prompt = None
+    if prompt_tokens > 1:
+        pgraph = _export_module(build_genie_step(model, context_length, prompt_tokens), ins, outs, prompt_path,
+                                opset, external)
+        if external:
+            from pipeline.sources.tensorfile import share_external_data
+
+            share_external_data(onnx_path, prompt_path)
+        prompt = {"file": PROMPT_MODEL, "tokens": prompt_tokens,
+                  "inputs": _values(pgraph.graph.input), "outputs": _values(pgraph.graph.output)}
+    inv_freq, scaling = _rope_tables(model, context_length)["default"]
+    io = {
+        "version": IO_VERSION,
+        "form": "genie",
+        "inputs": _values(graph_model.graph.input),
+        "outputs": _values(graph_model.graph.output),
+        **_model_facts(model, step, context_length, opset, external),
+        "rope": {"inv_freq": [float(x) for x in inv_freq.tolist()], "attention_scaling": scaling},
+        "mask": {"attend": GENIE_ATTEND, "masked": GENIE_MASKED},
+    }
+    if prompt is not None:
+        io["prompt"] = prompt
+    return _written(out_dir, io, graph_model, n_bytes, time.perf_counter() - t0)
 
 
 def _first_id(*cands):
