@@ -618,9 +618,13 @@ def _genie(ctx, comp_dir, info: dict, io: dict) -> dict:
     from pipeline.graphs import qnn
     from pipeline.runtimes import genie
 
-    c = info["compiled"][info["deployed"]]
     e = _off_graph_embedding(info, io)
     embed_model = None if e is None else comp_dir / e["dir"] / e["model"]
+    form = info.get("genie") or {"built": False, "why": "compile_qnn predates the Genie form"}
+    if form["built"]:  # the deployed precision's token graph in Genie's I/O form: its binaries, its io
+        c, io = form, json.loads((comp_dir / form["io"]).read_text())
+    else:
+        c = info["compiled"][info["deployed"]]
     if embed_model is not None:
         ctx.log(f"Genie bundle: writing its embedding LUT ({genie.LUT}, ufixed16) from {e['dir']}/{e['model']}")
     try:
@@ -630,15 +634,19 @@ def _genie(ctx, comp_dir, info: dict, io: dict) -> dict:
             graphs=[g for q in qnn.compiled_parts(c)
                     for g in genie.context_graphs(comp_dir / c["dir"] / q["dir"] / q["context_model"])],
             embed_model=embed_model, prompt_binary="prompt" in c and "prompt" in io)
+        entry["form"] = ({"genie": True, "precision": form["precision"], "io": f"../compile_qnn/{form['io']}"}
+                         if form["built"] else {"genie": False, "why": form["why"]})
     except genie.GenieError as err:
         raise StageError(f"deploy_profile: Genie bundle: {err}") from None
     if "embedding_lut" in entry:
         lut = entry["embedding_lut"]
         ctx.log(f"Genie embedding LUT: {lut['rows']:,} x {lut['size']} {lut['datatype']}, {lut['bytes'] / 1e6:,.1f} MB, "
                 f"{lut['snr_db']} dB from the rows the phone runtime feeds the binaries")
-    ctx.log(f"Genie bundle: {', '.join(entry['files'])} for {info['target']['soc_model']}; UNVERIFIED (no Genie "
-            f"or phone here), {len(entry['missing'])} things Genie needs that our binary lacks, listed in "
-            "qnn.json genie.missing (its I/O and KV conventions, the sliding ring, a prompt graph compiled apart)")
+    what = (f"the {form['precision']} token graph in Genie's I/O form" if form["built"]
+            else f"our {info['deployed']} binary (the Genie form not built: {form['why']})")
+    ctx.log(f"Genie bundle: {', '.join(entry['files'])} for {info['target']['soc_model']}, {what}; UNVERIFIED (no "
+            f"Genie or phone here); {len(entry['missing'])} things Genie needs that it may lack, listed in qnn.json "
+            "genie.missing")
     return entry
 
 

@@ -391,3 +391,71 @@ def test_prompt_graph_takes_the_phone_rewrites(prompt_exported, tmp_path):
     phone = OnnxDecoder(out, threads=1, embed=cut["table"].__getitem__, prompt_file="prompt.onnx")
     assert snr_db(export.prefill(ids), phone.prefill(ids)) > 100.0
     assert snr_db(export.step(7), phone.step(7)) > 100.0
+
+
+# Genie's form (decode_graph.build_genie_step), fed as Genie's engine feeds it (runtimes/genie_feed.py) ----
+
+
+@pytest.fixture(scope="module")
+def genie_exported(tmp_path_factory):
+    from pipeline.graphs.decode_graph import export_genie_step
+
+    arts = {}
+    for name in ("llama", "qwen3"):
+        root = tmp_path_factory.mktemp(f"genie-{name}")
+        _model(name).save_pretrained(root / "hf")
+        export_decode_step(root / "hf", root / "onnx", context_length=24)
+        export_genie_step(root / "hf", root / "genie", context_length=24, prompt_tokens=5)
+        arts[name] = root
+    return arts
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_the_genie_form_fed_as_genie_feeds_it_decodes_as_the_token_graph(genie_exported, name):
+    """Token by token to the last position of the context, then a prompt through the AR-5 graph right-padded
+    (13 tokens: calls of 5, 5, 3), decoding on from the KV it wrote: the same logits as our graph's."""
+    from pipeline.runtimes.genie_feed import GenieFeedDecoder
+
+    root = genie_exported[name]
+    ids = torch.randint(3, VOCAB, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+    tok = OnnxDecoder(root / "onnx")
+    want = np.stack([tok.step(t) for t in ids])
+    dec = GenieFeedDecoder(root / "genie")
+    got = np.stack([dec.step(t) for t in ids])
+    assert snr_db(want, got) > 100.0 and (want.argmax(-1) == got.argmax(-1)).all()
+    with pytest.raises(ContextFull):
+        dec.step(5)
+    pdec = GenieFeedDecoder(root / "genie", prompt_file="prompt.onnx")
+    assert pdec.batched_prefill and pdec.prompt_tokens == 5
+    first = pdec.prefill(ids[:13])
+    assert pdec.calls == {"token": 0, "prompt": 3}
+    assert snr_db(want[12], first) > 100.0
+    after = np.stack([pdec.step(t) for t in ids[13:]])
+    assert snr_db(want[13:], after) > 100.0
+
+
+def test_the_genie_form_meets_the_io_rules_of_genies_engine(genie_exported):
+    """The shapes Genie's validator checks (nsp-model.cpp: Dims from the last three axes), int32 ids, and
+    pipeline/runtimes/genie.py's rules all met: no gap left in the graph's I/O."""
+    from pipeline.runtimes import genie
+
+    io = json.loads((genie_exported["llama"] / "genie" / "io.json").read_text())
+    assert io["form"] == "genie" and genie._io_gaps(io) == []
+    CL, hd, nkv, V = io["context_length"], io["head_dim"], io["n_kv_heads"], io["vocab_size"]
+    rot_half = len(io["rope"]["inv_freq"])
+    for spec, T in ((io, 1), (io["prompt"], 5)):
+        shapes = {v["name"]: (v["shape"], v["dtype"]) for v in spec["inputs"] + spec["outputs"]}
+        assert shapes["input_ids"] == ([1, T], "int32")
+        assert shapes["attention_mask"][0] == [1, 1, T, CL]
+        assert shapes["position_ids_cos"][0] == shapes["position_ids_sin"][0] == [1, 1, T, rot_half]
+        assert shapes["past_key_0_in"][0] == [1, nkv, hd, CL - T] and shapes["past_value_0_in"][0] == [1, nkv, CL - T, hd]
+        assert shapes["past_key_1_out"][0] == [1, nkv, hd, T] and shapes["past_value_1_out"][0] == [1, nkv, T, hd]
+        assert np.prod(shapes["logits"][0]) == T * V  # every row: Genie reads the last real one
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_sliding"])
+def test_the_genie_form_is_refused_where_genie_would_need_a_cache_group(name):
+    from pipeline.graphs.decode_graph import build_genie_step
+
+    with pytest.raises(DecodeGraphError, match="cache group"):
+        build_genie_step(_model(name), context_length=32)

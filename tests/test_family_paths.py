@@ -854,3 +854,46 @@ def test_every_familys_phone_binaries_compile_and_run_on_the_htp(builds, family,
     print(f"{family}: HTP w8a16 in Genie's form, fed as Genie feeds it: {gw8:.1f} dB (top-1 {top1(export, fed):.2f}), "
           f"against ours {snr_db(got['w8a16'], fed):.1f} dB")
 
+
+
+@pytest.mark.slow
+@pytest.mark.optional
+def test_the_genie_bundle_lists_the_genie_form_binary_and_its_lut_feeds_it(builds, tmp_path):
+    """On a family with Genie's I/O form (Phi-3: its LongRoPE too), the deploy profile's Genie bundle lists
+    the Genie-form binary (compile_qnn's genie/), its LUT is written in that binary's inputs_embeds
+    encoding, none of the I/O rules of Genie's engine is missed, and the LUT's codes copied as Genie copies
+    them into the binary, with every other input written as Genie writes it, decode as the export does on
+    the HTP emulation."""
+    reason = _qnn_missing()
+    if reason:
+        pytest.skip(f"onnxruntime-qnn: {reason}")
+    from pipeline.graphs import qnn
+    from pipeline.runtimes import genie
+    from pipeline.runtimes.genie_feed import GenieFeedDecoder
+    from pipeline.runtimes.onnx import OnnxDecoder
+    from stages import compile_qnn, deploy_profile
+
+    family = "phi3"
+    _, pdir, _ = builds.pack(family, "galaxy_s25")
+    comp = tmp_path / "compile_qnn"
+    info = compile_qnn.run(ctx("compile_qnn", comp, {"device": devices.spec_sheet("galaxy_s25")}, {"pack": pdir}))
+    out = tmp_path / "deploy_profile"
+    io = json.loads((comp / "io.json").read_text())
+    entry = deploy_profile._genie(ctx("deploy_profile", out, {}, {"untie_head": builds.checkpoint(family)}),
+                                  comp, info, io)
+    g = info["genie"]
+    assert entry["form"] == {"genie": True, "precision": g["precision"], "io": "../compile_qnn/genie/io.json"}
+    cfg = json.loads((out / genie.CONFIG).read_text())
+    assert cfg["dialog"]["engine"]["model"]["binary"]["ctx-bins"] == [f"../compile_qnn/{g['dir']}/{b}"
+                                                                       for b in g["binaries"]]
+    gio = json.loads((comp / "genie" / "io.json").read_text())
+    lut = entry["embedding_lut"]
+    want = gio["boundary"]["inputs_embeds"]
+    assert lut["quant-param"] == {"scale": want["scale"], "offset": want["offset"]}
+    io_rules = ("first input", "inputs_embeds", "attention_mask", "position_ids", "KV", "key layout", "sliding")
+    assert not [m for m in entry["missing"] if m.startswith(io_rules)], entry["missing"]
+    codes = np.fromfile(out / genie.LUT, dtype="<u2").reshape(lut["rows"], lut["size"])
+    session = qnn.htp_session(comp / g["dir"] / qnn.CONTEXT_MODEL, info["target"], g["precision"])
+    fed = decode(GenieFeedDecoder(comp / "genie", session=session, model_file=None, lut=codes))
+    export = decode(OnnxDecoder(builds.export(family)))
+    assert snr_db(export, fed) > 20.0 and top1(export, fed) >= 0.85, (snr_db(export, fed), top1(export, fed))

@@ -34,6 +34,8 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
+
 CONFIG = "genie_config.json"
 HTP_CONFIG = "htp_backend_ext_config.json"
 TOKENIZER = "tokenizer.json"
@@ -201,7 +203,7 @@ def lut_encoding(lo: float, hi: float) -> tuple[float, int]:
     return scale, int(round(lo / scale))
 
 
-def write_lut(embed_model: Path, out_file: Path) -> dict:
+def write_lut(embed_model: Path, out_file: Path, encoding: dict | None = None) -> dict:
     """Genie's token-embedding table from the build's embedding model (compile_qnn's embed/model.onnx), at
     the width of the 16-bit activations Qualcomm's exports quantize their I/O to: ufixed16 with one scale
     and offset (`quant-param`), row-major
@@ -209,7 +211,9 @@ def write_lut(embed_model: Path, out_file: Path) -> dict:
     GatherBlockQuantized over the build's int codes, exactly what our phone runtime feeds the binaries;
     the model's [1, 1] ids opened to [1, n] to look up LUT_CHUNK ids a call: a row depends on its id
     alone), encoded over the table's range: a first pass finds it, a second writes the codes and measures
-    their error against those rows (the report's `snr_db`, `max_abs_error`).
+    their error against those rows (the report's `snr_db`, `max_abs_error`). With `encoding` (the Genie-form
+    binary's inputs_embeds encoding, {scale, offset}, pipeline/graphs/genie_io.py), the codes are written in
+    it instead, so that Genie's requantization of the LUT into that input is a copy.
 
     Why ufixed16: Genie requantizes a fixed-point LUT into the binary's embedding input, and quantizes a
     float32 one into it (nsp-model.cpp quantizeInput, truncating): either way that input is ufixed8 /
@@ -240,13 +244,17 @@ def write_lut(embed_model: Path, out_file: Path) -> dict:
             yield sess.run(None, {ids.name: ids_})[0].reshape(-1, hidden).astype(np.float64)
 
     lo, hi = np.inf, -np.inf
-    for x in chunks():
-        lo, hi = min(lo, float(x.min())), max(hi, float(x.max()))
-    scale, offset = lut_encoding(lo, hi)
+    if encoding is None:
+        for x in chunks():
+            lo, hi = min(lo, float(x.min())), max(hi, float(x.max()))
+        scale, offset = lut_encoding(lo, hi)
+    else:
+        scale, offset = float(encoding["scale"]), int(encoding["offset"])
     digest, part = hashlib.sha256(), out_file.with_name(out_file.name + ".part")
     sig = err = worst = 0.0
     with open(part, "wb") as f:
         for x in chunks():
+            lo, hi = min(lo, float(x.min())), max(hi, float(x.max()))
             q = np.clip(np.rint(x / scale) - offset, 0, 65535)
             d = x - (q + offset) * scale
             sig, err, worst = sig + float(np.einsum("ij,ij->", x, x)), err + float(np.einsum("ij,ij->", d, d)), \
@@ -337,6 +345,14 @@ def _io_gaps(io: dict) -> list[str]:
     if bad:
         gaps.append(f"KV names: Genie's engine pairs past_<...>key<...>_in with its _out, the layer the first number "
                     f"in the name (qnn-utils.hpp); ours {bad[0]} ... {bad[-1]}")
+    mask = (io.get("boundary") or {}).get("attention_mask")
+    if mask is not None and (np.iinfo(mask["dtype"]).max + mask["offset"]) != 0:
+        gaps.append(f"attention_mask {mask}: Genie's engine writes the code {np.iinfo(mask['dtype']).max} where a token "
+                    "may attend and 0 elsewhere, so the top code must mean 0 (offset = -top)")
+    boundary = io.get("boundary") or {}
+    untied = [n[:-3] for n in kv_in if n.endswith("_in") and boundary.get(n) != boundary.get(n[:-3] + "_out")]
+    if boundary and untied:
+        gaps.append(f"KV encodings: Genie's validator wants each past_*_in and its _out alike; {untied[0]} ... differ")
     key = next((names[n] for n in kv_in if "key" in n), None)
     if key is not None and int(key["shape"][-1]) == int(io["head_dim"]):
         gaps.append(f"key layout: Genie's engine keeps keys transposed, [n_kv, head_dim, len] (values [n_kv, len, "
@@ -380,9 +396,12 @@ def missing(io: dict, graph_names: list[str], *, tokenizer: bool, lut: bool, ext
 def write_bundle(out: Path, *, model_dir: Path, io: dict, target: dict, ctx_bins: list[str],
                  graphs: list[dict], embed_model: Path | None = None, prompt_binary: bool = False) -> dict:
     """Write the bundle's files into `out` (ctx-bins as given, relative to `out`; the embedding LUT from
-    `embed_model` where the binaries take embeddings); the profile's `genie` entry."""
+    `embed_model` where the binaries take embeddings, in their input's encoding where `io` has a quantized
+    boundary, the Genie form's); the profile's `genie` entry."""
     tokens = special_tokens(model_dir)
-    lut = write_lut(embed_model, out / LUT) if embed_model is not None and embed_model.is_file() else None
+    enc = (io.get("boundary") or {}).get(io["inputs"][0]["name"])
+    lut = (write_lut(embed_model, out / LUT, encoding=enc)
+           if embed_model is not None and embed_model.is_file() else None)
     config = json.loads((model_dir / "config.json").read_text())
     encoding, rope_gaps = positional_encoding(config, int(io["head_dim"]))
     logits = next(o for o in io["outputs"] if o["name"] == "logits")

@@ -45,11 +45,13 @@ class GenieFeedDecoder(Runtime):
 
     def __init__(self, artifact_dir, threads: int = 1, providers: Iterable = ("CPUExecutionProvider",), *,
                  model_file: str | None = "model.onnx", prompt_file: str | None = None, session=None,
-                 prompt_session=None, embed=None, config: dict | None = None):
+                 prompt_session=None, embed=None, lut: np.ndarray | None = None, config: dict | None = None):
         """`artifact_dir` holds io.json; the AR-1 graph is `model_file` there or `session` (a compiled context
         binary's: pipeline/graphs/qnn.py), the prompt graph `prompt_file` or `prompt_session`. A graph that
         takes `inputs_embeds` gets `embed(token_id) -> [hidden]` rows (Genie's LUT: the pad rows are the EOS
-        token's, as Genie pads); `config`: session config entries (qnn.CPU_QDQ_CONFIG for a QDQ graph)."""
+        token's, as Genie pads), or with `lut` (the bundle's embedding_lut.bin as [vocab, hidden] codes) the
+        LUT's rows copied as they are, as Genie copies a fixed-point LUT; `config`: session config entries
+        (qnn.CPU_QDQ_CONFIG for a QDQ graph)."""
         import onnxruntime as ort
 
         self.dir = Path(artifact_dir)
@@ -67,7 +69,8 @@ class GenieFeedDecoder(Runtime):
         self.pad_token = int(eos[0] if isinstance(eos, list) else eos)
         self.first = self.io["inputs"][0]["name"]
         lookup = self.io.get("embedding")
-        if self.first == "inputs_embeds" and embed is None:
+        self._lut = lut
+        if self.first == "inputs_embeds" and embed is None and lut is None:
             if lookup is None:
                 raise ValueError(f"{self.dir}: the graph takes inputs_embeds and io.json names no embedding model")
             table = ort.InferenceSession(str(self.dir / lookup["model"]), sess_options=session_options(threads),
@@ -111,6 +114,8 @@ class GenieFeedDecoder(Runtime):
         """The first input for `tokens` right-padded to T: ids (int32), or the embedding rows (codes where
         the boundary is quantized)."""
         padded = list(tokens) + [self.pad_token] * (T - len(tokens))
+        if self._lut is not None:
+            return self._lut[padded][None]
         if self._embed is None:
             return np.asarray(padded, dtype=np.int32)[None]
         rows = np.stack([np.asarray(self._embed(t), dtype=np.float32).reshape(-1) for t in padded])[None]
