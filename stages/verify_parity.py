@@ -993,6 +993,37 @@ def _htp_plan(ctx, dec, runs, budget: int, short: int, others: int, prompt_graph
     return budget, short, plan
 
 
+def _genie_htp(ctx, comp: Path, info: dict, genie: dict, run, prompt, short: int, seconds, cut) -> dict:
+    """The Genie-form binary (compile_qnn's genie/) on the HTP backend, fed as Genie's engine feeds it
+    (pipeline/runtimes/genie_feed.py), over the first prompt's first `short` steps as the other
+    precisions are, gated at the deployed precision's floors (a subset's: top-1 where the steps resolve it)."""
+    from pipeline.graphs import qnn
+    from pipeline.graphs.parts import PartsSession
+    from pipeline.runtimes.genie_feed import GenieFeedDecoder
+
+    p = genie["precision"]
+    name = f"qnn_{p}"
+    ps = qnn.compiled_parts(genie)
+    try:
+        with _timed(seconds, "qnn_genie_load"):
+            sessions = [qnn.htp_session(comp / genie["dir"] / q["dir"] / q["context_model"], info["target"], p)
+                        for q in ps]
+    except Exception as err:  # noqa: BLE001 - ORT's own exception types
+        raise StageError(f"verify_parity: the {p} binary in Genie's form does not load on the HTP backend: "
+                         f"{str(err).strip().splitlines()[-1][:300]}") from None
+    dec = GenieFeedDecoder(comp / "genie", session=sessions[0] if len(sessions) == 1 else PartsSession(sessions, ps),
+                           model_file=None)
+    runs = [cut(run, short - len(run.prompt))]
+    how = f"first prompt, its first {runs[0].steps} steps (parity.qnn_short_steps), fed as Genie's engine feeds it"
+    with _timed(seconds, "qnn_genie"):
+        metrics, per_prompt = _compare(runs, dec, [prompt], [runs[0].prompt], len(runs[0].continuation), ctx,
+                                       f"the {p} binary in Genie's form on the HTP backend")
+    checked = _gate(ctx, name, ctx.cfg.parity.artifact.get(name), metrics, 1, note=f"{name} in Genie's form: {how}",
+                    no_stats="an HTP subset", subset=True)
+    return {"precision": p, "metrics": _finite_metrics(metrics), "run": how, "thresholds": checked,
+            "per_prompt": per_prompt, "runtime": "pipeline/runtimes/genie_feed.py on " + QNN_RUNTIME}
+
+
 def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
                   evaluation: _Evaluation | None = None) -> dict:
     """Each phone precision against the eager fp32 model, gated by
@@ -1106,6 +1137,7 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
     rings = [int(x["slot_rule"].split()[-1]) for x in io["layers"] if x["slot_rule"].startswith("position mod ")]
     results = {}
     order = [info["deployed"]] + [p for p in info["precisions"] if p != info["deployed"]]
+    genie = info.get("genie") or {}  # the deployed token graph in Genie's I/O form, where compile_qnn built it
     for precision in order:
         name = f"qnn_{precision}"
         deployed = precision == info["deployed"]
@@ -1121,7 +1153,8 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
         dec = OnnxDecoder(comp, session=session)
         what = f"{precision} context binary on the HTP backend"
         if deployed:  # the HTP runs' time, bounded: parity.qnn_minutes (MIN_HTP_STEPS says what a cut costs)
-            budget, short, htp_plan = _htp_plan(ctx, dec, teacher[:n], budget, short, len(order) - 1,
+            budget, short, htp_plan = _htp_plan(ctx, dec, teacher[:n], budget, short,
+                                                len(order) - 1 + int(genie.get("built", False)),
                                                 info["compiled"][precision].get("prompt") is not None)
         # its prompt graph, where this precision has one: the same steps a chunk at a time (every segment)
         psession = qnn.open_htp(comp, info, precision, prompt=True)
@@ -1239,8 +1272,11 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
             "kld": stats,
         }
     deployed = results[info["deployed"]]
+    genie_run = _genie_htp(ctx, comp, info, genie, teacher[0], prompts[0], short, seconds, _Cut) \
+        if genie.get("built") else None
     return {
         "path": "qnn_graph", "applies": True, "runtime": QNN_RUNTIME,
+        **({"genie": genie_run} if genie_run else {}),
         "note": (f"{info['target']['device']} ({info['target']['soc_model']}, HTP {info['target']['htp_arch']}), "
                  f"QNN SDK {info['qnn_sdk']}; {info['deployed']}: {deployed['run']}; on the HTP, other precisions "
                  f"over the first prompt's first {short} steps; at most {budget} HTP steps a prompt "

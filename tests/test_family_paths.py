@@ -897,3 +897,48 @@ def test_the_genie_bundle_lists_the_genie_form_binary_and_its_lut_feeds_it(build
     fed = decode(GenieFeedDecoder(comp / "genie", session=session, model_file=None, lut=codes))
     export = decode(OnnxDecoder(builds.export(family)))
     assert snr_db(export, fed) > 20.0 and top1(export, fed) >= 0.85, (snr_db(export, fed), top1(export, fed))
+
+
+@pytest.mark.slow
+@pytest.mark.optional
+def test_verify_parity_gates_the_genie_form_binary_on_the_htp(builds, tmp_path):
+    """verify_parity's run of the Genie-form binary (its `_genie_htp`): fed as Genie feeds it on the HTP
+    emulation against a reference run (here the export's own greedy run), gated at the deployed precision's
+    floors, its figures reported; a binary that decodes wrongly fails the stage."""
+    reason = _qnn_missing()
+    if reason:
+        pytest.skip(f"onnxruntime-qnn: {reason}")
+    from pipeline.engine.context import StageError
+    from pipeline.runtimes.onnx import OnnxDecoder
+    from stages import compile_qnn, verify_parity
+
+    family = "phi3"
+    _, pdir, _ = builds.pack(family, "galaxy_s25")
+    comp = tmp_path / "compile_qnn"
+    info = compile_qnn.run(ctx("compile_qnn", comp, {"device": devices.spec_sheet("galaxy_s25")}, {"pack": pdir}))
+    export = OnnxDecoder(builds.export(family))
+    prompt = list(TOKENS[:4])
+    cont = export.generate_greedy(prompt, 20)
+    export.reset()
+    logits = np.stack([export.step(t) for t in prompt + cont])
+
+    class Run:
+        def __init__(self, prompt, continuation):
+            self.prompt, self.continuation = prompt, continuation
+            self.steps = len(prompt) + len(continuation)
+
+        def logits(self, a, b):
+            return logits[a:b]
+
+    def cut(run, k):
+        return Run(run.prompt, run.continuation[:k])
+
+    parity = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "parity" / "default.yaml"))
+    c = ctx("verify_parity", tmp_path / "vp", {"parity": parity}, {})
+    got = verify_parity._genie_htp(c, comp, info, info["genie"], Run(prompt, cont), "tokens", 24, {}, cut)
+    assert got["precision"] == "w8a16" and got["metrics"]["steps"] == 24
+    assert got["metrics"]["greedy_match"] == 1 and got["metrics"]["top1_agreement"] >= 0.9, got["metrics"]
+    # a reference the binary does not follow (another model's logits): the gate fails the stage
+    logits = -logits
+    with pytest.raises(StageError, match="qnn_w8a16"):
+        verify_parity._genie_htp(c, comp, info, info["genie"], Run(prompt, cont), "tokens", 24, {}, cut)
