@@ -122,9 +122,25 @@ def run(ctx: StageContext) -> dict:
             except qnn.QnnError as err:
                 raise StageError(f"compile_qnn: the Genie form: {err}") from None
         shutil.copy2(pack / genie["io"], out / "genie" / "io.json")
+        prompt = genie.get("prompt") if isinstance(genie.get("prompt"), dict) else None
         genie = {"built": True, "precision": p, "dir": f"genie/{p}", "io": "genie/io.json", **gfacts}
         ctx.log(f"{p} in Genie's form: {gfacts['bytes'] / 1e6:.1f} MB of context binary in {len(gfacts['parts'])} "
                 f"part(s), {gfacts['compile_s']:.1f} s")
+        if prompt is not None:  # its prompt graph, as ours: a binary of its own, shipped without where refused
+            with ctx.progress(None, f"the {p} prompt graph in Genie's form: its context binary"):
+                try:
+                    pfacts = qnn.compile_parts(pack / prompt["graph"], pack / "genie" / "float" / "prompt.onnx",
+                                               out / "genie" / p / "prompt", target, p,
+                                               options=qnn.PROMPT_COMPILE_OPTIONS, ranges=npu["graphs"][p].get("parts"))
+                except qnn.QnnError as err:
+                    shutil.rmtree(out / "genie" / p / "prompt", ignore_errors=True)
+                    genie["prompt_refused"] = str(err)
+                    ctx.log(f"warning: the HTP refused the Genie-form prompt graph ({err}): Genie takes a prompt "
+                            "through the token graph, a token a call")
+                else:
+                    genie["prompt"] = {"dir": f"genie/{p}/prompt", "tokens": prompt["tokens"], **pfacts}
+                    ctx.log(f"{p} prompt graph in Genie's form ({prompt['tokens']} tokens a call): "
+                            f"{pfacts['bytes'] / 1e6:.1f} MB, {pfacts['compile_s']:.1f} s")
     shutil.copy2(pack / "io.json", out / "io.json")
     embedding = npu.get("embedding", {})
     off_graph = (pack / qnn.EMBED_DIR).is_dir()

@@ -627,14 +627,26 @@ def _genie(ctx, comp_dir, info: dict, io: dict) -> dict:
         c = info["compiled"][info["deployed"]]
     if embed_model is not None:
         ctx.log(f"Genie bundle: writing its embedding LUT ({genie.LUT}, ufixed16) from {e['dir']}/{e['model']}")
+    # the Genie form's prompt graph, where the HTP took it: its binaries after the token graph's (Genie tells
+    # the two apart by their tensors' shapes)
+    prompt_bins = [f"../compile_qnn/{form['prompt']['dir']}/{b}" for b in form["prompt"]["binaries"]] \
+        if form["built"] and form.get("prompt") else []
     try:
         entry = genie.write_bundle(
             ctx.out, model_dir=ctx.inputs["untie_head"], io=io, target=info["target"],
-            ctx_bins=[f"../compile_qnn/{c['dir']}/{b}" for b in c["binaries"]],
+            ctx_bins=[f"../compile_qnn/{c['dir']}/{b}" for b in c["binaries"]] + prompt_bins,
             graphs=[g for q in qnn.compiled_parts(c)
                     for g in genie.context_graphs(comp_dir / c["dir"] / q["dir"] / q["context_model"])],
-            embed_model=embed_model, prompt_binary="prompt" in c and "prompt" in io)
-        entry["form"] = ({"genie": True, "precision": form["precision"], "io": f"../compile_qnn/{form['io']}"}
+            embed_model=embed_model, prompt_binary=not form["built"] and "prompt" in c and "prompt" in io)
+        if prompt_bins:
+            entry["missing"].append(
+                "the prompt graph's binary holds its own copy of the weights beside the token graph's (both in "
+                "ctx-bins): Qualcomm's exports link the two over one set of weights, which this host's HTP "
+                "emulation cannot load (docs/phone.md, weight sharing): twice the weights' memory on the phone")
+        entry["form"] = ({"genie": True, "precision": form["precision"], "io": f"../compile_qnn/{form['io']}",
+                          "prompt_graph": ({"tokens": form["prompt"]["tokens"], "ctx_bins": prompt_bins}
+                                           if form.get("prompt") else
+                                           form.get("prompt_refused") or "none: a prompt goes a token a call")}
                          if form["built"] else {"genie": False, "why": form["why"]})
     except genie.GenieError as err:
         raise StageError(f"deploy_profile: Genie bundle: {err}") from None

@@ -65,10 +65,9 @@ def run(ctx: StageContext) -> dict:
     genie = None
     if cfg.get("genie"):
         try:
-            # the token graph only: the pack stage builds no Genie-form prompt graph yet (Genie runs a prompt
-            # through the token graph, a token a call), so exporting one would be work for nothing
-            with ctx.progress(None, "the decode step in Genie's I/O form (genie/)"):
-                g = export_genie_step(src, Path(ctx.out) / GENIE_DIR, context_length=context_length, opset=opset)
+            with ctx.progress(None, f"{what} in Genie's I/O form (genie/)"):
+                g = export_genie_step(src, Path(ctx.out) / GENIE_DIR, context_length=context_length, opset=opset,
+                                      prompt_tokens=prompt_tokens)
         except DecodeGraphError as err:
             genie = {"built": False, "why": str(err)}
             ctx.log(f"Genie form not built: {err}")

@@ -671,22 +671,49 @@ GENIE_DIR = "genie"  # the export's Genie-form graphs (stages/export.py), and th
 GENIE_WRITES = ("inputs_embeds", "attention_mask", "position_ids_cos", "position_ids_sin")
 
 
-def _genie_float(export_dir: Path, out: Path, C: int, factor: int, want: list, check: list[int], embed,
-                 embedding: dict | None, cfg) -> tuple[dict, dict | None]:
-    """The export's Genie-form token graph (genie/, decode_graph.export_genie_step) made QNN-ready as ours
-    was (prepare, the embedding's lookup out, the residual stream divided by the same `factor`), saved as
-    genie/float/, and checked against the export's decode steps `want` over `check`, fed as Genie feeds it
-    (pipeline/runtimes/genie_feed.py): ({graph, worst_snr_db}, what its QDQ graph takes: overrides, float
-    nodes); ({built: false, why}, None) where there is none to build."""
-    import gc
-
+def _genie_ready(src: Path, name: str, C: int, factor: int, scaling: float, cfg):
+    """One Genie-form graph of the export (`name` in genie/) made QNN-ready as ours was: prepare, the
+    embedding's lookup out, the residual stream divided by the same `factor`; (graph, its quantization's
+    overrides and float nodes). The inputs Genie writes get their full ranges, not calibrated ones (the
+    calibration's positions and masks may not reach them): the rotary tables +-their `scaling`, the mask
+    from its masked value to its attend value."""
     import numpy as np
-    import onnx
 
     from pipeline.graphs import npu_rewrite
-    from pipeline.graphs.decode_graph import GENIE_ATTEND, GENIE_MASKED, snr_db
-    from pipeline.runtimes.genie_feed import GenieFeedDecoder
+    from pipeline.graphs.decode_graph import GENIE_ATTEND, GENIE_MASKED
     from pipeline.sources.tensorfile import load_onnx
+
+    try:
+        graph, _ = npu_rewrite.prepare(load_onnx(src / name), position="position", context_length=C)
+        overrides = npu_rewrite.embedding_ranges(graph)
+        float_nodes, _, _ = _float_islands(graph, cfg)
+        graph, _ = _embedding_out(graph, overrides)
+        if factor > 1:
+            muls = npu_rewrite.scale_residual(graph, factor)["muls"]
+            float_nodes += muls if str(cfg.qnn_residual) == "fp16" else []
+    except npu_rewrite.RewriteError as err:
+        raise StageError(f"pack: the export's Genie-form {name} cannot be made QNN-ready: {err}") from None
+    overrides.update({t: [{"rmin": np.float32(-scaling), "rmax": np.float32(scaling)}]
+                      for t in ("position_ids_cos", "position_ids_sin")})
+    overrides["attention_mask"] = [{"rmin": np.float32(GENIE_MASKED), "rmax": np.float32(GENIE_ATTEND)}]
+    return graph, {"overrides": overrides, "float_nodes": float_nodes}
+
+
+def _genie_float(export_dir: Path, out: Path, C: int, factor: int, want: list, check: list[int], embed,
+                 embedding: dict | None, cfg) -> tuple[dict, dict | None]:
+    """The export's Genie-form token graph (genie/, decode_graph.export_genie_step) and its prompt graph
+    where it has one, made QNN-ready (_genie_ready), saved in genie/float/ (the prompt graph's weights read
+    from the token graph's data file), and checked against the export's decode steps `want` over `check`,
+    fed as Genie feeds them (pipeline/runtimes/genie_feed.py; the prompt graph a chunk at a time, each chunk's
+    last row): ({graph, worst_snr_db, prompt}, what their QDQ graphs take: {"token": {overrides, float
+    nodes}, "prompt": ...}); ({built: false, why}, None) where there is none to build."""
+    import gc
+
+    import onnx
+
+    from pipeline.graphs.decode_graph import snr_db
+    from pipeline.runtimes.genie_feed import GenieFeedDecoder
+    from pipeline.sources.tensorfile import share_external_data
 
     src = export_dir / GENIE_DIR
     if not (src / "io.json").is_file():
@@ -696,69 +723,105 @@ def _genie_float(export_dir: Path, out: Path, C: int, factor: int, want: list, c
         return {"built": False, "why": "pack.qnn_embedding=graph: Genie feeds inputs_embeds from its LUT, so its "
                                        "form takes the embedding off the graph (pack.qnn_embedding=int8)"}, None
     gio = json.loads((src / "io.json").read_text())
-    try:
-        graph, _ = npu_rewrite.prepare(load_onnx(src / "model.onnx"), position="position", context_length=C)
-        overrides = npu_rewrite.embedding_ranges(graph)
-        float_nodes, _, _ = _float_islands(graph, cfg)
-        graph, _ = _embedding_out(graph, overrides)
-        if factor > 1:
-            muls = npu_rewrite.scale_residual(graph, factor)["muls"]
-            float_nodes += muls if str(cfg.qnn_residual) == "fp16" else []
-    except npu_rewrite.RewriteError as err:
-        raise StageError(f"pack: the export's Genie-form graph cannot be made QNN-ready: {err}") from None
-    # The inputs Genie writes, at their full ranges (the calibration's positions and masks may not reach
-    # them): the rotary tables within +-their scaling, the mask from its masked value to its attend value.
-    s = float(gio["rope"]["attention_scaling"])
-    overrides.update({t: [{"rmin": np.float32(-s), "rmax": np.float32(s)}]
-                      for t in ("position_ids_cos", "position_ids_sin")})
-    overrides["attention_mask"] = [{"rmin": np.float32(GENIE_MASKED), "rmax": np.float32(GENIE_ATTEND)}]
+    scaling = float(gio["rope"]["attention_scaling"])
     fdir = out / GENIE_DIR / "float"
     fdir.mkdir(parents=True)
-    onnx.save(graph, str(fdir / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
-              location="model.onnx.data", size_threshold=1024)
-    del graph
-    gc.collect()
+    quant = {}
+    for role, name in (("token", "model.onnx"), ("prompt", PROMPT_MODEL)):
+        if role == "prompt" and "prompt" not in gio:
+            continue
+        graph, quant[role] = _genie_ready(src, name, C, factor, scaling, cfg)
+        onnx.save(graph, str(fdir / name), save_as_external_data=True, all_tensors_to_one_file=True,
+                  location=name + ".data", size_threshold=1024)
+        del graph
+        gc.collect()
+    if "prompt" in quant:  # the same weights: read from the token graph's data file
+        share_external_data(fdir / "model.onnx", fdir / PROMPT_MODEL)
     (fdir / "io.json").write_text(json.dumps(_phone_io(gio, embedding, "../../"), indent=2) + "\n")
     dec = GenieFeedDecoder(fdir, threads=2, embed=embed)
     worst = min(snr_db(w, dec.step(t)) for w, t in zip(want, check))
     del dec
+    facts = {"graph": f"{GENIE_DIR}/float/model.onnx", "worst_snr_db": worst, "steps": len(check)}
+    if "prompt" in quant:
+        pdec = GenieFeedDecoder(fdir, threads=2, embed=embed, model_file=None, prompt_file=PROMPT_MODEL)
+        T = pdec.prompt_tokens
+        n = min(T, -(-len(check) // 3))  # at least 3 calls, the last ones reading what the first wrote
+        pworst = min(snr_db(want[min(i + n, len(check)) - 1], pdec.prefill(check[i:i + n]))
+                     for i in range(0, len(check), n))
+        facts["prompt"] = {"graph": f"{GENIE_DIR}/float/{PROMPT_MODEL}", "tokens": T, "worst_snr_db": pworst,
+                           "chunks": pdec.calls["prompt"]}
+        worst = min(worst, pworst)
+        del pdec
     if worst < QNN_CHECK_MIN_SNR_DB:
-        raise StageError(f"pack: the QNN-ready Genie-form graph departs from the export ({worst:.1f} dB at worst "
+        raise StageError(f"pack: the QNN-ready Genie-form graphs depart from the export ({worst:.1f} dB at worst "
                          f"over {len(check)} steps, needs {QNN_CHECK_MIN_SNR_DB:g}): a rewrite is wrong")
-    return ({"graph": f"{GENIE_DIR}/float/model.onnx", "worst_snr_db": worst, "steps": len(check)},
-            {"overrides": overrides, "float_nodes": float_nodes})
+    return facts, quant
+
+
+def _genie_boundary(dst: Path, n_layers: int, quant: dict, given: dict | None = None,
+                    want: dict | None = None) -> dict:
+    """The QDQ graph `dst`'s boundary in the codes Genie writes and reads (pipeline/graphs/genie_io.py),
+    saved in place (the structure only: its data file is unchanged); the encodings. `given`: the encodings
+    the boundary must take (the token graph's, for the prompt graph: Genie's validator wants one
+    encoding a tensor name across the graphs), else the inputs Genie writes that only float islands read
+    take their quantization's given range; `want`: encodings the boundary is then held to exactly where it
+    came out a rounding apart (genie_io.impose)."""
+    import onnx
+
+    from pipeline.graphs import genie_io
+
+    structure = onnx.load(str(dst), load_external_data=False)
+    if given is None:
+        given = {t: genie_io.uint16_encoding(float(o[0]["rmin"]), float(o[0]["rmax"]))
+                 for t, o in quant["overrides"].items() if t in GENIE_WRITES and "rmin" in o[0]}
+    try:
+        structure, enc = genie_io.quantized_boundary(structure, given=given)
+        genie_io.tie_kv(structure, enc, n_layers)
+        if want is not None:
+            genie_io.impose(structure, enc, want)
+        missed = [t for t in GENIE_WRITES if t not in enc]
+        if missed:
+            raise genie_io.BoundaryError(f"{missed} left float: Genie writes them as codes")
+    except genie_io.BoundaryError as err:
+        raise StageError(f"pack: the Genie-form graph {dst.name}'s boundary: {err}") from None
+    onnx.save(structure, str(dst))
+    return enc
 
 
 def _genie_qdq(ctx, out: Path, p: str, float_facts: dict, quant: dict, seqs: list, stride: int,
                cal_dir: Path) -> dict:
-    """The deployed precision's graph in Genie's form: the QNN-ready float graph (_genie_float) quantized as
-    ours was (its own calibration, fed as Genie feeds it; the same weight codes, checked), then its boundary
-    in the types Genie writes and reads (pipeline/graphs/genie_io.py: uint16 inputs and KV outputs, each
-    KV pair one encoding), and run on the CPU EP fed as Genie feeds it against our QDQ graph of the same
-    precision: genie/<p>/model.onnx, genie/io.json (with the boundary's encodings); its facts."""
+    """The deployed precision's graphs in Genie's form: the QNN-ready float graphs (_genie_float) quantized
+    as ours were (their own calibration, fed as Genie feeds them; the deployed graph's weight codes,
+    checked), then their boundary in the types Genie writes and reads (_genie_boundary: uint16 inputs and KV
+    outputs, each KV pair one encoding, the prompt graph's the token graph's), and run on the CPU EP fed
+    as Genie feeds them against our QDQ graph of the same precision (the prompt graph against the Genie
+    token graph): genie/<p>/model.onnx (and prompt.onnx), genie/io.json (with the boundary's encodings);
+    its facts."""
     import gc
     import shutil
 
     import numpy as np
-    import onnx
 
-    from pipeline.graphs import genie_io, qnn
+    from pipeline.graphs import qnn
     from pipeline.graphs.decode_graph import snr_db
     from pipeline.runtimes.genie_feed import GenieFeedDecoder
+    from pipeline.sources.tensorfile import share_external_data
 
     fdir = out / GENIE_DIR / "float"
     dst = out / GENIE_DIR / p
     dst.mkdir()
+    gio = json.loads((fdir / "io.json").read_text())
+    n_layers = int(gio["n_layers"])
     spill = out / GENIE_DIR / ".calibration_samples"
     try:
         dec = GenieFeedDecoder(fdir, threads=2)
-        n = sum(len(q) for q in seqs)
-        with ctx.progress(n, "Genie form: QDQ calibration, decode steps fed as Genie feeds them") as bar:
+        with ctx.progress(sum(len(q) for q in seqs), "Genie form: QDQ calibration, decode steps fed as Genie "
+                                                     "feeds them") as bar:
             paths = qnn.spill_samples(qnn.decode_samples(dec, seqs, stride, advance=bar.advance), spill)
         del dec
         gc.collect()
-        facts = _qdq_graph(ctx, p, fdir / "model.onnx", dst / "model.onnx", paths, quant["overrides"],
-                           quant["float_nodes"], cal_dir, what="Genie's form")
+        facts = _qdq_graph(ctx, p, fdir / "model.onnx", dst / "model.onnx", paths, quant["token"]["overrides"],
+                           quant["token"]["float_nodes"], cal_dir, what="Genie's form")
     finally:
         shutil.rmtree(spill, ignore_errors=True)
     differ = qnn.same_weights(out / p / "model.onnx", out / "float" / "model.onnx", dst / "model.onnx",
@@ -766,24 +829,17 @@ def _genie_qdq(ctx, out: Path, p: str, float_facts: dict, quant: dict, seqs: lis
     if differ:
         raise StageError(f"pack: the Genie-form {p} graph's weights are not the deployed graph's ({len(differ)} "
                          f"differ, first {differ[0]})")
-    structure = onnx.load(str(dst / "model.onnx"), load_external_data=False)
-    try:
-        # the inputs Genie writes, at the ranges their quantization was given, where only float islands read them
-        ranges = {t: (float(o[0]["rmin"]), float(o[0]["rmax"])) for t, o in quant["overrides"].items()
-                  if t in GENIE_WRITES and "rmin" in o[0]}
-        structure, enc = genie_io.quantized_boundary(structure, ranges=ranges)
-        missed = [t for t in GENIE_WRITES if t not in enc]
-        if missed:
-            raise genie_io.BoundaryError(f"{missed} left float: Genie writes them as codes")
-        gio = json.loads((fdir / "io.json").read_text())
-        tied = genie_io.tie_kv(structure, enc, int(gio["n_layers"]))
-    except genie_io.BoundaryError as err:
-        raise StageError(f"pack: the Genie-form {p} graph's boundary: {err}") from None
-    onnx.save(structure, str(dst / "model.onnx"))  # the structure only: its data file is unchanged
-    del structure
-    dtypes = {v["name"]: v for v in gio["inputs"] + gio["outputs"]}
-    for name, e in enc.items():
-        dtypes[name]["dtype"] = e["dtype"]
+    enc = _genie_boundary(dst / "model.onnx", n_layers, quant["token"])
+    prompt = None
+    if "prompt" in quant:
+        prompt = _genie_prompt_qdq(ctx, out, p, quant["prompt"], enc, seqs, cal_dir, n_layers)
+        share_external_data(dst / "model.onnx", dst / PROMPT_MODEL)
+    for spec in [gio] + ([gio["prompt"]] if "prompt" in gio else []):
+        for v in spec["inputs"] + spec["outputs"]:
+            if v["name"] in enc:
+                v["dtype"] = enc[v["name"]]["dtype"]
+    if prompt is None:
+        gio.pop("prompt", None)
     # one folder up from genie/float/: the embedding model's path one ../ shorter
     gio = {**gio, "boundary": enc,
            "embedding": {**gio["embedding"], "model": gio["embedding"]["model"].removeprefix("../")}}
@@ -799,13 +855,69 @@ def _genie_qdq(ctx, out: Path, p: str, float_facts: dict, quant: dict, seqs: lis
     del genie
     agree = float(np.mean([int(np.argmax(x)) == int(np.argmax(y)) for x, y in zip(a, b)]))
     snr = snr_db(np.stack(a), np.stack(b))
-    ctx.log(f"Genie form ({p}): the boundary uint16 ({len(enc)} tensors, {tied} KV pairs given one encoding "
-            f"over both ranges), against our {p} graph over {len(steps)} steps: {snr:.1f} dB, top-1 {agree:.3f}")
+    ctx.log(f"Genie form ({p}): the boundary uint16 ({len(enc)} tensors), against our {p} graph over "
+            f"{len(steps)} steps: {snr:.1f} dB, top-1 {agree:.3f}")
+    if prompt is not None:  # its prompt graph a chunk at a time against its token graph step by step
+        pdec = GenieFeedDecoder(out / GENIE_DIR, threads=2, model_file=None, prompt_file=f"{p}/{PROMPT_MODEL}",
+                                config=qnn.CPU_QDQ_CONFIG)
+        T = pdec.prompt_tokens
+        ends = list(range(T, len(steps) + 1, T)) or [len(steps)]
+        got = [pdec.prefill(steps[e - min(T, e):e]) for e in ends]
+        prompt["against_token_graph"] = {"chunk_ends": len(ends), "snr_db": snr_db(np.stack([b[e - 1] for e in ends]),
+                                                                                 np.stack(got)),
+                                         "top1_agreement": float(np.mean([int(np.argmax(b[e - 1])) == int(np.argmax(g))
+                                                                          for e, g in zip(ends, got)]))}
+        del pdec
+        ctx.log(f"Genie form ({p}), its prompt graph ({T} tokens a call) against its token graph at "
+                f"{len(ends)} chunk end(s): {prompt['against_token_graph']['snr_db']:.1f} dB")
     return {"built": True, "precision": p, "graph": f"{GENIE_DIR}/{p}/model.onnx", "io": f"{GENIE_DIR}/io.json",
-            "float": float_facts, "quantize": facts, "boundary": enc, "kv_scales_tied": tied,
+            "float": float_facts, "quantize": facts, "boundary": enc,
             "against_ours": {"precision": p, "steps": len(steps), "snr_db": snr, "top1_agreement": agree,
                              "feed": "as Genie's engine feeds it (pipeline/runtimes/genie_feed.py), CPU EP QDQ"},
-            "prompt": "not built: Genie runs a prompt through the token graph, a token a call"}
+            "prompt": prompt or "not built (no prompt graph exported): Genie runs a prompt through the token "
+                                "graph, a token a call"}
+
+
+def _genie_prompt_qdq(ctx, out: Path, p: str, quant: dict, enc: dict, seqs: list, cal_dir: Path,
+                      n_layers: int) -> dict:
+    """The Genie-form prompt graph at precision `p`: calibrated on its own chunks (fed as Genie feeds
+    them), every boundary tensor held at the token graph's encoding `enc` (quantization overrides of the
+    exact scale and zero point; Genie's validator wants one encoding a tensor name across the graphs, and
+    the two share the KV buffers), the token graph's weight codes (checked); genie/<p>/prompt.onnx."""
+    import gc
+    import shutil
+
+    import numpy as np
+
+    from pipeline.graphs import qnn
+    from pipeline.runtimes.genie_feed import GenieFeedDecoder
+
+    fdir, dst = out / GENIE_DIR / "float", out / GENIE_DIR / p
+    spill = out / GENIE_DIR / ".calibration_samples"
+    exact = {name: [{"scale": np.asarray(e["scale"], np.float32), "zero_point": np.asarray(-e["offset"], e["dtype"])}]
+             for name, e in enc.items() if name != "logits"}
+    try:
+        dec = GenieFeedDecoder(fdir, threads=2, model_file=None, prompt_file=PROMPT_MODEL)
+        with ctx.progress(sum(len(q) for q in seqs), "Genie form: the prompt graph's calibration chunks") as bar:
+            paths = qnn.spill_samples(qnn.prompt_samples(dec, seqs, advance=bar.advance), spill)
+        del dec
+        gc.collect()
+        facts = _qdq_graph(ctx, p, fdir / PROMPT_MODEL, dst / PROMPT_MODEL, paths, {**quant["overrides"], **exact},
+                           quant["float_nodes"], cal_dir, what="Genie's form, the prompt graph")
+    finally:
+        shutil.rmtree(spill, ignore_errors=True)
+    differ = qnn.same_weights(dst / "model.onnx", fdir / "model.onnx", dst / PROMPT_MODEL, fdir / PROMPT_MODEL)
+    if differ:
+        raise StageError(f"pack: the Genie-form {p} prompt graph's weights are not its token graph's "
+                         f"({len(differ)} differ, first {differ[0]})")
+    penc = _genie_boundary(dst / PROMPT_MODEL, n_layers, quant, given={k: enc[k] for k in GENIE_WRITES}, want=enc)
+    apart = [k for k in penc if k in enc and penc[k] != enc[k]]
+    if apart:
+        raise StageError(f"pack: the Genie-form {p} prompt graph's {apart[0]} is encoded apart from the token "
+                         f"graph's ({penc[apart[0]]} / {enc[apart[0]]}): Genie's validator wants them alike")
+    return {"graph": f"{GENIE_DIR}/{p}/{PROMPT_MODEL}", "tokens": int(json.loads((fdir / "io.json").read_text())
+                                                                      ["prompt"]["tokens"]),
+            "samples": facts["samples"]}
 
 
 def _phone_io(io: dict, embedding: dict | None, up: str = "") -> dict:

@@ -882,10 +882,14 @@ def test_the_genie_bundle_lists_the_genie_form_binary_and_its_lut_feeds_it(build
     entry = deploy_profile._genie(ctx("deploy_profile", out, {}, {"untie_head": builds.checkpoint(family)}),
                                   comp, info, io)
     g = info["genie"]
-    assert entry["form"] == {"genie": True, "precision": g["precision"], "io": "../compile_qnn/genie/io.json"}
+    # the token graph's binary, then its prompt graph's (8 tokens a call): Genie tells them apart by shape
+    prompt_bins = [f"../compile_qnn/{g['prompt']['dir']}/{b}" for b in g["prompt"]["binaries"]]
+    assert entry["form"] == {"genie": True, "precision": g["precision"], "io": "../compile_qnn/genie/io.json",
+                             "prompt_graph": {"tokens": 8, "ctx_bins": prompt_bins}}
     cfg = json.loads((out / genie.CONFIG).read_text())
     assert cfg["dialog"]["engine"]["model"]["binary"]["ctx-bins"] == [f"../compile_qnn/{g['dir']}/{b}"
-                                                                       for b in g["binaries"]]
+                                                                       for b in g["binaries"]] + prompt_bins
+    assert any("its own copy of the weights" in m for m in entry["missing"])
     gio = json.loads((comp / "genie" / "io.json").read_text())
     lut = entry["embedding_lut"]
     want = gio["boundary"]["inputs_embeds"]
@@ -897,6 +901,17 @@ def test_the_genie_bundle_lists_the_genie_form_binary_and_its_lut_feeds_it(build
     fed = decode(GenieFeedDecoder(comp / "genie", session=session, model_file=None, lut=codes))
     export = decode(OnnxDecoder(builds.export(family)))
     assert snr_db(export, fed) > 20.0 and top1(export, fed) >= 0.85, (snr_db(export, fed), top1(export, fed))
+    # the prompt graph's binary on the HTP, a chunk of 8 at a time (right-padded as Genie pads the last),
+    # the KV it writes read on by the token graph's: the same logits at each chunk's end and after
+    psession = qnn.htp_session(comp / g["prompt"]["dir"] / qnn.CONTEXT_MODEL, info["target"], g["precision"])
+    both = GenieFeedDecoder(comp / "genie", session=qnn.htp_session(comp / g["dir"] / qnn.CONTEXT_MODEL,
+                                                                    info["target"], g["precision"]),
+                            model_file=None, prompt_session=psession, lut=codes)
+    cut = 13  # calls of 8 and 5
+    at_cut = both.prefill(TOKENS[:cut])
+    assert both.calls == {"token": 0, "prompt": 2}
+    after = np.stack([at_cut] + [both.step(t) for t in TOKENS[cut:]])
+    assert snr_db(fed[cut - 1:], after) > 25.0 and top1(fed[cut - 1:], after) >= 0.9, snr_db(fed[cut - 1:], after)
 
 
 @pytest.mark.slow

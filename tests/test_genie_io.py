@@ -56,7 +56,7 @@ def test_the_boundary_takes_and_gives_codes_and_computes_the_same():
          "attention_mask": np.array([[0, -1000, 0, -1000]], np.float32),
          "past_key_0_in": rng.uniform(-1, 1, (1, 4)).astype(np.float32)}
     want = _run(_graph(), x)
-    m, enc = genie_io.quantized_boundary(_graph(), ranges={"attention_mask": (-1000.0, 0.0)})
+    m, enc = genie_io.quantized_boundary(_graph(), given={"attention_mask": genie_io.uint16_encoding(-1000.0, 0.0)})
     types = {v.name: v.type.tensor_type.elem_type for v in list(m.graph.input) + list(m.graph.output)}
     assert types == {"inputs_embeds": U16, "attention_mask": U16, "past_key_0_in": U16, "past_key_0_out": U16,
                      "logits": F}

@@ -40,11 +40,11 @@ def uint16_encoding(rmin: float, rmax: float) -> dict:
 
 
 def quantized_boundary(model: onnx.ModelProto, keep_float=KEEP_FLOAT,
-                       ranges: dict | None = None) -> tuple[onnx.ModelProto, dict]:
+                       given: dict | None = None) -> tuple[onnx.ModelProto, dict]:
     """In place: every graph input read by a QuantizeLinear becomes that node's code (its dtype, the same
     name; a reader of the float, a float island such as the residual stream, then reads its codes
-    dequantized; an input read by float islands only, given a range in `ranges` {name: (min, max)}, takes
-    uint16 codes over it, dequantized for them), every graph output made by a DequantizeLinear becomes the DequantizeLinear's input (the
+    dequantized; an input read by float islands only, given an encoding in `given` {name: encoding, e.g.
+    uint16_encoding(min, max)}, takes codes in it, dequantized for them), every graph output made by a DequantizeLinear becomes the DequantizeLinear's input (the
     same name; the float stays for readers inside the graph), except the names in `keep_float`. Returns the model and
     {name: {"dtype", "scale", "offset"}} (QNN's offset = -zero_point) for each tensor turned."""
     g = model.graph
@@ -68,9 +68,9 @@ def quantized_boundary(model: onnx.ModelProto, keep_float=KEEP_FLOAT,
             continue
         users = readers.get(vi.name, [])
         qs = [n for n in users if n.op_type == "QuantizeLinear"]
-        if not qs and vi.name in (ranges or {}):  # read by float islands only (the residual stream's first Add
-            # and norm read the embeddings): codes in over the given range, dequantized for those readers
-            enc = uint16_encoding(*ranges[vi.name])
+        if not qs and vi.name in (given or {}):  # read by float islands only (the residual stream's first Add
+            # and norm read the embeddings): codes in the given encoding, dequantized for those readers
+            enc = dict(given[vi.name])
             scale, zp = f"{vi.name}__scale", f"{vi.name}__zero_point"
             g.initializer.extend([numpy_helper.from_array(np.asarray(enc["scale"], np.float32), scale),
                                   numpy_helper.from_array(np.asarray(-enc["offset"], np.uint16), zp)])
@@ -131,8 +131,6 @@ def tie_kv(model: onnx.ModelProto, encodings: dict, n_layers: int) -> int:
     the cache's, often one shared through the Concat that joins them but rounded apart, sometimes not shared
     (a tiny Llama's layer 3 key: scale 1.756e-05 in, 1.781e-05 out). A wider range quantizes the same
     values, never clips them. Returns the pairs changed."""
-    g = model.graph
-    inits = {i.name: i for i in g.initializer}
     changed = 0
     for i in range(n_layers):
         for kind in ("key", "value"):
@@ -148,14 +146,39 @@ def tie_kv(model: onnx.ModelProto, encodings: dict, n_layers: int) -> int:
             scale = np.float32((hi - lo) / top)
             offset = int(round(lo / float(scale)))
             tied = {"dtype": a["dtype"], "scale": float(scale), "offset": offset}
-            for name in names:  # every Q / DQ of the tensor: the code's producer and readers
-                for n in g.node:
-                    if n.op_type in ("QuantizeLinear", "DequantizeLinear") and (name in n.output or n.input[0] == name):
-                        inits[n.input[1]].CopyFrom(numpy_helper.from_array(np.asarray(scale, np.float32), n.input[1]))
-                        zp = numpy_helper.to_array(inits[n.input[2]])
-                        inits[n.input[2]].CopyFrom(numpy_helper.from_array(np.asarray(-offset, zp.dtype), n.input[2]))
+            for name in names:
+                _set(model, name, tied)
                 encodings[name] = dict(tied)
             changed += 1
+    return changed
+
+
+def _set(model: onnx.ModelProto, name: str, enc: dict) -> None:
+    """Every Q / DQ of boundary tensor `name` (its code's producer and readers) given encoding `enc`."""
+    inits = {i.name: i for i in model.graph.initializer}
+    for n in model.graph.node:
+        if n.op_type in ("QuantizeLinear", "DequantizeLinear") and (name in n.output or n.input[0] == name):
+            inits[n.input[1]].CopyFrom(numpy_helper.from_array(np.asarray(enc["scale"], np.float32), n.input[1]))
+            zp = numpy_helper.to_array(inits[n.input[2]])
+            inits[n.input[2]].CopyFrom(numpy_helper.from_array(np.asarray(-enc["offset"], zp.dtype), n.input[2]))
+
+
+def impose(model: onnx.ModelProto, encodings: dict, want: dict, rel: float = 1e-5) -> int:
+    """In place: each boundary tensor of `encodings` that `want` also names given `want`'s encoding exactly,
+    where the two differ by float rounding only (`rel` of the scale, the offset equal): a prompt graph
+    quantized with the token graph's encodings as overrides comes out a last bit apart here and there (a
+    KV pair's union computed anew), and Genie's validator compares them exactly. BoundaryError where they
+    differ in earnest. Returns the tensors changed."""
+    changed = 0
+    for name, e in encodings.items():
+        w = want.get(name)
+        if w is None or e == w:
+            continue
+        if e["dtype"] != w["dtype"] or e["offset"] != w["offset"] or abs(e["scale"] - w["scale"]) > rel * w["scale"]:
+            raise BoundaryError(f"{name}: {e}, where {w} is wanted")
+        _set(model, name, w)
+        encodings[name] = dict(w)
+        changed += 1
     return changed
 
 
