@@ -657,7 +657,7 @@ def _genie(ctx, comp_dir, info: dict, io: dict) -> dict:
     what = (f"the {form['precision']} token graph in Genie's I/O form" if form["built"]
             else f"our {info['deployed']} binary (the Genie form not built: {form['why']})")
     ctx.log(f"Genie bundle: {', '.join(entry['files'])} for {info['target']['soc_model']}, {what}; UNVERIFIED (no "
-            f"Genie or phone here); {len(entry['missing'])} things Genie needs that it may lack, listed in qnn.json "
+            f"Genie or phone here); {len(entry['missing'])} thing(s) Genie needs that it may lack, listed in qnn.json "
             "genie.missing")
     return entry
 
