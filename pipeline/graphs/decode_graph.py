@@ -637,7 +637,7 @@ def export_genie_step(hf_model_dir, out_dir, context_length: int, opset: int = 2
     for stale in (prompt_path, prompt_path.with_name(PROMPT_MODEL + ".data")):
         stale.unlink(missing_ok=True)
     prompt = None
-    if prompt_tokens > 1:
+    if 1 < prompt_tokens < context_length:  # a call of the whole context would leave its past no entry
         pgraph = _export_module(build_genie_step(model, context_length, prompt_tokens), ins, outs, prompt_path,
                                 opset, external)
         if external:

@@ -14,8 +14,7 @@ attention-mask.cpp in the Genie sources the QAIRT SDK ships; read, not copied):
   scaled by the rope's attention factor (Genie computes the frequencies from rope-theta and the
   rope scaling in double; here they are Hugging Face's, io.json "rope", the same formula);
 - the KV: each call's `past_*_out` written into the `_in` buffers at the next n_past entries
-  (keys transposed: [1, n_kv, head_dim, len]).
-
+  (keys transposed: [1, n_kv, head_dim, len]);
 - a quantized boundary (io.json "boundary", pipeline/graphs/genie_io.py): the mask as 0xffff where a
   token may attend and 0 elsewhere whatever the tensor's encoding; the rotary tables' codes
   truncated as Genie's engine computes them; the embeddings' codes from the LUT (written rounded to
