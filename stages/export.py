@@ -64,6 +64,9 @@ def run(ctx: StageContext) -> dict:
 
     genie = None
     if cfg.get("genie"):
+        import gc
+
+        gc.collect()  # the first export's model (fp32: 7 GB at 1.75B) gone before the second loads its own
         try:
             with ctx.progress(None, f"{what} in Genie's I/O form (genie/)"):
                 g = export_genie_step(src, Path(ctx.out) / GENIE_DIR, context_length=context_length, opset=opset,

@@ -235,14 +235,19 @@ def build_genie_step(hf_model, context_length: int, tokens: int = 1):
     return _step_module(hf_model, context_length, GENIE_MASKED, "ring", tokens=tokens, genie=True)
 
 
-def _genie_plan(plan: list[dict[str, Any]], rope: dict, context_length: int, tokens: int) -> list[dict[str, Any]]:
-    """Genie's form of the layer plan: every layer's past `context_length - tokens` entries long (Genie's
-    past = CL - AR), slot = the token's index; refused where Genie's engine would not feed the graph."""
+def _genie_sliding(plan: list[dict[str, Any]]) -> None:
+    """Genie's form refused for layers that slide (read from the config alone, before any weight is loaded)."""
     rings = [p["index"] for p in plan if p["ring"] or p["window"]]
     if rings:
         raise DecodeGraphError(f"Genie's form: layers {rings} slide over a window, which Genie's engine serves as a "
                                "KV cache group of their own (engine cache-groups), not built here; such a model's "
                                "phone build keeps the ring")
+
+
+def _genie_plan(plan: list[dict[str, Any]], rope: dict, context_length: int, tokens: int) -> list[dict[str, Any]]:
+    """Genie's form of the layer plan: every layer's past `context_length - tokens` entries long (Genie's
+    past = CL - AR), slot = the token's index; refused where Genie's engine would not feed the graph."""
+    _genie_sliding(plan)
     if len(rope) > 1:
         raise DecodeGraphError(f"Genie's form: {len(rope)} rotary tables ({', '.join(sorted(rope))}); Genie's engine "
                                "computes one from its rope-theta")
@@ -622,8 +627,12 @@ def export_genie_step(hf_model_dir, out_dir, context_length: int, opset: int = 2
     with `prompt_tokens` > 1 its prompt graph beside it (`prompt.onnx`, AR-N, every row's logits), and
     io.json with `"form": "genie"` and the rotary frequencies Genie's engine computes its tables from
     (pipeline/runtimes/genie_feed.py feeds the graphs as that engine does)."""
+    from transformers import AutoConfig
+
     out_dir = Path(out_dir)
     t0 = time.perf_counter()
+    # a sliding model refused from its config, not after loading its weights (Gemma 3 270M: 19 s)
+    _genie_sliding(layer_plan(AutoConfig.from_pretrained(str(hf_model_dir)), context_length))
     model = load_hf_model(hf_model_dir)
     cfg = _text_config(model.config)
     step = build_genie_step(model, context_length, 1)  # refused here (DecodeGraphError), before any file
