@@ -957,3 +957,36 @@ def test_verify_parity_gates_the_genie_form_binary_on_the_htp(builds, tmp_path):
     logits = -logits
     with pytest.raises(StageError, match="qnn_w8a16"):
         verify_parity._genie_htp(c, comp, info, info["genie"], Run(prompt, cont), "tokens", 24, {}, cut)
+
+
+@pytest.mark.slow
+@pytest.mark.optional
+def test_a_genie_form_graph_over_the_htp_budget_is_cut_into_parts_that_decode_as_the_whole(builds, tmp_path):
+    """The Genie-form binary of a graph over the per-graph budget (here a 200 kB device limit on Phi-3's
+    tiny graph) is cut between layers as ours is, its parts' KV outputs (past_*_out) kept with their layers;
+    run in order on the HTP emulation, fed as Genie feeds them, they decode as the whole binary does."""
+    reason = _qnn_missing()
+    if reason:
+        pytest.skip(f"onnxruntime-qnn: {reason}")
+    from pipeline.graphs import qnn
+    from pipeline.graphs.parts import PartsSession
+    from pipeline.runtimes.genie_feed import GenieFeedDecoder
+    from stages import compile_qnn
+
+    _, pdir, _ = builds.pack("phi3", "galaxy_s25")
+    spec = devices.spec_sheet("galaxy_s25")
+    runs = {}
+    for name, limit in (("whole", spec["qnn"]["max_graph_bytes"]), ("parts", 200_000)):
+        comp = tmp_path / name
+        info = compile_qnn.run(ctx("compile_qnn", comp, {"device": {**spec, "qnn": {**spec["qnn"],
+                                                                                    "max_graph_bytes": limit}}},
+                                   {"pack": pdir}))
+        g = info["genie"]
+        ps = qnn.compiled_parts(g)
+        sessions = [qnn.htp_session(comp / g["dir"] / q["dir"] / q["context_model"], info["target"], g["precision"])
+                    for q in ps]
+        runs[name] = (len(ps), decode(GenieFeedDecoder(comp / "genie", model_file=None,
+                                                       session=sessions[0] if len(ps) == 1 else PartsSession(sessions, ps))))
+    assert runs["whole"][0] == 1 and runs["parts"][0] >= 2, (runs["whole"][0], runs["parts"][0])
+    whole, cut = runs["whole"][1], runs["parts"][1]
+    assert snr_db(whole, cut) > 60.0 and top1(whole, cut) == 1.0, snr_db(whole, cut)

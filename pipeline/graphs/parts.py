@@ -32,9 +32,9 @@ import onnx
 
 from pipeline.graphs.npu_rewrite import residual_tensors
 
-# A layer's K/V outputs: the decode step's new_key_i / new_value_i (pipeline/graphs/decode_graph.py), or
-# present_key_i / present_value_i.
-_PRESENT = re.compile(r"^(?:new|present)_(?:key|value)_(\d+)$")
+# A layer's K/V outputs: the decode step's new_key_i / new_value_i (pipeline/graphs/decode_graph.py), Genie's
+# form's past_key_i_out / past_value_i_out, or present_key_i / present_value_i.
+_PRESENT = re.compile(r"^(?:(?:new|present)_(?:key|value)_(\d+)|past_(?:key|value)_(\d+)_out)$")
 
 
 class PartsError(ValueError):
@@ -87,7 +87,7 @@ def _outputs_of(model: onnx.ModelProto, first: int, last: int, n_layers: int) ->
     for o in model.graph.output:
         m = _PRESENT.match(o.name)
         if m:
-            if first <= int(m.group(1)) < last:
+            if first <= int(m.group(1) or m.group(2)) < last:
                 outs.append(o.name)
         elif last == n_layers:
             outs.append(o.name)

@@ -99,6 +99,8 @@ class GenieFeedDecoder(Runtime):
         if prompt_file is not None or prompt_session is not None:
             self._graphs[int(self.io["prompt"]["tokens"])] = prompt_session or open_(prompt_file)
         self.prompt_tokens = max(self._graphs)
+        # by name: a graph cut into parts (pipeline/graphs/parts.py PartsSession) gives its outputs part by part
+        self._outputs = [o["name"] for o in self.io["outputs"]]
         self.position = 0
         self.calls = {"token": 0, "prompt": 0}
 
@@ -159,7 +161,7 @@ class GenieFeedDecoder(Runtime):
         n, p = len(tokens), self.position
         if p + n > self.context_length:
             raise ContextFull(f"{n} tokens at position {p} pass the context_length {self.context_length}")
-        res = self._graphs[T].run(None, self.feed(tokens, T))
+        res = self._graphs[T].run(self._outputs, self.feed(tokens, T))
         self.calls["token" if T == 1 else "prompt"] += 1
         for i, (k, v) in enumerate(zip(self._k, self._v)):  # Genie's KV update: the real rows' entries
             k[..., p:p + n] = res[1 + 2 * i][..., :n]
