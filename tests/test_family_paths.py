@@ -896,6 +896,7 @@ def test_the_genie_bundle_lists_the_genie_form_binary_and_its_lut_feeds_it(build
     assert lut["quant-param"] == {"scale": want["scale"], "offset": want["offset"]}
     io_rules = ("first input", "inputs_embeds", "attention_mask", "position_ids", "KV", "key layout", "sliding")
     assert not [m for m in entry["missing"] if m.startswith(io_rules)], entry["missing"]
+    assert "meets Genie's rules" in entry["run"] and entry["verified"] is False
     codes = np.fromfile(out / genie.LUT, dtype="<u2").reshape(lut["rows"], lut["size"])
     session = qnn.htp_session(comp / g["dir"] / qnn.CONTEXT_MODEL, info["target"], g["precision"])
     fed = decode(GenieFeedDecoder(comp / "genie", session=session, model_file=None, lut=codes))

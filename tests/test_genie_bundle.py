@@ -173,6 +173,7 @@ def test_the_profile_says_the_bundle_is_unverified_and_what_genie_lacks(tmp_path
     out, result = _bundle(tmp_path)
     for entry in (json.loads((out / "qnn.json").read_text())["genie"], json.loads((out / "profile.json").read_text())["genie"]):
         assert entry["verified"] is False and "no" in entry["why"] and "tests/test_genie_bundle.py" in entry["checked"]
+        assert "does not load as it stands" in entry["run"]  # our float I/O: Genie's rules missed
         # read from the compiled model_ctx.onnx
         assert entry["graphs"] == [{"name": "QNNExecutionProvider_QNN_0_0", "spill_fill_bytes": 0}]
         missing = "\n".join(entry["missing"])

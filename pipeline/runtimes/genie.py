@@ -413,12 +413,18 @@ def write_bundle(out: Path, *, model_dir: Path, io: dict, target: dict, ctx_bins
     has_tokenizer = (model_dir / TOKENIZER).is_file()
     if has_tokenizer:
         shutil.copy2(model_dir / TOKENIZER, out / TOKENIZER)
+    gaps = missing(io, [g["name"] for g in graphs], tokenizer=has_tokenizer, lut=lut is not None,
+                   extra=rope_gaps, prompt_binary=prompt_binary)
+    io_gaps = _io_gaps(io)
     return {
         "verified": False,
-        "why": "nothing here runs Genie or a phone: the files are checked against Qualcomm's published schema only",
+        "why": ("nothing here runs Genie or a phone: the files are checked against Qualcomm's published schema, "
+                "the binary's I/O against the rules of Genie's sources"),
         "files": [f for f in FILES if (out / f).is_file()],
         "run": (f"on the phone, from this folder with ../compile_qnn beside it: genie-t2t-run -c {CONFIG} -p PROMPT "
-                "(docs/phone.md, \"Genie\"); it does not load as it stands: see missing"),
+                "(docs/phone.md, \"Genie\"); "
+                + ("it does not load as it stands: see missing" if io_gaps else
+                   "unverified: the binary's I/O meets Genie's rules as read; see missing for what is unchecked")),
         "checked": ("every key and type of Qualcomm's published genie_config.json and htp_backend_ext_config.json "
                     "(quic/ai-hub-apps tutorials/llm_on_genie, quic/ai-hub-models create_genie_config) and the "
                     "values derived from the build: tests/test_genie_bundle.py"),
@@ -428,6 +434,5 @@ def write_bundle(out: Path, *, model_dir: Path, io: dict, target: dict, ctx_bins
         **({"embedding_lut": {**lut, "from": "the build's embedding model, every id through ONNX Runtime (the "
                               "rows our phone runtime feeds the binaries), encoded ufixed16 over their range"}}
            if lut else {}),
-        "missing": missing(io, [g["name"] for g in graphs], tokenizer=has_tokenizer, lut=lut is not None,
-                           extra=rope_gaps, prompt_binary=prompt_binary),
+        "missing": gaps,
     }
