@@ -13,6 +13,7 @@ Genie runtime feeds (decode_graph.export_genie_step), where the model has that f
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pipeline.engine.context import StageContext, StageError
@@ -24,6 +25,7 @@ MEMORY_KEYS = ("export.context_length",)  # the settings that size its memory (n
 
 MIN_OPSET = 18  # the dynamo exporter's floor
 GENIE_DIR = "genie"  # the Genie-form graphs, beside ours
+GENIE_FACTS = "genie.json"  # built or not, and why not
 
 
 def run(ctx: StageContext) -> dict:
@@ -116,6 +118,7 @@ def run(ctx: StageContext) -> dict:
                            "masks": io["prompt"]["masks"]}
     if genie is not None:
         graph["genie"] = genie
+        (Path(ctx.out) / GENIE_FACTS).write_text(json.dumps(genie, indent=2) + "\n")  # what the pack reads of it
     ctx.log(f"model.onnx {summary['bytes'] / 1e6:.1f} MB, {summary['nodes']} nodes, {summary['export_s']} s")
     return {
         "graph": graph,

@@ -717,8 +717,10 @@ def _genie_float(export_dir: Path, out: Path, C: int, factor: int, want: list, c
 
     src = export_dir / GENIE_DIR
     if not (src / "io.json").is_file():
-        return {"built": False, "why": "the export wrote no Genie form (export.genie=false, or the model has none: "
-                                       "the export stage's graph.genie says why)"}, None
+        said = export_dir / "genie.json"  # the export's why (stages/export.py GENIE_FACTS)
+        why = json.loads(said.read_text()).get("why") if said.is_file() else None
+        return {"built": False, "why": f"the export built none: {why}" if why else
+                "the export wrote no Genie form (export.genie=false)"}, None
     if embedding is None:
         return {"built": False, "why": "pack.qnn_embedding=graph: Genie feeds inputs_embeds from its LUT, so its "
                                        "form takes the embedding off the graph (pack.qnn_embedding=int8)"}, None

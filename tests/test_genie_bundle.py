@@ -183,13 +183,15 @@ def test_the_profile_says_the_bundle_is_unverified_and_what_genie_lacks(tmp_path
         assert "ours past_key_0 ... new_key_0" in missing  # KV names
         assert "[1, 1, 15, 32], head_dim last" in missing  # keys not transposed
         assert "ring of 15 slots" in missing and "cache-groups" in missing  # the sliding layer's KV
-        assert "embed/model.onnx" in missing  # the compiled embedding model absent here: no LUT
+        assert "embed/model.onnx" in missing and "does not fill from a LUT" in missing  # float embeddings: no LUT
+        assert genie.LUT not in entry["files"]
         assert "part order" not in missing  # one graph: nothing to order
 
 
 def test_the_embedding_lut_holds_the_rows_our_runtime_feeds_the_binaries(tmp_path, monkeypatch):
-    """Where the binaries take inputs_embeds (the table off the HTP, pack.qnn_embedding), the bundle carries
-    Genie's embedding LUT, written from the compiled embedding model, and genie_config.json names it."""
+    """Where the binary takes fixed-point inputs_embeds (the Genie form's boundary; the table off the HTP,
+    pack.qnn_embedding), the bundle carries Genie's embedding LUT, written from the compiled embedding model
+    in that input's encoding, and genie_config.json names it."""
     import hashlib
 
     monkeypatch.setattr(genie, "LUT_CHUNK", 4)  # two lookups over the 6 ids: the chunk seam is crossed
@@ -197,7 +199,11 @@ def test_the_embedding_lut_holds_the_rows_our_runtime_feeds_the_binaries(tmp_pat
     emb = qnn.write_embedding(table, tmp_path / "e", 8, [1, 1])
     info = {**PHONE_QNN, "embedding": {"dir": "embed", **{k: emb[k] for k in ("model", "bits", "bytes", "input",
                                                                                "output")}, "block_size": 32}}
-    out, result = _bundle(tmp_path, qnn_info=info,
+    # the binary's input encoding: over the table's range, a little wider (the int8 rows stray past it)
+    scale, offset = genie.lut_encoding(1.01 * float(table.min()), 1.01 * float(table.max()))
+    io = {**IO, "inputs": [{**IO["inputs"][0], "dtype": "uint16"}] + IO["inputs"][1:],
+          "boundary": {"inputs_embeds": {"dtype": "uint16", "scale": scale, "offset": offset}}}
+    out, result = _bundle(tmp_path, io=io, qnn_info=info,
                           extra={f"embed/{f}": (tmp_path / "e" / f).read_bytes() for f in emb["files"]})
     assert result["files"] == ["qnn.json", "genie_config.json", "htp_backend_ext_config.json", "tokenizer.json",
                                "embedding_lut.bin"]
@@ -216,9 +222,10 @@ def test_the_embedding_lut_holds_the_rows_our_runtime_feeds_the_binaries(tmp_pat
     assert lut_e["snr_db"] > 80 and lut_e["range"][0] < 0 < lut_e["range"][1]
     assert lut_e["sha256"] == hashlib.sha256(lut.read_bytes()).hexdigest()
     assert lut_e["rows"] == 6 and not any("token embedding" in m for m in entry["missing"])
-    # the encoding's edges: the table's extremes land on codes 0 and 65535
+    # in the binary's own encoding: Genie's requantization of a fixed-point LUT into its input is a copy
+    assert cfg["dialog"]["embedding"]["quant-param"] == {"scale": scale, "offset": offset}
     codes = np.fromfile(lut, "<u2")
-    assert codes.min() == 0 and codes.max() == 65535
+    assert 0 < codes.min() and codes.max() < 65535  # the widened range: nothing clipped
 
 
 def test_parts_whose_names_sort_out_of_order_or_repeat_are_said(tmp_path):
@@ -307,10 +314,12 @@ def test_the_phone_builds_bundle_lists_its_binaries_in_order_and_ships_its_token
     repo, first = phone_build
     build = repo / "artifacts" / "galaxy_s25-embedded-speed"
     prof = build / "deploy_profile"
-    for name in genie.FILES:
+    for name in (genie.CONFIG, genie.HTP_CONFIG, genie.TOKENIZER):
         assert (prof / name).is_file(), name
+    # its layers slide: no Genie form, our binary takes float embeddings, which Genie fills from no LUT
+    assert not (prof / genie.LUT).exists()
     cfg = json.loads((prof / "genie_config.json").read_text())
-    check_schema(cfg, {**GENIE_SCHEMA, **DOCUMENTED, **EMBEDDING})  # the embedded model's rope has no scaling
+    check_schema(cfg, {**GENIE_SCHEMA, **DOCUMENTED})  # the embedded model's rope has no scaling
     check_schema(json.loads((prof / "htp_backend_ext_config.json").read_text()), HTP_SCHEMA)
     info = json.loads((build / "compile_qnn" / "qnn.json").read_text())
     deployed = info["compiled"][info["deployed"]]
@@ -329,13 +338,10 @@ def test_the_phone_builds_bundle_lists_its_binaries_in_order_and_ships_its_token
     for text in ("def read_file(path):\n    return open(path).read()", "x = [1, 2, 3]  # ünïcode"):
         assert bundled.encode(text).ids == list(ours(text)["input_ids"]), text
 
-    # the embedding LUT: the embedded model's 512 x 64 table as the phone runtime's lookup returns it
-    e = info["embedding"]
-    check_lut(prof / "embedding_lut.bin", cfg, build / "compile_qnn" / e["dir"] / e["model"], [0, 1, 255, 511])
-    assert (prof / "embedding_lut.bin").stat().st_size == 512 * cfg["dialog"]["embedding"]["size"] * 2
-
     entry = json.loads((prof / "qnn.json").read_text())["genie"]
     assert entry["verified"] is False and len(entry["missing"]) >= 5
+    assert entry["form"]["genie"] is False and "slide" in entry["form"]["why"]
+    assert any("does not fill from a LUT" in m for m in entry["missing"])
     # one graph a part, named by onnxruntime-qnn; Genie orders the
     # parts by name, so the profile says so exactly where their names sort out of the parts' order
     names = [g["name"] for g in entry["graphs"]]

@@ -9,8 +9,9 @@ Genie reads these files:
 - `htp_backend_ext_config.json`: the HTP's soc model and DSP arch, its core profile,
   shared-buffer memory and weight sharing;
 - `tokenizer.json`: the model's Hugging Face tokenizer;
-- `embedding_lut.bin`, where the binaries take `inputs_embeds` (the table off the HTP): the
-  token-embedding table Genie looks rows up in (`dialog.embedding`, type `lut`).
+- `embedding_lut.bin`, where the binary takes fixed-point `inputs_embeds` (the Genie form's,
+  the table off the HTP): the token-embedding table Genie looks rows up in (`dialog.embedding`,
+  type `lut`), in that input's encoding.
 
 The schema is the one Qualcomm publishes, read (not copied) from quic/ai-hub-apps
 v0.20.0 `tutorials/llm_on_genie` (`configs/genie/*.json`,
@@ -384,10 +385,12 @@ def missing(io: dict, graph_names: list[str], *, tokenizer: bool, lut: bool, ext
                     "set of weights, which this host's HTP emulation cannot load)")
     gaps.append("the .bin is onnxruntime-qnn's EPContext binary: that Genie takes it as a ctx-bin is unchecked")
     if io.get("embedding") and not lut:
-        gaps.append(f"token embedding: our binaries take {io['inputs'][0]['name']} from an ONNX Runtime lookup "
+        first = io["inputs"][0]
+        gaps.append(f"token embedding: our binaries take {first['name']} from an ONNX Runtime lookup "
                     f"({io['embedding']['model']}, int{io['embedding']['bits']} blocks) run on the CPU; Genie would "
-                    f"need the table as its embedding LUT ({LUT}), not written: the compiled embedding model "
-                    "is missing")
+                    f"need the table as its embedding LUT ({LUT}), not written: "
+                    + ("the compiled embedding model is missing" if (io.get("boundary") or {}).get(first["name"])
+                       else f"the binary's {first['name']} is {first['dtype']}, which Genie does not fill from a LUT"))
     if not tokenizer:
         gaps.append("tokenizer.json: the checkpoint has none (Genie reads only that form)")
     return gaps + list(extra)
@@ -399,9 +402,11 @@ def write_bundle(out: Path, *, model_dir: Path, io: dict, target: dict, ctx_bins
     `embed_model` where the binaries take embeddings, in their input's encoding where `io` has a quantized
     boundary, the Genie form's); the profile's `genie` entry."""
     tokens = special_tokens(model_dir)
+    # Only for a binary that takes fixed-point embeddings (the Genie form's): into a float input Genie writes
+    # nothing, so for ours the table would be dead weight in every bundle (335 MB on Gemma 3 270M)
     enc = (io.get("boundary") or {}).get(io["inputs"][0]["name"])
     lut = (write_lut(embed_model, out / LUT, encoding=enc)
-           if embed_model is not None and embed_model.is_file() else None)
+           if embed_model is not None and embed_model.is_file() and enc is not None else None)
     config = json.loads((model_dir / "config.json").read_text())
     encoding, rope_gaps = positional_encoding(config, int(io["head_dim"]))
     logits = next(o for o in io["outputs"] if o["name"] == "logits")
