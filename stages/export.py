@@ -76,6 +76,13 @@ def run(ctx: StageContext) -> dict:
         except DecodeGraphError as err:
             genie = {"built": False, "why": str(err)}
             ctx.log(f"Genie form not built: {err}")
+        except Exception as err:  # noqa: BLE001 - the form is an addition: our graph, exported above, is the artifact
+            import shutil
+
+            shutil.rmtree(Path(ctx.out) / GENIE_DIR, ignore_errors=True)
+            last = (str(err).strip().splitlines() or [""])[-1][:300]
+            genie = {"built": False, "why": f"its export failed: {type(err).__name__}: {last}"}
+            ctx.log(f"warning: Genie form not built: its export failed ({type(err).__name__}: {last})")
         else:
             genie = {"built": True, "dir": GENIE_DIR, "bytes": g["bytes"], "prompt_bytes": g["prompt_bytes"],
                      "context_length": context_length, "export_s": g["export_s"]}
