@@ -459,3 +459,34 @@ def test_the_genie_form_is_refused_where_genie_would_need_a_cache_group(name):
 
     with pytest.raises(DecodeGraphError, match="cache group"):
         build_genie_step(_model(name), context_length=32)
+
+
+def test_the_export_stage_keeps_its_graph_where_the_genie_form_is_refused_or_fails(tmp_path, monkeypatch):
+    """export.genie on a model without the form (Gemma 3's sliding layers), and on one whose Genie export
+    fails: our graph is exported, the Genie form recorded not built with why (genie.json, for the pack)."""
+    from omegaconf import OmegaConf
+
+    from pipeline.engine.context import StageContext
+    from pipeline.graphs import decode_graph
+    from stages import export
+
+    def run(name: str) -> dict:
+        src = tmp_path / name / "hf"
+        _model("gemma3" if name == "gemma3" else "llama").save_pretrained(src)
+        out = tmp_path / name / "export"
+        out.mkdir()
+        cfg = {"export": {"context_length": 24, "opset": 21, "mask_value": -100.0, "prompt_tokens": 0, "genie": True}}
+        export.run(StageContext(stage="export", build="t", cfg=OmegaConf.create(cfg), inputs={"untie_head": src},
+                                out=out))
+        assert (out / "model.onnx").is_file()
+        return json.loads((out / export.GENIE_FACTS).read_text())
+
+    refused = run("gemma3")
+    assert refused["built"] is False and "slide" in refused["why"]
+
+    def broken(*a, **k):
+        raise RuntimeError("the exporter tripped\nover this")
+
+    monkeypatch.setattr(decode_graph, "export_genie_step", broken)
+    failed = run("llama")
+    assert failed == {"built": False, "why": "its export failed: RuntimeError: over this"}
