@@ -998,21 +998,17 @@ def _genie_htp(ctx, comp: Path, info: dict, genie: dict, run, prompt, short: int
     (pipeline/runtimes/genie_feed.py), over the first prompt's first `short` steps as the other
     precisions are, gated at the deployed precision's floors (a subset's: top-1 where the steps resolve it)."""
     from pipeline.graphs import qnn
-    from pipeline.graphs.parts import PartsSession
     from pipeline.runtimes.genie_feed import GenieFeedDecoder
 
     p = genie["precision"]
     name = f"qnn_{p}"
-    ps = qnn.compiled_parts(genie)
     try:
         with _timed(seconds, "qnn_genie_load"):
-            sessions = [qnn.htp_session(comp / genie["dir"] / q["dir"] / q["context_model"], info["target"], p)
-                        for q in ps]
+            session = qnn.open_entry(comp, genie, info["target"], p)
     except Exception as err:  # noqa: BLE001 - ORT's own exception types
         raise StageError(f"verify_parity: the {p} binary in Genie's form does not load on the HTP backend: "
                          f"{str(err).strip().splitlines()[-1][:300]}") from None
-    dec = GenieFeedDecoder(comp / "genie", session=sessions[0] if len(sessions) == 1 else PartsSession(sessions, ps),
-                           model_file=None)
+    dec = GenieFeedDecoder(comp / "genie", session=session, model_file=None)
     runs = [cut(run, short - len(run.prompt))]
     how = f"first prompt, its first {runs[0].steps} steps (parity.qnn_short_steps), fed as Genie's engine feeds it"
     with _timed(seconds, "qnn_genie"):

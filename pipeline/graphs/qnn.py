@@ -232,15 +232,22 @@ def open_htp(comp_dir: Path, info: dict, precision: str, prompt: bool = False):
     """A session over a compile_qnn folder's binaries of one precision on the HTP backend: the one
     binary's, or its parts' in order behind one session (parts.PartsSession); with `prompt`, its prompt
     graph's (None where that precision has none)."""
-    from pipeline.graphs.parts import PartsSession
-
     c = info["compiled"][precision]
     if prompt:
         c = c.get("prompt")
         if c is None:
             return None
-    ps = compiled_parts(c)
-    sessions = [htp_session(comp_dir / c["dir"] / p["dir"] / p["context_model"], info["target"], precision) for p in ps]
+    return open_entry(comp_dir, c, info["target"], precision)
+
+
+def open_entry(comp_dir: Path, entry: dict, target: dict, precision: str):
+    """A session over one compiled entry's binaries (a qnn.json `compiled` entry, its prompt graph's, or
+    the Genie form's, each with its `dir` relative to `comp_dir`) on the HTP backend: the one binary's, or
+    its parts' in order behind one session (parts.PartsSession)."""
+    from pipeline.graphs.parts import PartsSession
+
+    ps = compiled_parts(entry)
+    sessions = [htp_session(comp_dir / entry["dir"] / p["dir"] / p["context_model"], target, precision) for p in ps]
     return sessions[0] if len(sessions) == 1 else PartsSession(sessions, ps)
 
 
