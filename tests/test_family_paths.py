@@ -796,6 +796,21 @@ def _qnn_missing() -> str | None:
     return qnn.missing()
 
 
+def compiled(builds, family: str, comp: Path, max_graph_bytes: int | None = None) -> tuple[Path, dict]:
+    """(the pack folder, compile_qnn's result in `comp`) of `family`'s galaxy_s25 build (`max_graph_bytes`:
+    the device's per-graph limit instead of the S25's); skipped without the QNN toolchain."""
+    reason = _qnn_missing()
+    if reason:
+        pytest.skip(f"onnxruntime-qnn: {reason}")
+    from stages import compile_qnn
+
+    _, pdir, _ = builds.pack(family, "galaxy_s25")
+    spec = devices.spec_sheet("galaxy_s25")
+    if max_graph_bytes is not None:
+        spec = {**spec, "qnn": {**spec["qnn"], "max_graph_bytes": max_graph_bytes}}
+    return pdir, compile_qnn.run(ctx("compile_qnn", comp, {"device": spec}, {"pack": pdir}))
+
+
 # A compile and an HTP-emulated decode of each precision: ~20-40 s a family; CI runs the three that depart
 # most from the families the phone path was shaped on (Gemma 3 and the embedded Llama-like model).
 HTP_IN_CI = ("qwen2", "gemma2", "phi3")
@@ -808,17 +823,11 @@ def test_every_familys_phone_binaries_compile_and_run_on_the_htp(builds, family,
     """The compile_qnn stage on each family's pack: both precisions compile for the S25's HTP with nothing
     left on the CPU (qnn.compile_context refuses that), and the binaries, run on onnxruntime-qnn's HTP
     backend (an x86 emulation of the phone's numerics), decode as the export does."""
-    reason = _qnn_missing()
-    if reason:
-        pytest.skip(f"onnxruntime-qnn: {reason}")
     from pipeline.graphs import qnn
     from pipeline.runtimes.onnx import OnnxDecoder
-    from stages import compile_qnn
 
-    _, pdir, _ = builds.pack(family, "galaxy_s25")
-    spec = devices.spec_sheet("galaxy_s25")
     comp = tmp_path / "compile_qnn"
-    info = compile_qnn.run(ctx("compile_qnn", comp, {"device": spec}, {"pack": pdir}))
+    _, info = compiled(builds, family, comp)
     assert set(info["compiled"]) == {"w8a16", "fp16"} and all(c["bytes"] > 0 for c in info["compiled"].values())
     export = decode(OnnxDecoder(builds.export(family)))
     got = {}
@@ -864,19 +873,15 @@ def test_the_genie_bundle_lists_the_genie_form_binary_and_its_lut_feeds_it(build
     encoding, none of the I/O rules of Genie's engine is missed, and the LUT's codes copied as Genie copies
     them into the binary, with every other input written as Genie writes it, decode as the export does on
     the HTP emulation."""
-    reason = _qnn_missing()
-    if reason:
-        pytest.skip(f"onnxruntime-qnn: {reason}")
     from pipeline.graphs import qnn
     from pipeline.runtimes import genie
     from pipeline.runtimes.genie_feed import GenieFeedDecoder
     from pipeline.runtimes.onnx import OnnxDecoder
-    from stages import compile_qnn, deploy_profile
+    from stages import deploy_profile
 
     family = "phi3"
-    _, pdir, _ = builds.pack(family, "galaxy_s25")
     comp = tmp_path / "compile_qnn"
-    info = compile_qnn.run(ctx("compile_qnn", comp, {"device": devices.spec_sheet("galaxy_s25")}, {"pack": pdir}))
+    _, info = compiled(builds, family, comp)
     out = tmp_path / "deploy_profile"
     io = json.loads((comp / "io.json").read_text())
     entry = deploy_profile._genie(ctx("deploy_profile", out, {}, {"untie_head": builds.checkpoint(family)}),
@@ -921,17 +926,13 @@ def test_verify_parity_gates_the_genie_form_binary_on_the_htp(builds, tmp_path):
     """verify_parity's run of the Genie-form binary (its `_genie_htp`): fed as Genie feeds it on the HTP
     emulation against a reference run (here the export's own greedy run), gated at the deployed precision's
     floors, its figures reported; a binary that decodes wrongly fails the stage."""
-    reason = _qnn_missing()
-    if reason:
-        pytest.skip(f"onnxruntime-qnn: {reason}")
     from pipeline.engine.context import StageError
     from pipeline.runtimes.onnx import OnnxDecoder
-    from stages import compile_qnn, verify_parity
+    from stages import verify_parity
 
     family = "phi3"
-    _, pdir, _ = builds.pack(family, "galaxy_s25")
     comp = tmp_path / "compile_qnn"
-    info = compile_qnn.run(ctx("compile_qnn", comp, {"device": devices.spec_sheet("galaxy_s25")}, {"pack": pdir}))
+    _, info = compiled(builds, family, comp)
     export = OnnxDecoder(builds.export(family))
     prompt = list(TOKENS[:4])
     cont = export.generate_greedy(prompt, 20)
@@ -966,28 +967,17 @@ def test_a_genie_form_graph_over_the_htp_budget_is_cut_into_parts_that_decode_as
     """The Genie-form binary of a graph over the per-graph budget (here a 200 kB device limit on Phi-3's
     tiny graph) is cut between layers as ours is, its parts' KV outputs (past_*_out) kept with their layers;
     run in order on the HTP emulation, fed as Genie feeds them, they decode as the whole binary does."""
-    reason = _qnn_missing()
-    if reason:
-        pytest.skip(f"onnxruntime-qnn: {reason}")
     from pipeline.graphs import qnn
-    from pipeline.graphs.parts import PartsSession
     from pipeline.runtimes.genie_feed import GenieFeedDecoder
-    from stages import compile_qnn
 
-    _, pdir, _ = builds.pack("phi3", "galaxy_s25")
-    spec = devices.spec_sheet("galaxy_s25")
     runs = {}
-    for name, limit in (("whole", spec["qnn"]["max_graph_bytes"]), ("parts", 200_000)):
+    for name, limit in (("whole", None), ("parts", 200_000)):
         comp = tmp_path / name
-        info = compile_qnn.run(ctx("compile_qnn", comp, {"device": {**spec, "qnn": {**spec["qnn"],
-                                                                                    "max_graph_bytes": limit}}},
-                                   {"pack": pdir}))
+        _, info = compiled(builds, "phi3", comp, max_graph_bytes=limit)
         g = info["genie"]
-        ps = qnn.compiled_parts(g)
-        sessions = [qnn.htp_session(comp / g["dir"] / q["dir"] / q["context_model"], info["target"], g["precision"])
-                    for q in ps]
-        runs[name] = (len(ps), decode(GenieFeedDecoder(comp / "genie", model_file=None,
-                                                       session=sessions[0] if len(ps) == 1 else PartsSession(sessions, ps))))
+        session = qnn.open_entry(comp, g, info["target"], g["precision"])
+        runs[name] = (len(qnn.compiled_parts(g)), decode(GenieFeedDecoder(comp / "genie", model_file=None,
+                                                                           session=session)))
     assert runs["whole"][0] == 1 and runs["parts"][0] >= 2, (runs["whole"][0], runs["parts"][0])
     whole, cut = runs["whole"][1], runs["parts"][1]
     assert snr_db(whole, cut) > 60.0 and top1(whole, cut) == 1.0, snr_db(whole, cut)
