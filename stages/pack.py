@@ -616,6 +616,29 @@ def _qdq_graph(ctx, p: str, src: Path, dst: Path, paths: list[Path], overrides: 
     return facts
 
 
+def _qnn_ready(path: Path, C: int, embedding_out: bool, factor: int, cfg, what: str):
+    """An exported graph beside the token graph (its prompt graph, or a Genie-form graph) made QNN-ready as
+    the token graph was: prepare, the embedding's lookup out where the token graph's is, the residual
+    stream carried divided by the same `factor`; (graph, its quantization's {"overrides": the embedding's
+    ranges, "float_nodes": the float islands pack.qnn_residual and pack.qnn_attention ask for, found on this
+    graph}). StageError naming `what` where a rewrite refuses it."""
+    from pipeline.graphs import npu_rewrite
+    from pipeline.sources.tensorfile import load_onnx
+
+    try:
+        graph, _ = npu_rewrite.prepare(load_onnx(path), position="position", context_length=C)
+        overrides = npu_rewrite.embedding_ranges(graph)
+        float_nodes, _, _ = _float_islands(graph, cfg)
+        if embedding_out:
+            graph, _ = _embedding_out(graph, overrides)
+        if factor > 1:
+            muls = npu_rewrite.scale_residual(graph, factor)["muls"]
+            float_nodes += muls if str(cfg.qnn_residual) == "fp16" else []
+    except npu_rewrite.RewriteError as err:
+        raise StageError(f"pack: {what} cannot be made QNN-ready: {err}") from None
+    return graph, {"overrides": overrides, "float_nodes": float_nodes}
+
+
 def _prompt_float(export_dir: Path, float_dir: Path, C: int, embedding_out: bool, factor: int,
                   want: list, check: list[int], embed, cfg) -> tuple[dict, dict]:
     """The export's prompt graph made QNN-ready as the token graph was (prepare, the embedding's lookup
@@ -628,22 +651,11 @@ def _prompt_float(export_dir: Path, float_dir: Path, C: int, embedding_out: bool
 
     import onnx
 
-    from pipeline.graphs import npu_rewrite
     from pipeline.graphs.decode_graph import snr_db
     from pipeline.runtimes.onnx import OnnxDecoder
-    from pipeline.sources.tensorfile import load_onnx, share_external_data
+    from pipeline.sources.tensorfile import share_external_data
 
-    try:
-        graph, _ = npu_rewrite.prepare(load_onnx(export_dir / PROMPT_MODEL), position="position", context_length=C)
-        overrides = npu_rewrite.embedding_ranges(graph)
-        float_nodes, _, _ = _float_islands(graph, cfg)
-        if embedding_out:
-            graph, _ = _embedding_out(graph, overrides)
-        if factor > 1:
-            muls = npu_rewrite.scale_residual(graph, factor)["muls"]
-            float_nodes += muls if str(cfg.qnn_residual) == "fp16" else []
-    except npu_rewrite.RewriteError as err:
-        raise StageError(f"pack: the exported prompt graph cannot be made QNN-ready: {err}") from None
+    graph, quant = _qnn_ready(export_dir / PROMPT_MODEL, C, embedding_out, factor, cfg, "the exported prompt graph")
     onnx.save(graph, str(float_dir / PROMPT_MODEL), save_as_external_data=True, all_tensors_to_one_file=True,
               location=PROMPT_MODEL + ".data", size_threshold=1024)
     del graph
@@ -663,7 +675,7 @@ def _prompt_float(export_dir: Path, float_dir: Path, C: int, embedding_out: bool
     return ({"graph": f"float/{PROMPT_MODEL}", "tokens": T, "chunks": chunks, "worst_snr_db": worst,
              "bytes": sum(f.stat().st_size for f in float_dir.glob(PROMPT_MODEL + "*")),
              "shared_bytes": shared["shared_bytes"]},
-            {"overrides": overrides, "float_nodes": float_nodes})
+            quant)
 
 
 GENIE_DIR = "genie"  # the export's Genie-form graphs (stages/export.py), and this stage's of them
@@ -679,24 +691,13 @@ def _genie_ready(src: Path, name: str, C: int, factor: int, scaling: float, cfg)
     from its masked value to its attend value."""
     import numpy as np
 
-    from pipeline.graphs import npu_rewrite
     from pipeline.graphs.decode_graph import GENIE_ATTEND, GENIE_MASKED
-    from pipeline.sources.tensorfile import load_onnx
 
-    try:
-        graph, _ = npu_rewrite.prepare(load_onnx(src / name), position="position", context_length=C)
-        overrides = npu_rewrite.embedding_ranges(graph)
-        float_nodes, _, _ = _float_islands(graph, cfg)
-        graph, _ = _embedding_out(graph, overrides)
-        if factor > 1:
-            muls = npu_rewrite.scale_residual(graph, factor)["muls"]
-            float_nodes += muls if str(cfg.qnn_residual) == "fp16" else []
-    except npu_rewrite.RewriteError as err:
-        raise StageError(f"pack: the export's Genie-form {name} cannot be made QNN-ready: {err}") from None
-    overrides.update({t: [{"rmin": np.float32(-scaling), "rmax": np.float32(scaling)}]
-                      for t in ("position_ids_cos", "position_ids_sin")})
-    overrides["attention_mask"] = [{"rmin": np.float32(GENIE_MASKED), "rmax": np.float32(GENIE_ATTEND)}]
-    return graph, {"overrides": overrides, "float_nodes": float_nodes}
+    graph, quant = _qnn_ready(src / name, C, True, factor, cfg, f"the export's Genie-form {name}")
+    quant["overrides"].update({t: [{"rmin": np.float32(-scaling), "rmax": np.float32(scaling)}]
+                               for t in ("position_ids_cos", "position_ids_sin")})
+    quant["overrides"]["attention_mask"] = [{"rmin": np.float32(GENIE_MASKED), "rmax": np.float32(GENIE_ATTEND)}]
+    return graph, quant
 
 
 def _genie_float(export_dir: Path, out: Path, C: int, factor: int, want: list, check: list[int], embed,
