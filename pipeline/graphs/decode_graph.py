@@ -542,27 +542,13 @@ def export_decode_step(hf_model_dir, out_dir, context_length: int, opset: int = 
     model = load_hf_model(hf_model_dir)
     cfg = _text_config(model.config)
     step = build_decode_step(model, context_length, mask_value)
-    ins, outs = io_names(cfg.num_hidden_layers)
-    n_bytes = sum(p.numel() * p.element_size() for p in step.parameters())
-    external = n_bytes > _EXTERNAL_DATA_BYTES
-    onnx_path = out_dir / "model.onnx"
-    graph_model = _export_module(step, ins, outs, onnx_path, opset, external)
-    prompt_path = out_dir / PROMPT_MODEL
     prompt = None
-    for stale in (prompt_path, prompt_path.with_name(PROMPT_MODEL + ".data")):
-        stale.unlink(missing_ok=True)
     if prompt_tokens > 1:
         pstep = build_prompt_step(model, context_length, prompt_tokens, mask_value)
-        p_ins, p_outs = prompt_io_names(cfg.num_hidden_layers, pstep.masks)
-        pgraph = _export_module(pstep, p_ins, p_outs, prompt_path, opset, external)
-        if external:  # the same weights: read from the decode step's data file, not written twice
-            from pipeline.sources.tensorfile import share_external_data
-
-            shared = share_external_data(onnx_path, prompt_path)
-        prompt = {"file": PROMPT_MODEL, "tokens": prompt_tokens, "masks": pstep.masks,
-                  **({"weights_from": onnx_path.name + ".data", "shared_bytes": shared["shared_bytes"]}
-                     if external else {}),
-                  "inputs": _values(pgraph.graph.input), "outputs": _values(pgraph.graph.output)}
+        prompt = (pstep, prompt_io_names(cfg.num_hidden_layers, pstep.masks),
+                  {"tokens": prompt_tokens, "masks": pstep.masks})
+    graph_model, prompt, n_bytes, external = _export_graphs(out_dir, step, io_names(cfg.num_hidden_layers), opset,
+                                                            prompt)
     t_export = time.perf_counter() - t0
 
     io = {
@@ -575,6 +561,34 @@ def export_decode_step(hf_model_dir, out_dir, context_length: int, opset: int = 
     if prompt is not None:
         io["prompt"] = prompt
     return _written(out_dir, io, graph_model, n_bytes, t_export)
+
+
+def _export_graphs(out_dir: Path, step, names: tuple[list[str], list[str]], opset: int,
+                   prompt: tuple | None = None) -> tuple[Any, dict | None, int, bool]:
+    """`step` (its input and output `names`) to out_dir/model.onnx, its weights external data where they pass
+    1.5 GB; a stale prompt graph removed; with `prompt` = (its module, its names, its io.json facts) the
+    prompt graph to prompt.onnx, its weights, where external, read from the token graph's data file, not
+    written twice. Both forms' exports: (the token graph without weights, the prompt graph's io.json entry
+    or None, the parameters' bytes, external or not)."""
+    n_bytes = sum(p.numel() * p.element_size() for p in step.parameters())
+    external = n_bytes > _EXTERNAL_DATA_BYTES
+    onnx_path = out_dir / "model.onnx"
+    graph_model = _export_module(step, *names, onnx_path, opset, external)
+    prompt_path = out_dir / PROMPT_MODEL
+    for stale in (prompt_path, prompt_path.with_name(PROMPT_MODEL + ".data")):
+        stale.unlink(missing_ok=True)
+    if prompt is None:
+        return graph_model, None, n_bytes, external
+    pstep, (p_ins, p_outs), facts = prompt
+    pgraph = _export_module(pstep, p_ins, p_outs, prompt_path, opset, external)
+    entry = {"file": PROMPT_MODEL, **facts}
+    if external:  # the same weights: read from the decode step's data file, not written twice
+        from pipeline.sources.tensorfile import share_external_data
+
+        shared = share_external_data(onnx_path, prompt_path)
+        entry.update(weights_from=onnx_path.name + ".data", shared_bytes=shared["shared_bytes"])
+    entry.update(inputs=_values(pgraph.graph.input), outputs=_values(pgraph.graph.output))
+    return graph_model, entry, n_bytes, external
 
 
 def _model_facts(model, step, context_length: int, opset: int, external: bool) -> dict[str, Any]:
@@ -637,24 +651,11 @@ def export_genie_step(hf_model_dir, out_dir, context_length: int, opset: int = 2
     cfg = _text_config(model.config)
     step = build_genie_step(model, context_length, 1)  # refused here (DecodeGraphError), before any file
     out_dir.mkdir(parents=True, exist_ok=True)
-    ins, outs = genie_io_names(cfg.num_hidden_layers)
-    n_bytes = sum(p.numel() * p.element_size() for p in step.parameters())
-    external = n_bytes > _EXTERNAL_DATA_BYTES
-    onnx_path = out_dir / "model.onnx"
-    graph_model = _export_module(step, ins, outs, onnx_path, opset, external)
-    prompt_path = out_dir / PROMPT_MODEL
-    for stale in (prompt_path, prompt_path.with_name(PROMPT_MODEL + ".data")):
-        stale.unlink(missing_ok=True)
+    names = genie_io_names(cfg.num_hidden_layers)
     prompt = None
     if 1 < prompt_tokens < context_length:  # a call of the whole context would leave its past no entry
-        pgraph = _export_module(build_genie_step(model, context_length, prompt_tokens), ins, outs, prompt_path,
-                                opset, external)
-        if external:
-            from pipeline.sources.tensorfile import share_external_data
-
-            share_external_data(onnx_path, prompt_path)
-        prompt = {"file": PROMPT_MODEL, "tokens": prompt_tokens,
-                  "inputs": _values(pgraph.graph.input), "outputs": _values(pgraph.graph.output)}
+        prompt = (build_genie_step(model, context_length, prompt_tokens), names, {"tokens": prompt_tokens})
+    graph_model, prompt, n_bytes, external = _export_graphs(out_dir, step, names, opset, prompt)
     inv_freq, scaling = _rope_tables(model, context_length)["default"]
     io = {
         "version": IO_VERSION,
