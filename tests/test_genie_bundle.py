@@ -200,9 +200,12 @@ def test_the_embedding_lut_holds_the_rows_our_runtime_feeds_the_binaries(tmp_pat
     info = {**PHONE_QNN, "embedding": {"dir": "embed", **{k: emb[k] for k in ("model", "bits", "bytes", "input",
                                                                                "output")}, "block_size": 32}}
     # the binary's input encoding: over the table's range, a little wider (the int8 rows stray past it)
-    scale, offset = genie.lut_encoding(1.01 * float(table.min()), 1.01 * float(table.max()))
+    from pipeline.graphs import genie_io
+
+    enc = genie_io.uint16_encoding(1.01 * float(table.min()), 1.01 * float(table.max()))
+    scale, offset = enc["scale"], enc["offset"]
     io = {**IO, "inputs": [{**IO["inputs"][0], "dtype": "uint16"}] + IO["inputs"][1:],
-          "boundary": {"inputs_embeds": {"dtype": "uint16", "scale": scale, "offset": offset}}}
+          "boundary": {"inputs_embeds": enc}}
     out, result = _bundle(tmp_path, io=io, qnn_info=info,
                           extra={f"embed/{f}": (tmp_path / "e" / f).read_bytes() for f in emb["files"]})
     assert result["files"] == ["qnn.json", "genie_config.json", "htp_backend_ext_config.json", "tokenizer.json",
