@@ -8,7 +8,7 @@ plus the checkpoint's `config.json`, generation config and tokenizer files.
 
 With export.genie (a phone's default), `genie/` beside them: the same graphs in the I/O form Qualcomm's
 Genie runtime feeds (decode_graph.export_genie_step), where the model has that form; where it has not
-(sliding layers, two rotary tables) the stage says why and `graph.genie` records it.
+(every layer sliding, a prompt graph longer than the window) the stage says why and `graph.genie` records it.
 """
 
 from __future__ import annotations
@@ -85,8 +85,14 @@ def run(ctx: StageContext) -> dict:
             ctx.log(f"warning: Genie form not built: its export failed ({type(err).__name__}: {last})")
         else:
             genie = {"built": True, "dir": GENIE_DIR, "bytes": g["bytes"], "prompt_bytes": g["prompt_bytes"],
-                     "context_length": context_length, "export_s": g["export_s"]}
+                     "context_length": context_length, "export_s": g["export_s"],
+                     "cache_groups": g["io"].get("cache_groups", []),
+                     "positional_encoding": "absolute" if "positions" in g["io"] else "rope"}
             ctx.log(f"{GENIE_DIR}/model.onnx (Genie's form) {g['bytes'] / 1e6:.1f} MB, {g['export_s']} s")
+            if g["io"].get("prompt_refused"):
+                genie["prompt_refused"] = g["io"]["prompt_refused"]
+                ctx.log(f"Genie form: no prompt graph ({g['io']['prompt_refused']}): Genie runs a prompt through "
+                        "the token graph")
 
     # config and tokenizer travel with the graph, so the artifact serves on its own
     copied = copy_side_files(src, Path(ctx.out))

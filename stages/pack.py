@@ -616,17 +616,18 @@ def _qdq_graph(ctx, p: str, src: Path, dst: Path, paths: list[Path], overrides: 
     return facts
 
 
-def _qnn_ready(path: Path, C: int, embedding_out: bool, factor: int, cfg, what: str):
+def _qnn_ready(path: Path, C: int, embedding_out: bool, factor: int, cfg, what: str, position: str = "position"):
     """An exported graph beside the token graph (its prompt graph, or a Genie-form graph) made QNN-ready as
     the token graph was: prepare, the embedding's lookup out where the token graph's is, the residual
     stream carried divided by the same `factor`; (graph, its quantization's {"overrides": the embedding's
     ranges, "float_nodes": the float islands pack.qnn_residual and pack.qnn_attention ask for, found on this
-    graph}). StageError naming `what` where a rewrite refuses it."""
+    graph}). `position`: the input the rotary tables are computed from (Genie's form: position_ids, where it
+    has any). StageError naming `what` where a rewrite refuses it."""
     from pipeline.graphs import npu_rewrite
     from pipeline.sources.tensorfile import load_onnx
 
     try:
-        graph, _ = npu_rewrite.prepare(load_onnx(path), position="position", context_length=C)
+        graph, _ = npu_rewrite.prepare(load_onnx(path), position=position, context_length=C)
         overrides = npu_rewrite.embedding_ranges(graph)
         float_nodes, _, _ = _float_islands(graph, cfg)
         if embedding_out:
@@ -679,24 +680,31 @@ def _prompt_float(export_dir: Path, float_dir: Path, C: int, embedding_out: bool
 
 
 GENIE_DIR = "genie"  # the export's Genie-form graphs (stages/export.py), and this stage's of them
-# The inputs Genie's engine writes as codes into a quantized graph (pipeline/runtimes/genie_feed.py)
-GENIE_WRITES = ("inputs_embeds", "attention_mask", "position_ids_cos", "position_ids_sin")
+# The inputs Genie's engine writes as codes into a quantized graph where the graph has them (pipeline/runtimes/
+# genie_feed.py): the sliding layers' mask only with their cache group, the rotary tables only under Genie's rope
+# encoding (its absolute one writes int32 positions)
+GENIE_WRITES = ("inputs_embeds", "attention_mask", "swa_attention_mask", "position_ids_cos", "position_ids_sin")
 
 
-def _genie_ready(src: Path, name: str, C: int, factor: int, scaling: float, cfg):
+def _genie_ready(src: Path, name: str, C: int, factor: int, scaling: float | None, cfg):
     """One Genie-form graph of the export (`name` in genie/) made QNN-ready as ours was: prepare, the
     embedding's lookup out, the residual stream divided by the same `factor`; (graph, its quantization's
     overrides and float nodes). The inputs Genie writes get their full ranges, not calibrated ones (the
-    calibration's positions and masks may not reach them): the rotary tables +-their `scaling`, the mask
-    from its masked value to its attend value."""
+    calibration's positions and masks may not reach them): the rotary tables +-their `scaling` (None: Genie's
+    absolute encoding, the tables in the graph as ours), the masks from the masked value to the attend value
+    (one encoding: Genie writes the sliding group's mask in the global mask's codes)."""
     import numpy as np
 
-    from pipeline.graphs.decode_graph import GENIE_ATTEND, GENIE_MASKED
+    from pipeline.graphs.decode_graph import GENIE_ATTEND, GENIE_MASKED, GENIE_POSITIONS, GENIE_ROPE, GENIE_SWA_MASK
 
-    graph, quant = _qnn_ready(src / name, C, True, factor, cfg, f"the export's Genie-form {name}")
-    quant["overrides"].update({t: [{"rmin": np.float32(-scaling), "rmax": np.float32(scaling)}]
-                               for t in ("position_ids_cos", "position_ids_sin")})
-    quant["overrides"]["attention_mask"] = [{"rmin": np.float32(GENIE_MASKED), "rmax": np.float32(GENIE_ATTEND)}]
+    graph, quant = _qnn_ready(src / name, C, True, factor, cfg, f"the export's Genie-form {name}",
+                              position=GENIE_POSITIONS)
+    if scaling is not None:
+        quant["overrides"].update({t: [{"rmin": np.float32(-scaling), "rmax": np.float32(scaling)}]
+                                   for t in GENIE_ROPE})
+    masks = {"attention_mask", GENIE_SWA_MASK} & {i.name for i in graph.graph.input}
+    quant["overrides"].update({t: [{"rmin": np.float32(GENIE_MASKED), "rmax": np.float32(GENIE_ATTEND)}]
+                               for t in masks})
     return graph, quant
 
 
@@ -726,7 +734,7 @@ def _genie_float(export_dir: Path, out: Path, C: int, factor: int, want: list, c
         return {"built": False, "why": "pack.qnn_embedding=graph: Genie feeds inputs_embeds from its LUT, so its "
                                        "form takes the embedding off the graph (pack.qnn_embedding=int8)"}, None
     gio = json.loads((src / "io.json").read_text())
-    scaling = float(gio["rope"]["attention_scaling"])
+    scaling = float(gio["rope"]["attention_scaling"]) if "rope" in gio else None
     fdir = out / GENIE_DIR / "float"
     fdir.mkdir(parents=True)
     quant = {}
@@ -761,8 +769,7 @@ def _genie_float(export_dir: Path, out: Path, C: int, factor: int, want: list, c
     return facts, quant
 
 
-def _genie_boundary(dst: Path, n_layers: int, quant: dict, given: dict | None = None,
-                    want: dict | None = None) -> dict:
+def _genie_boundary(dst: Path, quant: dict, given: dict | None = None, want: dict | None = None) -> dict:
     """The QDQ graph `dst`'s boundary in the codes Genie writes and reads (pipeline/graphs/genie_io.py),
     saved in place (the structure only: its data file is unchanged); the encodings. `given`: the encodings
     the boundary must take (the token graph's, for the prompt graph: Genie's validator wants one
@@ -774,15 +781,16 @@ def _genie_boundary(dst: Path, n_layers: int, quant: dict, given: dict | None = 
     from pipeline.graphs import genie_io
 
     structure = onnx.load(str(dst), load_external_data=False)
+    inputs = {i.name for i in structure.graph.input}
     if given is None:
         given = {t: genie_io.uint16_encoding(float(o[0]["rmin"]), float(o[0]["rmax"]))
                  for t, o in quant["overrides"].items() if t in GENIE_WRITES and "rmin" in o[0]}
     try:
         structure, enc = genie_io.quantized_boundary(structure, given=given)
-        genie_io.tie_kv(structure, enc, n_layers)
+        genie_io.tie_kv(structure, enc)
         if want is not None:
             genie_io.impose(structure, enc, want)
-        missed = [t for t in GENIE_WRITES if t not in enc]
+        missed = [t for t in GENIE_WRITES if t in inputs and t not in enc]
         if missed:
             raise genie_io.BoundaryError(f"{missed} left float: Genie writes them as codes")
     except genie_io.BoundaryError as err:
@@ -814,7 +822,6 @@ def _genie_qdq(ctx, out: Path, p: str, float_facts: dict, quant: dict, seqs: lis
     dst = out / GENIE_DIR / p
     dst.mkdir()
     gio = json.loads((fdir / "io.json").read_text())
-    n_layers = int(gio["n_layers"])
     spill = out / GENIE_DIR / ".calibration_samples"
     try:
         dec = GenieFeedDecoder(fdir, threads=2)
@@ -832,10 +839,10 @@ def _genie_qdq(ctx, out: Path, p: str, float_facts: dict, quant: dict, seqs: lis
     if differ:
         raise StageError(f"pack: the Genie-form {p} graph's weights are not the deployed graph's ({len(differ)} "
                          f"differ, first {differ[0]})")
-    enc = _genie_boundary(dst / "model.onnx", n_layers, quant["token"])
+    enc = _genie_boundary(dst / "model.onnx", quant["token"])
     prompt = None
     if "prompt" in quant:
-        prompt = _genie_prompt_qdq(ctx, out, p, quant["prompt"], enc, seqs, cal_dir, n_layers)
+        prompt = _genie_prompt_qdq(ctx, out, p, quant["prompt"], enc, seqs, cal_dir)
         share_external_data(dst / "model.onnx", dst / PROMPT_MODEL)
     for spec in [gio] + ([gio["prompt"]] if "prompt" in gio else []):
         for v in spec["inputs"] + spec["outputs"]:
@@ -881,8 +888,7 @@ def _genie_qdq(ctx, out: Path, p: str, float_facts: dict, quant: dict, seqs: lis
                                 "graph, a token a call"}
 
 
-def _genie_prompt_qdq(ctx, out: Path, p: str, quant: dict, enc: dict, seqs: list, cal_dir: Path,
-                      n_layers: int) -> dict:
+def _genie_prompt_qdq(ctx, out: Path, p: str, quant: dict, enc: dict, seqs: list, cal_dir: Path) -> dict:
     """The Genie-form prompt graph at precision `p`: calibrated on its own chunks (fed as Genie feeds
     them), every boundary tensor held at the token graph's encoding `enc` (quantization overrides of the
     exact scale and zero point; Genie's validator wants one encoding a tensor name across the graphs, and
@@ -913,7 +919,7 @@ def _genie_prompt_qdq(ctx, out: Path, p: str, quant: dict, enc: dict, seqs: list
     if differ:
         raise StageError(f"pack: the Genie-form {p} prompt graph's weights are not its token graph's "
                          f"({len(differ)} differ, first {differ[0]})")
-    penc = _genie_boundary(dst / PROMPT_MODEL, n_layers, quant, given={k: enc[k] for k in GENIE_WRITES}, want=enc)
+    penc = _genie_boundary(dst / PROMPT_MODEL, quant, given={k: enc[k] for k in GENIE_WRITES if k in enc}, want=enc)
     apart = [k for k in penc if k in enc and penc[k] != enc[k]]
     if apart:
         raise StageError(f"pack: the Genie-form {p} prompt graph's {apart[0]} is encoded apart from the token "

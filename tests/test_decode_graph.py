@@ -401,7 +401,7 @@ def genie_exported(tmp_path_factory):
     from pipeline.graphs.decode_graph import export_genie_step
 
     arts = {}
-    for name in ("llama", "qwen3"):
+    for name in ("llama", "qwen3", "gemma3", "qwen3_sliding"):
         root = tmp_path_factory.mktemp(f"genie-{name}")
         _model(name).save_pretrained(root / "hf")
         export_decode_step(root / "hf", root / "onnx", context_length=24)
@@ -410,10 +410,12 @@ def genie_exported(tmp_path_factory):
     return arts
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3", "qwen3_sliding"])
 def test_the_genie_form_fed_as_genie_feeds_it_decodes_as_the_token_graph(genie_exported, name):
     """Token by token to the last position of the context, then a prompt through the AR-5 graph right-padded
-    (13 tokens: calls of 5, 5, 3), decoding on from the KV it wrote: the same logits as our graph's."""
+    (13 tokens: calls of 5, 5, 3), decoding on from the KV it wrote: the same logits as our graph's. Gemma 3
+    and Qwen3's sliding layers (window 8) in Genie's sliding-window cache group, each window wrapped twice;
+    Gemma 3's two rotary bases from Genie's absolute positions."""
     from pipeline.runtimes.genie_feed import GenieFeedDecoder
 
     root = genie_exported[name]
@@ -434,35 +436,84 @@ def test_the_genie_form_fed_as_genie_feeds_it_decodes_as_the_token_graph(genie_e
     assert snr_db(want[13:], after) > 100.0
 
 
-def test_the_genie_form_meets_the_io_rules_of_genies_engine(genie_exported):
+def test_the_sliding_groups_mask_is_cut_to_the_window_as_genie_cuts_it(genie_exported):
+    """The prompt graph's later rows see past keys the window has left unless the sliding group's mask cuts
+    them (Genie's window-size): fed without that cut, the chunk that starts past the window departs."""
+    from pipeline.runtimes.genie_feed import GenieFeedDecoder
+
+    root = genie_exported["gemma3"]
+    ids = torch.randint(3, VOCAB, (15,), generator=torch.Generator().manual_seed(4)).tolist()
+    tok = OnnxDecoder(root / "onnx")
+    want = [tok.step(t) for t in ids][-1]
+    cut = GenieFeedDecoder(root / "genie", model_file=None, prompt_file="prompt.onnx")
+    assert cut._swa == {"prefix": "swa_", "mask": "swa_attention_mask", "layers": [0, 1, 2],
+                        "buffer": WINDOW - 1, "window": WINDOW}
+    assert snr_db(want, cut.prefill(ids)) > 100.0
+    uncut = GenieFeedDecoder(root / "genie", model_file=None, prompt_file="prompt.onnx")
+    uncut._swa = {**uncut._swa, "window": 10 ** 6}  # no cut: every slot the ring holds
+    assert snr_db(want, uncut.prefill(ids)) < 60.0
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_the_genie_form_meets_the_io_rules_of_genies_engine(genie_exported, name):
     """The shapes Genie's validator checks (nsp-model.cpp: Dims from the last three axes), int32 ids, and
-    pipeline/runtimes/genie.py's rules all met: no gap left in the graph's I/O."""
+    pipeline/runtimes/genie.py's rules all met: no gap left in the graph's I/O. Gemma 3: its sliding layers'
+    KV a group of its own (swa_, the ring's W - 1 entries in every graph) with its own mask, and int32
+    positions for Genie's absolute encoding in place of one rotary table."""
     from pipeline.runtimes import genie
 
-    io = json.loads((genie_exported["llama"] / "genie" / "io.json").read_text())
+    io = json.loads((genie_exported[name] / "genie" / "io.json").read_text())
     assert io["form"] == "genie" and genie._io_gaps(io) == []
     CL, hd, nkv, V = io["context_length"], io["head_dim"], io["n_kv_heads"], io["vocab_size"]
-    rot_half = len(io["rope"]["inv_freq"])
     for spec, T in ((io, 1), (io["prompt"], 5)):
         shapes = {v["name"]: (v["shape"], v["dtype"]) for v in spec["inputs"] + spec["outputs"]}
         assert shapes["input_ids"] == ([1, T], "int32")
         assert shapes["attention_mask"][0] == [1, 1, T, CL]
-        assert shapes["position_ids_cos"][0] == shapes["position_ids_sin"][0] == [1, 1, T, rot_half]
-        assert shapes["past_key_0_in"][0] == [1, nkv, hd, CL - T] and shapes["past_value_0_in"][0] == [1, nkv, CL - T, hd]
-        assert shapes["past_key_1_out"][0] == [1, nkv, hd, T] and shapes["past_value_1_out"][0] == [1, nkv, T, hd]
+        full = 3 if name == "gemma3" else 0  # a full-attention layer's index
+        assert shapes[f"past_key_{full}_in"][0] == [1, nkv, hd, CL - T]
+        assert shapes[f"past_value_{full}_in"][0] == [1, nkv, CL - T, hd]
+        assert shapes[f"past_key_{full}_out"][0] == [1, nkv, hd, T] and shapes[f"past_value_{full}_out"][0] == [1, nkv, T, hd]
         assert np.prod(shapes["logits"][0]) == T * V  # every row: Genie reads the last real one
+        if name == "llama":
+            rot_half = len(io["rope"]["inv_freq"])
+            assert shapes["position_ids_cos"][0] == shapes["position_ids_sin"][0] == [1, 1, T, rot_half]
+            assert not any(n.startswith("swa_") for n in shapes) and "position_ids" not in shapes
+        else:
+            assert shapes["position_ids"] == ([1, 1, T], "int32") and "position_ids_cos" not in shapes
+            assert io["positions"]["tables"] == ["full_attention", "sliding_attention"] and "rope" not in io
+            assert shapes["swa_attention_mask"][0] == [1, 1, T, WINDOW - 1 + T]
+            for i in (0, 1, 2):
+                assert shapes[f"swa_key_{i}_in"][0] == [1, nkv, hd, WINDOW - 1]
+                assert shapes[f"swa_value_{i}_in"][0] == [1, nkv, WINDOW - 1, hd]
+                assert shapes[f"swa_key_{i}_out"][0] == [1, nkv, hd, T]
+                assert f"past_key_{i}_in" not in shapes
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3_sliding"])
-def test_the_genie_form_is_refused_where_genie_would_need_a_cache_group(name):
-    from pipeline.graphs.decode_graph import build_genie_step
+def _mistral():
+    from transformers import MistralConfig, MistralForCausalLM
 
-    with pytest.raises(DecodeGraphError, match="cache group"):
-        build_genie_step(_model(name), context_length=32)
+    return MistralForCausalLM(MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, max_position_embeddings=256,
+        bos_token_id=1, eos_token_id=2))
+
+
+def test_the_genie_form_is_refused_where_genies_engine_would_not_feed_it(tmp_path):
+    """Every layer sliding (Mistral's window inside the context): Genie's default cache group would hold no
+    KV. A prompt graph longer than the window (Genie never cuts a call's own keys to it): the token graph
+    alone, the prompt graph's refusal recorded."""
+    from pipeline.graphs.decode_graph import build_genie_step, export_genie_step
+
+    with pytest.raises(DecodeGraphError, match="default cache group"):
+        build_genie_step(_mistral(), context_length=32)
+    _model("gemma3").save_pretrained(tmp_path / "hf")
+    s = export_genie_step(tmp_path / "hf", tmp_path / "genie", context_length=24, prompt_tokens=WINDOW + 1)
+    assert "prompt" not in s["io"] and "must not be longer" in s["io"]["prompt_refused"]
+    assert not (tmp_path / "genie" / "prompt.onnx").exists()
 
 
 def test_the_export_stage_keeps_its_graph_where_the_genie_form_is_refused_or_fails(tmp_path, monkeypatch):
-    """export.genie on a model without the form (Gemma 3's sliding layers), and on one whose Genie export
+    """export.genie on a model without the form (every layer of a Mistral sliding), and on one whose Genie export
     fails: our graph is exported, the Genie form recorded not built with why (genie.json, for the pack)."""
     from omegaconf import OmegaConf
 
@@ -472,7 +523,7 @@ def test_the_export_stage_keeps_its_graph_where_the_genie_form_is_refused_or_fai
 
     def run(name: str) -> dict:
         src = tmp_path / name / "hf"
-        _model("gemma3" if name == "gemma3" else "llama").save_pretrained(src)
+        (_mistral() if name == "mistral" else _model("llama")).save_pretrained(src)
         out = tmp_path / name / "export"
         out.mkdir()
         cfg = {"export": {"context_length": 24, "opset": 21, "mask_value": -100.0, "prompt_tokens": 0, "genie": True}}
@@ -481,8 +532,8 @@ def test_the_export_stage_keeps_its_graph_where_the_genie_form_is_refused_or_fai
         assert (out / "model.onnx").is_file()
         return json.loads((out / export.GENIE_FACTS).read_text())
 
-    refused = run("gemma3")
-    assert refused["built"] is False and "slide" in refused["why"]
+    refused = run("mistral")
+    assert refused["built"] is False and "every layer slides" in refused["why"]
 
     def broken(*a, **k):
         raise RuntimeError("the exporter tripped\nover this")

@@ -89,10 +89,11 @@ def ctx(stage: str, out: Path, cfg: dict, inputs: dict) -> StageContext:
     return StageContext(stage=stage, build="t", cfg=OmegaConf.create(cfg), inputs=inputs, out=out)
 
 
-# The families whose graphs have Genie's I/O form (decode_graph.build_genie_step): no sliding layers, one
-# rotary table. Mistral's window binds every layer, Gemma 2 and 3 slide (Gemma 3 has two tables too), and
-# so does this module's Qwen2 (use_sliding_window, for a short sequence to pass its window).
-GENIE_FAMILIES = {"llama", "qwen3", "phi3", "smollm3", "granite"}
+# The families whose graphs have Genie's I/O form (decode_graph.build_genie_step): all but Mistral, whose
+# window binds every layer (Genie's default cache group would hold no KV). Gemma 2 and 3 and this module's
+# Qwen2 (use_sliding_window, layers 2-3) slide on some layers: their own cache group (swa_); Gemma 3's two
+# rotary tables under Genie's absolute positions.
+GENIE_FAMILIES = {"llama", "qwen3", "phi3", "smollm3", "granite", "gemma2", "gemma3", "qwen2"}
 
 
 def decode(runtime, tokens=TOKENS) -> np.ndarray:
@@ -841,8 +842,8 @@ def test_every_familys_phone_binaries_compile_and_run_on_the_htp(builds, family,
     assert w8 > 20.0 and top1(export, got["w8a16"]) >= 0.85, (w8, top1(export, got["w8a16"]))
     print(f"{family}: HTP fp16 {fp16:.1f} dB (top-1 {top1(export, got['fp16']):.2f}), "
           f"w8a16 {w8:.1f} dB (top-1 {top1(export, got['w8a16']):.2f})")
-    # The w8a16 token graph in Genie's I/O form (where the family has it: no sliding layers, one rotary
-    # table), its binary fed as Genie's engine feeds it (codes in, KV codes copied in place)
+    # The w8a16 token graph in Genie's I/O form (where the family has it: not every layer sliding), its
+    # binary fed as Genie's engine feeds it (codes in, KV codes copied in place, the sliding group's ring)
     from pipeline.graphs import genie_io
     from pipeline.runtimes import genie
     from pipeline.runtimes.genie_feed import GenieFeedDecoder
@@ -853,7 +854,7 @@ def test_every_familys_phone_binaries_compile_and_run_on_the_htp(builds, family,
         assert g["why"]
         return
     gio = json.loads((comp / "genie" / "io.json").read_text())
-    assert genie._io_gaps(gio) == [] and genie_io.untied(gio["boundary"], gio["n_layers"]) == []
+    assert genie._io_gaps(gio) == [] and genie_io.untied(gio["boundary"]) == []
     assert gio["inputs"][0] == {"name": "inputs_embeds", "shape": [1, 1, gio["inputs"][0]["shape"][-1]],
                                 "dtype": "uint16"}
     session = qnn.htp_session(comp / g["dir"] / qnn.CONTEXT_MODEL, info["target"], g["precision"])
@@ -918,6 +919,62 @@ def test_the_genie_bundle_lists_the_genie_form_binary_and_its_lut_feeds_it(build
     assert both.calls == {"token": 0, "prompt": 2}
     after = np.stack([at_cut] + [both.step(t) for t in TOKENS[cut:]])
     assert snr_db(fed[cut - 1:], after) > 25.0 and top1(fed[cut - 1:], after) >= 0.9, snr_db(fed[cut - 1:], after)
+
+
+@pytest.mark.slow
+@pytest.mark.optional
+def test_a_sliding_models_genie_bundle_names_its_cache_group_and_decodes_past_the_window(builds, tmp_path):
+    """Gemma 3 (sliding layers with a window of 8, two rotary bases): the bundle's engine names the default
+    cache group and the sliding one (its mask, a sliding-window long context of the model's window), the
+    positional encoding is Genie's absolute one, none of Genie's I/O rules is missed, and its binary, fed
+    as Genie feeds it with the LUT's codes (the ring written slot by slot, the window's mask gathered), decodes
+    24 tokens (the window passed twice) as the export does on the HTP emulation; so does its prompt binary, 8
+    tokens a call, the token binary reading on from the KV it wrote."""
+    from pipeline.graphs import qnn
+    from pipeline.runtimes import genie
+    from pipeline.runtimes.genie_feed import GenieFeedDecoder
+    from pipeline.runtimes.onnx import OnnxDecoder
+    from stages import deploy_profile
+
+    family = "gemma3"
+    comp = tmp_path / "compile_qnn"
+    _, info = compiled(builds, family, comp)
+    out = tmp_path / "deploy_profile"
+    entry = deploy_profile._genie(ctx("deploy_profile", out, {}, {"untie_head": builds.checkpoint(family)}),
+                                  comp, info, json.loads((comp / "io.json").read_text()))
+    g = info["genie"]
+    assert entry["form"]["genie"] is True, entry["form"]
+    cfg = json.loads((out / genie.CONFIG).read_text())
+    engine = cfg["dialog"]["engine"]
+    assert engine["model"]["positional-encoding"] == {"type": "absolute"}
+    assert engine["cache-groups"] == [
+        {"version": 1, "prefix": "past_"},
+        {"version": 1, "prefix": "swa_", "attention-mask-tensor-name": "swa_attention_mask",
+         "longcontext": {"version": 1, "type": "sliding-window", "reserved-tokens": 0,
+                         "sliding-window": {"version": 1, "window-size": WINDOW}}}]
+    io_rules = ("first input", "inputs_embeds", "attention_mask", "swa_attention_mask", "position_ids", "KV",
+                "key layout", "sliding", "one rotary base")
+    assert not [m for m in entry["missing"] if m.startswith(io_rules)], entry["missing"]
+    gio = json.loads((comp / "genie" / "io.json").read_text())
+    assert gio["boundary"]["swa_attention_mask"] == gio["boundary"]["attention_mask"]
+    lut = entry["embedding_lut"]
+    codes = np.fromfile(out / genie.LUT, dtype="<u2").reshape(lut["rows"], lut["size"])
+
+    def session(entry_):
+        return qnn.htp_session(comp / entry_["dir"] / qnn.CONTEXT_MODEL, info["target"], g["precision"])
+
+    fed = decode(GenieFeedDecoder(comp / "genie", session=session(g), model_file=None, lut=codes))
+    export = decode(OnnxDecoder(builds.export(family)))
+    assert snr_db(export, fed) > 20.0 and top1(export, fed) >= 0.85, (snr_db(export, fed), top1(export, fed))
+    both = GenieFeedDecoder(comp / "genie", session=session(g), model_file=None, prompt_session=session(g["prompt"]),
+                            lut=codes)
+    cut = 13  # calls of 8 and 5: the second past the window
+    at_cut = both.prefill(TOKENS[:cut])
+    assert both.calls == {"token": 0, "prompt": 2}
+    after = np.stack([at_cut] + [both.step(t) for t in TOKENS[cut:]])
+    assert snr_db(fed[cut - 1:], after) > 25.0 and top1(fed[cut - 1:], after) >= 0.9, snr_db(fed[cut - 1:], after)
+    print(f"gemma3 in Genie's form on the HTP: {snr_db(export, fed):.1f} dB against the export "
+          f"(top-1 {top1(export, fed):.2f}); prompt binary then token binary {snr_db(fed[cut - 1:], after):.1f} dB")
 
 
 @pytest.mark.slow

@@ -50,6 +50,16 @@ EMBEDDING = {"dialog.embedding.version": int, "dialog.embedding.size": int, "dia
              "dialog.embedding.lut-path": str, "dialog.embedding.datatype": str,
              "dialog.embedding.quant-param.scale": float, "dialog.embedding.quant-param.offset": int}
 SDK_LUT_DATATYPES = {"float32", "native", "ufixed4", "ufixed8", "ufixed16", "sfixed8", "sfixed16"}
+# dialog.engine.cache-groups as the same validator takes them (Dialog.cpp validateCacheGroupConfig,
+# validateLongContextConfig, validateSlidingWindowConfig): version and prefix mandatory; a sliding-window long
+# context with its window-size; a mask tensor's name.
+CACHE_GROUPS = {f"dialog.engine.cache-groups[].{k}": t for k, t in {
+    "version": int, "prefix": str, "attention-mask-tensor-name": str, "longcontext.version": int,
+    "longcontext.type": str, "longcontext.reserved-tokens": int, "longcontext.sliding-window.version": int,
+    "longcontext.sliding-window.window-size": int}.items()}
+# positional-encoding type absolute (Dialog.cpp validatePositionalEncodingConfig: rope, absolute or alibi): no
+# rope-dim or rope-theta, the graph computes its rotary tables from the int32 positions Genie writes
+ABSOLUTE = {k: t for k, t in GENIE_SCHEMA.items() if not k.endswith(("rope-dim", "rope-theta"))}
 HTP_SCHEMA = {
     "devices[].soc_model": int, "devices[].dsp_arch": str, "devices[].cores[].core_id": int,
     "devices[].cores[].perf_profile": str, "devices[].cores[].rpc_control_latency": int,
@@ -317,23 +327,36 @@ def test_the_phone_builds_bundle_lists_its_binaries_in_order_and_ships_its_token
     repo, first = phone_build
     build = repo / "artifacts" / "galaxy_s25-embedded-speed"
     prof = build / "deploy_profile"
-    for name in (genie.CONFIG, genie.HTP_CONFIG, genie.TOKENIZER):
+    for name in (genie.CONFIG, genie.HTP_CONFIG, genie.TOKENIZER, genie.LUT):
         assert (prof / name).is_file(), name
-    # its layers slide: no Genie form, our binary takes float embeddings, which Genie fills from no LUT
-    assert not (prof / genie.LUT).exists()
+    # its sliding layers (5 of 6) in Genie's sliding-window cache group, its two rotary bases under Genie's
+    # absolute positions: the bundle names the group and the encoding, and lists the Genie-form binary
     cfg = json.loads((prof / "genie_config.json").read_text())
-    check_schema(cfg, {**GENIE_SCHEMA, **DOCUMENTED})  # the embedded model's rope has no scaling
+    check_schema(cfg, {**ABSOLUTE, **DOCUMENTED, **EMBEDDING, **CACHE_GROUPS})
     check_schema(json.loads((prof / "htp_backend_ext_config.json").read_text()), HTP_SCHEMA)
     info = json.loads((build / "compile_qnn" / "qnn.json").read_text())
-    deployed = info["compiled"][info["deployed"]]
-    bins = cfg["dialog"]["engine"]["model"]["binary"]["ctx-bins"]
-    assert [(prof / b).resolve() for b in bins] == [(build / "compile_qnn" / deployed["dir"] / b).resolve()
-                                                     for b in deployed["binaries"]]
+    form = info["genie"]
+    assert form["built"] is True, form
+    gio = json.loads((build / "compile_qnn" / form["io"]).read_text())
+    engine = cfg["dialog"]["engine"]
+    assert engine["model"]["positional-encoding"] == {"type": "absolute"} and "positions" in gio
+    window = json.loads((build / "untie_head" / "config.json").read_text())["sliding_window"]
+    assert engine["cache-groups"] == [
+        {"version": 1, "prefix": "past_"},
+        {"version": 1, "prefix": "swa_", "attention-mask-tensor-name": "swa_attention_mask",
+         "longcontext": {"version": 1, "type": "sliding-window", "reserved-tokens": 0,
+                         "sliding-window": {"version": 1, "window-size": window}}}]
+    names = {v["name"]: v for v in gio["inputs"]}
+    assert names["swa_attention_mask"]["dtype"] == names["attention_mask"]["dtype"] == "uint16"
+    assert gio["boundary"]["swa_attention_mask"] == gio["boundary"]["attention_mask"]
+    assert names["position_ids"]["dtype"] == "int32"
+    bins = engine["model"]["binary"]["ctx-bins"]
+    assert [(prof / b).resolve() for b in bins][:len(form["binaries"])] == [
+        (build / "compile_qnn" / form["dir"] / b).resolve() for b in form["binaries"]]
     assert all((prof / b).is_file() for b in bins)
-    io = json.loads((build / "compile_qnn" / "io.json").read_text())
     ctx = cfg["dialog"]["context"]
-    assert ctx["size"] == io["context_length"] == 64 and ctx["n-vocab"] == 512
-    assert ctx["bos-token"] == io["bos_token_id"] and ctx["eos-token"] in (io["eos_token_id"], io["eos_token_id"][0])
+    assert ctx["size"] == gio["context_length"] == 64 and ctx["n-vocab"] == 512
+    assert ctx["bos-token"] == gio["bos_token_id"] and ctx["eos-token"] in (gio["eos_token_id"], gio["eos_token_id"][0])
 
     # tokenizer.json as Genie reads it (the tokenizers library) gives the build's own tokenizer's ids
     ours = AutoTokenizer.from_pretrained(str(build / "untie_head"), local_files_only=True)  # as `generate` loads it
@@ -342,15 +365,16 @@ def test_the_phone_builds_bundle_lists_its_binaries_in_order_and_ships_its_token
         assert bundled.encode(text).ids == list(ours(text)["input_ids"]), text
 
     entry = json.loads((prof / "qnn.json").read_text())["genie"]
-    assert entry["verified"] is False and len(entry["missing"]) >= 5
-    assert entry["form"]["genie"] is False and "slide" in entry["form"]["why"]
-    assert any("does not fill from a LUT" in m for m in entry["missing"])
+    assert entry["verified"] is False and entry["form"]["genie"] is True
+    io_rules = ("first input", "inputs_embeds", "attention_mask", "swa_attention_mask", "position_ids", "KV",
+                "key layout", "sliding", "token embedding")
+    assert not [m for m in entry["missing"] if m.startswith(io_rules)], entry["missing"]
+    assert "meets Genie's rules" in entry["run"]
     # one graph a part, named by onnxruntime-qnn; Genie orders the
     # parts by name, so the profile says so exactly where their names sort out of the parts' order
     names = [g["name"] for g in entry["graphs"]]
-    assert [n.startswith("QNNExecutionProvider") for n in names] == [True] * len(deployed["parts"])
+    assert all(n.startswith("QNNExecutionProvider") for n in names)
     assert len(set(names)) == len(names)
     assert any(m.startswith("part order") for m in entry["missing"]) == (names != sorted(names))
-    assert any(m.startswith("the prompt graph is a binary of its own") for m in entry["missing"]) == ("prompt" in deployed)
     assert cfg["dialog"]["engine"]["backend"]["QnnHtp"]["spill-fill-bufsize"] == 0
     assert "Genie bundle" in first.stderr + first.stdout and "UNVERIFIED" in first.stderr + first.stdout

@@ -47,7 +47,7 @@ Shared by `export`, `verify_parity` and the benchmark stages. Two pieces:
 
 - `build_genie_step(hf_model, context_length, tokens)`: the same layers in the I/O form Qualcomm's
   Genie runtime feeds a graph (its HTP engine's validator and feeding, read in the Genie sources the
-  QAIRT SDK ships: qualla/engines/qnn-htp/nsp-model.cpp, attention-mask.cpp; pipeline/runtimes/genie.py):
+  QAIRT SDK ships: qualla/engines/qnn-htp/nsp-model.cpp, attention-mask.cpp, KVCache/; pipeline/runtimes/genie.py):
 
   * inputs: input_ids int32 [1, T]; attention_mask [1, 1, T, CL] (columns: the past's CL - T entries,
     then the call's own T tokens; Genie writes 0 where a token may attend and -1000 elsewhere into a
@@ -58,9 +58,18 @@ Shared by `export`, `verify_parity` and the benchmark stages. Two pieces:
     row), past_key_i_out [1, n_kv, head_dim, T], past_value_i_out [1, n_kv, T, head_dim]: Genie's
     engine writes them into the _in buffers itself (pipeline/runtimes/genie_feed.py does as it does);
   * CL is `context_length`, one for the token graph (T = 1) and the prompt graph alike, so the past is
-    CL - T long: Genie's layout, not the shared cache of the form above.
-  Refused where Genie's engine would need what is not built: sliding layers (Genie's cache groups) and
-  more than one rotary table (Gemma 3's two bases).
+    CL - T long: Genie's layout, not the shared cache of the form above;
+  * sliding layers (window W) form a cache group of their own (Genie's engine `cache-groups`, prefix
+    `swa_`): swa_key_i_in [1, n_kv, head_dim, W - 1] / swa_value_i_in, the same ring of W - 1 entries
+    as ours (Genie's sliding-window group fills its slots in order, then overwrites the oldest: slot =
+    position mod (W - 1)), with a mask of their own, swa_attention_mask [1, 1, T, W - 1 + T], which
+    Genie gathers from attention_mask slot by slot and cuts to the window (keys at positions > p - W);
+  * a model with one rotary table per kind of layer (Gemma 3's two bases) takes Genie's `absolute`
+    positional encoding instead: position_ids int32 [1, 1, T] (Genie writes n_past + i, 0 for padding),
+    the tables computed in the graph from it as ours are.
+  Refused where Genie's engine would not feed the graph: every layer sliding (Genie's default group,
+  past_, must hold KV), a prompt graph of more than W tokens a call (Genie never cuts the call's own
+  keys to the window) or whose past (CL - T) is shorter than the ring.
 
 - `export_decode_step(...)`: the module to `model.onnx` (dynamo exporter, static
   shapes) plus `io.json` describing inputs, outputs and per-layer slot rules; with
@@ -90,10 +99,14 @@ IO_VERSION = 1
 _STATIC_ROPE = set(families.STATIC_ROPE)
 _EXTERNAL_DATA_BYTES = int(1.5e9)
 PROMPT_MODEL = "prompt.onnx"
-# Genie's form (the module docstring): its inputs before the KV, and the values its engine writes into a float
-# attention mask (nsp-model.cpp: 0 where a token may attend, -1000 elsewhere).
-GENIE_INPUTS = ("input_ids", "attention_mask", "position_ids_cos", "position_ids_sin")
+# Genie's form (the module docstring): the values its engine writes into a float attention mask (nsp-model.cpp:
+# 0 where a token may attend, -1000 elsewhere), its cache groups' tensor-name prefixes (the default group's,
+# which Genie fixes, and the sliding layers'), and the sliding group's mask.
 GENIE_ATTEND, GENIE_MASKED = 0.0, -1000.0
+GENIE_PAST, GENIE_SWA = "past_", "swa_"
+GENIE_SWA_MASK = GENIE_SWA + "attention_mask"
+GENIE_ROPE = ("position_ids_cos", "position_ids_sin")
+GENIE_POSITIONS = "position_ids"  # the absolute positional encoding's input
 
 
 class DecodeGraphError(ValueError):
@@ -229,29 +242,37 @@ def build_prompt_step(hf_model, context_length: int, tokens: int, mask_value: fl
 def build_genie_step(hf_model, context_length: int, tokens: int = 1):
     """The step module in the I/O form Qualcomm's Genie feeds (the module docstring, "Genie's form"):
     `tokens` a call (1: the token graph, AR-1; more: a prompt graph, AR-N) over a context of
-    `context_length` (Genie's CL), keys transposed, masks and rotary tables as inputs."""
+    `context_length` (Genie's CL), keys transposed, masks and rotary tables (or positions) as inputs."""
     if not 1 <= tokens < context_length:
         raise DecodeGraphError(f"a Genie-form graph takes 1 to context_length - 1 tokens a call, got {tokens}")
     return _step_module(hf_model, context_length, GENIE_MASKED, "ring", tokens=tokens, genie=True)
 
 
-def _genie_sliding(plan: list[dict[str, Any]]) -> None:
-    """Genie's form refused for layers that slide (read from the config alone, before any weight is loaded)."""
-    rings = [p["index"] for p in plan if p["ring"] or p["window"]]
-    if rings:
-        raise DecodeGraphError(f"Genie's form: layers {rings} slide over a window, which Genie's engine serves as a "
-                               "KV cache group of their own (engine cache-groups), not built here; such a model's "
-                               "phone build keeps the ring")
+def genie_refusal(plan: list[dict[str, Any]], context_length: int, tokens: int = 1) -> str | None:
+    """Why Genie's engine would not feed a Genie-form graph of this layer plan, `tokens` a call (read from the
+    config alone, before any weight is loaded); None where it would."""
+    rings = [p for p in plan if p["ring"]]
+    if rings and len(rings) == len(plan):
+        return (f"every layer slides over a window of {rings[0]['ring'] + 1} inside the context of {context_length}: "
+                f"Genie's default cache group ({GENIE_PAST}) would hold no KV, and its engine refuses that")
+    if rings and tokens > rings[0]["ring"] + 1:
+        return (f"{tokens} tokens a call over a window of {rings[0]['ring'] + 1}: Genie never cuts a call's own keys "
+                "to the window, so a call must not be longer than it")
+    if rings and context_length - tokens < rings[0]["ring"]:
+        return (f"the past of {context_length - tokens} entries ({context_length} - {tokens} tokens a call) is shorter "
+                f"than the sliding layers' {rings[0]['ring']}: Genie gathers their mask from it")
+    return None
 
 
-def _genie_plan(plan: list[dict[str, Any]], rope: dict, context_length: int, tokens: int) -> list[dict[str, Any]]:
-    """Genie's form of the layer plan: every layer's past `context_length - tokens` entries long (Genie's
-    past = CL - AR), slot = the token's index; refused where Genie's engine would not feed the graph."""
-    _genie_sliding(plan)
-    if len(rope) > 1:
-        raise DecodeGraphError(f"Genie's form: {len(rope)} rotary tables ({', '.join(sorted(rope))}); Genie's engine "
-                               "computes one from its rope-theta")
-    return [{**p, "cache_len": context_length - tokens, "slot_rule": "position"} for p in plan]
+def _genie_plan(plan: list[dict[str, Any]], context_length: int, tokens: int) -> list[dict[str, Any]]:
+    """Genie's form of the layer plan: a full layer's past `context_length - tokens` entries long (Genie's
+    past = CL - AR), slot = the token's index; a sliding layer's the ring (its cache group's buffer); each
+    layer's cache group's name prefix. Refused where Genie's engine would not feed the graph."""
+    why = genie_refusal(plan, context_length, tokens)
+    if why:
+        raise DecodeGraphError(f"Genie's form: {why}")
+    return [{**p, "prefix": GENIE_SWA} if p["ring"] else
+            {**p, "cache_len": context_length - tokens, "slot_rule": "position", "prefix": GENIE_PAST} for p in plan]
 
 
 def mask_inputs(plan: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
@@ -282,7 +303,7 @@ def _step_module(hf_model, context_length: int, mask_value: float, sliding_layou
     plan = layer_plan(cfg, context_length, sliding_layout)
     rope = _rope_tables(hf_model, context_length)
     if genie:
-        plan = _genie_plan(plan, rope, context_length, tokens)
+        plan = _genie_plan(plan, context_length, tokens)
     family = families.of_config(cfg)
     rotary = families.rotary_layers(cfg)
     mult = families.multipliers(cfg)
@@ -324,6 +345,8 @@ def _step_module(hf_model, context_length: int, mask_value: float, sliding_layou
             self.tokens = tokens
             self.genie = genie
             self.masks = mask_inputs(plan) if tokens > 1 and not genie else {}
+            # Genie's inputs before the KV: one rotary table fed as Genie computes it, or positions
+            self.genie_inputs = genie_inputs(plan, len(rope)) if genie else []
 
         @staticmethod
         def _rotate(x, cos, sin):
@@ -336,13 +359,19 @@ def _step_module(hf_model, context_length: int, mask_value: float, sliding_layou
             return torch.cat((xr * cos + torch.cat((-x2, x1), dim=-1) * sin, xp), dim=-1)
 
         def forward(self, input_ids, position, *rest):
-            if self.genie:  # (input_ids, attention_mask, position_ids_cos, position_ids_sin, *past)
-                mask, cos, sin = position, rest[0], rest[1]
-                cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # halves -> [1, 1, T, rot]
-                if self.tokens > 1:  # rows (group member, token), as the scores' rows; one row broadcasts as it is
-                    mask = mask.repeat(1, 1, self.group, 1)
-                return self._layers(input_ids, None, {(p["cache_len"], p["ring"], p["window"]): mask
-                                                      for p in self.plan}, rest[2:], trig={"default": (cos, sin)})
+            if self.genie:  # (input_ids, attention_mask, [swa_attention_mask], cos, sin | position_ids, *past)
+                given = dict(zip(self.genie_inputs[1:], (position, *rest)))
+                masks = {}
+                for p in self.plan:
+                    mask = given[GENIE_SWA_MASK if p["ring"] else "attention_mask"]
+                    if self.tokens > 1:  # rows (group member, token), as the scores' rows; one row broadcasts
+                        mask = mask.repeat(1, 1, self.group, 1)
+                    masks[(p["cache_len"], p["ring"], p["window"])] = mask
+                past = rest[len(self.genie_inputs) - 2:]
+                if GENIE_POSITIONS in given:  # the tables computed in the graph from Genie's positions
+                    return self._layers(input_ids, given[GENIE_POSITIONS].reshape(self.tokens), masks, past)
+                cos, sin = (torch.cat((t, t), dim=-1) for t in (given[n] for n in GENIE_ROPE))  # -> [1, 1, T, rot]
+                return self._layers(input_ids, None, masks, past, trig={"default": (cos, sin)})
             if self.tokens > 1:  # the prompt graph: its masks are inputs, one per kind of layer
                 masks = dict(zip(self.masks, rest))
                 return self._layers(input_ids, position, {
@@ -454,9 +483,16 @@ def _step_module(hf_model, context_length: int, mask_value: float, sliding_layou
         def example_inputs(self, position: int = 0):
             T = self.tokens
             if self.genie:
-                half = rope["default"][0].shape[0]  # rot / 2
-                args = [torch.zeros(1, T, dtype=torch.int32), torch.zeros(1, 1, T, self.plan[0]["cache_len"] + T),
-                        torch.zeros(1, 1, T, half), torch.zeros(1, 1, T, half)]
+                ring = next((p["cache_len"] for p in self.plan if p["ring"]), 0)
+                shapes = {"attention_mask": (1, 1, T, self.context_length), GENIE_SWA_MASK: (1, 1, T, ring + T)}
+                if "default" in rope:  # the rotary tables: half their width (rot / 2)
+                    shapes.update(dict.fromkeys(GENIE_ROPE, (1, 1, T, rope["default"][0].shape[0])))
+                args = [torch.zeros(1, T, dtype=torch.int32)]
+                for name in self.genie_inputs[1:]:
+                    if name == GENIE_POSITIONS:
+                        args.append(torch.zeros(1, 1, T, dtype=torch.int32))
+                    else:
+                        args.append(torch.zeros(shapes[name]))
                 for p in self.plan:
                     args += [torch.zeros(1, self.n_kv, self.head_dim, p["cache_len"]),
                              torch.zeros(1, self.n_kv, p["cache_len"], self.head_dim)]
@@ -490,13 +526,19 @@ def prompt_io_names(n_layers: int, masks: dict) -> tuple[list[str], list[str]]:
     return ins[:2] + list(masks) + ins[2:], outs
 
 
-def genie_io_names(n_layers: int) -> tuple[list[str], list[str]]:
-    """Genie's tensor names (the module docstring, "Genie's form")."""
-    ins = list(GENIE_INPUTS)
+def genie_inputs(plan: list[dict[str, Any]], rope_tables: int) -> list[str]:
+    """Genie's inputs before the KV (the module docstring, "Genie's form")."""
+    masks = ["attention_mask"] + ([GENIE_SWA_MASK] if any(p["ring"] for p in plan) else [])
+    return ["input_ids", *masks, *(GENIE_ROPE if rope_tables == 1 else (GENIE_POSITIONS,))]
+
+
+def genie_io_names(plan: list[dict[str, Any]], rope_tables: int = 1) -> tuple[list[str], list[str]]:
+    """Genie's tensor names for a Genie-form layer plan (each layer's `prefix`: its cache group)."""
+    ins = genie_inputs(plan, rope_tables)
     outs = ["logits"]
-    for i in range(n_layers):
-        ins += [f"past_key_{i}_in", f"past_value_{i}_in"]
-        outs += [f"past_key_{i}_out", f"past_value_{i}_out"]
+    for p in plan:
+        ins += [f"{p['prefix']}key_{p['index']}_in", f"{p['prefix']}value_{p['index']}_in"]
+        outs += [f"{p['prefix']}key_{p['index']}_out", f"{p['prefix']}value_{p['index']}_out"]
     return ins, outs
 
 
@@ -645,29 +687,46 @@ def export_genie_step(hf_model_dir, out_dir, context_length: int, opset: int = 2
 
     out_dir = Path(out_dir)
     t0 = time.perf_counter()
-    # a sliding model refused from its config, not after loading its weights (Gemma 3 270M: 19 s)
-    _genie_sliding(layer_plan(AutoConfig.from_pretrained(str(hf_model_dir)), context_length))
+    # refused from the config, not after loading the weights (Gemma 3 270M: 19 s)
+    plan = layer_plan(AutoConfig.from_pretrained(str(hf_model_dir)), context_length)
+    why = genie_refusal(plan, context_length)
+    if why:
+        raise DecodeGraphError(f"Genie's form: {why}")
+    prompt_why = genie_refusal(plan, context_length, prompt_tokens) if prompt_tokens > 1 else None
+    if prompt_tokens >= context_length:  # a call of the whole context would leave its past no entry
+        prompt_why = f"{prompt_tokens} tokens a call fill the context of {context_length}: its past would be empty"
     model = load_hf_model(hf_model_dir)
-    cfg = _text_config(model.config)
-    step = build_genie_step(model, context_length, 1)  # refused here (DecodeGraphError), before any file
+    step = build_genie_step(model, context_length, 1)
     out_dir.mkdir(parents=True, exist_ok=True)
-    names = genie_io_names(cfg.num_hidden_layers)
+    rope = _rope_tables(model, context_length)
     prompt = None
-    if 1 < prompt_tokens < context_length:  # a call of the whole context would leave its past no entry
-        prompt = (build_genie_step(model, context_length, prompt_tokens), names, {"tokens": prompt_tokens})
-    graph_model, prompt, n_bytes, external = _export_graphs(out_dir, step, names, opset, prompt)
-    inv_freq, scaling = _rope_tables(model, context_length)["default"]
+    if prompt_tokens > 1 and prompt_why is None:
+        pstep = build_genie_step(model, context_length, prompt_tokens)
+        prompt = (pstep, genie_io_names(pstep.plan, len(rope)), {"tokens": prompt_tokens})
+    graph_model, prompt, n_bytes, external = _export_graphs(out_dir, step, genie_io_names(step.plan, len(rope)),
+                                                            opset, prompt)
     io = {
         "version": IO_VERSION,
         "form": "genie",
         "inputs": _values(graph_model.graph.input),
         "outputs": _values(graph_model.graph.output),
         **_model_facts(model, step, context_length, opset, external),
-        "rope": {"inv_freq": [float(x) for x in inv_freq.tolist()], "attention_scaling": scaling},
         "mask": {"attend": GENIE_ATTEND, "masked": GENIE_MASKED},
     }
+    io["layers"] = [{**x, "prefix": p["prefix"]} for x, p in zip(io["layers"], step.plan)]
+    if len(rope) == 1:  # the frequencies Genie's engine computes its tables from
+        inv_freq, scaling = rope["default"]
+        io["rope"] = {"inv_freq": [float(x) for x in inv_freq.tolist()], "attention_scaling": scaling}
+    else:  # Genie's absolute encoding: it writes positions, the graph holds the tables
+        io["positions"] = {"encoding": "absolute", "input": GENIE_POSITIONS, "tables": sorted(rope)}
+    sliding = [p for p in step.plan if p["ring"]]
+    if sliding:  # Genie's cache group of the sliding layers: its prefix, mask, buffer and window
+        io["cache_groups"] = [{"prefix": GENIE_SWA, "mask": GENIE_SWA_MASK, "layers": [p["index"] for p in sliding],
+                               "buffer": sliding[0]["ring"], "window": sliding[0]["ring"] + 1}]
     if prompt is not None:
         io["prompt"] = prompt
+    elif prompt_why:
+        io["prompt_refused"] = prompt_why
     return _written(out_dir, io, graph_model, n_bytes, time.perf_counter() - t0)
 
 

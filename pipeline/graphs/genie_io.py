@@ -124,32 +124,38 @@ def quantized_boundary(model: onnx.ModelProto, keep_float=KEEP_FLOAT,
     return model, encodings
 
 
-def tie_kv(model: onnx.ModelProto, encodings: dict, n_layers: int) -> int:
-    """In place: each KV pair's past_*_in and past_*_out given one encoding, over the union of the two
+def kv_pairs(encodings: dict) -> list[str]:
+    """The KV tensors (without their _in / _out) whose in and out both have an encoding: past_key_i, and the
+    sliding layers' cache group's swa_key_i (decode_graph, "Genie's form"), in name order."""
+    return sorted(n[:-3] for n in encodings if n.endswith("_in") and ("key" in n or "value" in n)
+                  and n[:-3] + "_out" in encodings)
+
+
+def tie_kv(model: onnx.ModelProto, encodings: dict) -> int:
+    """In place: each KV pair's *_in and *_out given one encoding, over the union of the two
     calibrated ranges, since Genie's validator refuses a pair whose scale or offset differ at all (its engine
     copies the out codes into the in buffer). The quantizer calibrates them apart: the new entry's range and
     the cache's, often one shared through the Concat that joins them but rounded apart, sometimes not shared
     (a tiny Llama's layer 3 key: scale 1.756e-05 in, 1.781e-05 out). A wider range quantizes the same
     values, never clips them. Returns the pairs changed."""
     changed = 0
-    for i in range(n_layers):
-        for kind in ("key", "value"):
-            names = (f"past_{kind}_{i}_in", f"past_{kind}_{i}_out")
-            a, b = (encodings.get(n) for n in names)
-            if a is None or b is None or a == b:
-                continue
-            if a["dtype"] != b["dtype"]:
-                raise BoundaryError(f"past_{kind}_{i}: in {a['dtype']}, out {b['dtype']}")
-            top = np.iinfo(a["dtype"]).max
-            lo = min(a["offset"] * a["scale"], b["offset"] * b["scale"], 0.0)
-            hi = max((top + a["offset"]) * a["scale"], (top + b["offset"]) * b["scale"], 0.0)
-            scale = np.float32((hi - lo) / top)
-            offset = int(round(lo / float(scale)))
-            tied = {"dtype": a["dtype"], "scale": float(scale), "offset": offset}
-            for name in names:
-                _set(model, name, tied)
-                encodings[name] = dict(tied)
-            changed += 1
+    for kv in kv_pairs(encodings):
+        names = (f"{kv}_in", f"{kv}_out")
+        a, b = (encodings[n] for n in names)
+        if a == b:
+            continue
+        if a["dtype"] != b["dtype"]:
+            raise BoundaryError(f"{kv}: in {a['dtype']}, out {b['dtype']}")
+        top = np.iinfo(a["dtype"]).max
+        lo = min(a["offset"] * a["scale"], b["offset"] * b["scale"], 0.0)
+        hi = max((top + a["offset"]) * a["scale"], (top + b["offset"]) * b["scale"], 0.0)
+        scale = np.float32((hi - lo) / top)
+        offset = int(round(lo / float(scale)))
+        tied = {"dtype": a["dtype"], "scale": float(scale), "offset": offset}
+        for name in names:
+            _set(model, name, tied)
+            encodings[name] = dict(tied)
+        changed += 1
     return changed
 
 
@@ -182,10 +188,9 @@ def impose(model: onnx.ModelProto, encodings: dict, want: dict, rel: float = 1e-
     return changed
 
 
-def untied(encodings: dict, n_layers: int) -> list[str]:
+def untied(encodings: dict) -> list[str]:
     """The KV pairs whose in and out encodings differ (what Genie's validator refuses)."""
-    return [f"past_{k}_{i}" for i in range(n_layers) for k in ("key", "value")
-            if encodings.get(f"past_{k}_{i}_in") != encodings.get(f"past_{k}_{i}_out")]
+    return [kv for kv in kv_pairs(encodings) if encodings[f"{kv}_in"] != encodings[f"{kv}_out"]]
 
 
 def quantize(x: np.ndarray, enc: dict) -> np.ndarray:

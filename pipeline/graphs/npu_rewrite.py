@@ -293,13 +293,15 @@ def _rope_tables(m: onnx.ModelProto, position: str, context_length: int) -> int:
     sess = ort.InferenceSession(sub.SerializeToString(), so, providers=["CPUExecutionProvider"])
     pos_type = keep_inputs[0].type.tensor_type
     pos_dtype = {onnx.TensorProto.INT64: np.int64, onnx.TensorProto.INT32: np.int32}[pos_type.elem_type]
-    # `position` holds one position per row: [1] in the decode step, [T] in the prompt graph, whose
-    # Cos/Sin outputs lead with that axis. Each position's row is computed with every row at it.
-    n_pos = pos_type.shape.dim[0].dim_value if len(pos_type.shape.dim) == 1 else 0
+    # `position` holds one position per row: [1] in the decode step, [T] in the prompt graph ([1, 1, T] in
+    # Genie's form, its position_ids), whose Cos/Sin outputs lead with that axis. Each position's row is
+    # computed with every row at it.
+    dims = [d.dim_value for d in pos_type.shape.dim]
+    n_pos = dims[-1] if dims and all(d == 1 for d in dims[:-1]) else 0
     if n_pos < 1:
-        raise RewriteError(f"the graph input {position!r} is not a 1-D tensor of static length")
+        raise RewriteError(f"the graph input {position!r} is not a row of positions of static length")
     names = [n.output[0] for n in targets]
-    rows = [sess.run(names, {position: np.full(n_pos, p, dtype=pos_dtype)}) for p in range(context_length)]
+    rows = [sess.run(names, {position: np.full(dims, p, dtype=pos_dtype)}) for p in range(context_length)]
     for k, n in enumerate(targets):
         if rows[0][k].shape[0] != n_pos:
             raise RewriteError(f"{n.output[0]}: a rotary table whose first axis ({rows[0][k].shape}) is not "

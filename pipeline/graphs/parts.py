@@ -33,8 +33,9 @@ import onnx
 from pipeline.graphs.npu_rewrite import residual_tensors
 
 # A layer's K/V outputs: the decode step's new_key_i / new_value_i (pipeline/graphs/decode_graph.py), Genie's
-# form's past_key_i_out / past_value_i_out, or present_key_i / present_value_i.
-_PRESENT = re.compile(r"^(?:(?:new|present)_(?:key|value)_(\d+)|past_(?:key|value)_(\d+)_out)$")
+# form's past_key_i_out / past_value_i_out (swa_key_i_out / swa_value_i_out: its sliding layers' cache group),
+# or present_key_i / present_value_i.
+_PRESENT = re.compile(r"^(?:(?:new|present)_(?:key|value)_(\d+)|(?:past|swa)_(?:key|value)_(\d+)_out)$")
 
 
 class PartsError(ValueError):

@@ -68,8 +68,17 @@ SAMPLER = {"version": 1, "seed": 42, "temp": 0.8, "top-k": 40, "top-p": 0.95, "g
 # (sorted as strings) and key shared buffers (so they must be unique across the ctx-bins). Tensor names are
 # looked up exactly. `missing()` checks our io.json against these, so the list shrinks as the graph meets them.
 GENIE_FIRST_INPUT = {"input_ids": ("int32",), "inputs_embeds": ("uint8", "uint16")}
-GENIE_KV_IN = re.compile(r"^past_.*(key|value).*_in$")
-GENIE_KV_OUT = re.compile(r"^past_.*(key|value).*_out$")
+# A KV tensor of a cache group: its prefix (past_, Genie's default group, or a group the config names), key or
+# value, a number (the layer), _in / _out (nsp-model.cpp, qnn-utils.hpp). A prefix holds no digit: Genie reads
+# the layer from the first number in the name.
+GENIE_DEFAULT_GROUP = "past_"
+# Genie's sliding-window cache group (Dialog.cpp validateCacheGroupConfig / validateLongContextConfig): no
+# reserved (sink) tokens, which Genie attends after the buffer wraps and may mask before (context-manager.cpp).
+SWA_RESERVED_TOKENS = 0
+
+
+def _kv_name(prefixes, suffix: str) -> re.Pattern:
+    return re.compile(rf"^(?:{'|'.join(re.escape(x) for x in prefixes)}).*(key|value).*_{suffix}$")
 
 
 class GenieError(ValueError):
@@ -256,11 +265,26 @@ def write_lut(embed_model: Path, out_file: Path, encoding: dict) -> dict:
             "max_abs_error": worst}
 
 
+def cache_groups(io: dict) -> list[dict]:
+    """The engine's `cache-groups` for a Genie-form graph with sliding layers (io.json "cache_groups"), as the
+    Genie SDK's validator takes them (Dialog.cpp validateCacheGroupConfig, validateLongContextConfig): the
+    default group (past_, which Genie requires once any group is named), then each sliding group with its
+    mask's name and a sliding-window long context of the model's window; [] for a graph without."""
+    groups = io.get("cache_groups") or []
+    if not groups:
+        return []
+    return [{"version": 1, "prefix": GENIE_DEFAULT_GROUP}] + [
+        {"version": 1, "prefix": g["prefix"], "attention-mask-tensor-name": g["mask"],
+         "longcontext": {"version": 1, "type": "sliding-window", "reserved-tokens": SWA_RESERVED_TOKENS,
+                         "sliding-window": {"version": 1, "window-size": int(g["window"])}}} for g in groups]
+
+
 def genie_config(*, context: int, vocab: int, tokens: dict, kv_dim: int, ctx_bins: list[str],
-                 encoding: dict, spill_fill: int, lut: dict | None = None) -> dict:
+                 encoding: dict, spill_fill: int, lut: dict | None = None, groups: list[dict] | None = None) -> dict:
     """genie_config.json (the dialog schema of Qualcomm's published configs; with `lut`, the SDK's
     dialog.embedding block: its Dialog.cpp validator takes version and size (the hidden width, its
-    n-embd), type lut with a lut-path, a datatype, a quant-param {scale, offset})."""
+    n-embd), type lut with a lut-path, a datatype, a quant-param {scale, offset}; with `groups`, the engine's
+    cache-groups, cache_groups())."""
     eos = tokens["eos"]
     embedding = {"embedding": {"version": 1, "type": "lut", "lut-path": lut["lut-path"], "size": int(lut["size"]),
                                "datatype": lut["datatype"], "quant-param": dict(lut["quant-param"])}} if lut else {}
@@ -285,6 +309,7 @@ def genie_config(*, context: int, vocab: int, tokens: dict, kv_dim: int, ctx_bin
             },
             "model": {"version": 1, "type": "binary", "binary": {"version": 1, "ctx-bins": list(ctx_bins)},
                       "positional-encoding": encoding},
+            **({"cache-groups": groups} if groups else {}),
         },
     }}
 
@@ -322,24 +347,37 @@ def _io_gaps(io: dict) -> list[str]:
     if "attention_mask" not in names:
         gaps.append("attention_mask: Genie's engine feeds it (and reads a graph's context from its last "
                     "dimension); ours computes the mask inside the graph from `position`")
-    if not {"position_ids_cos", "position_ids_sin"} <= set(names):
+    positions = names.get((io.get("positions") or {}).get("input", ""))
+    if positions is not None:  # Genie's absolute encoding: it writes n_past + i as int32 (nsp-model.cpp)
+        if positions["dtype"] != "int32" or positions["shape"][:-1] != [1, 1]:
+            gaps.append(f"{positions['name']} {positions['dtype']} {positions['shape']}: Genie's absolute positional "
+                        "encoding writes int32 positions into [1, 1, ar]")
+    elif not {"position_ids_cos", "position_ids_sin"} <= set(names):
         gaps.append("position_ids_cos / position_ids_sin [1, 1, ar, rope-dim]: Genie's engine feeds the rotary "
                     "tables for rope (int32 position_ids for its absolute / alibi types); ours computes them inside "
                     "from `position`")
+    groups = io.get("cache_groups") or []
+    prefixes = [GENIE_DEFAULT_GROUP] + [g["prefix"] for g in groups]
     kv_in = [n for n in names if re.search(r"key|value", n)]
     kv_out = [o["name"] for o in io["outputs"] if re.search(r"key|value", o["name"])]
-    bad = [n for n in kv_in if not GENIE_KV_IN.match(n)] + [n for n in kv_out if not GENIE_KV_OUT.match(n)]
+    bad = [n for n in kv_in if not _kv_name(prefixes, "in").match(n)] + \
+        [n for n in kv_out if not _kv_name(prefixes, "out").match(n)]
     if bad:
         gaps.append(f"KV names: Genie's engine pairs past_<...>key<...>_in with its _out, the layer the first number "
                     f"in the name (qnn-utils.hpp); ours {bad[0]} ... {bad[-1]}")
-    mask = (io.get("boundary") or {}).get("attention_mask")
+    boundary = io.get("boundary") or {}
+    mask = boundary.get("attention_mask")
     if mask is not None and (np.iinfo(mask["dtype"]).max + mask["offset"]) != 0:
         gaps.append(f"attention_mask {mask}: Genie's engine writes the code {np.iinfo(mask['dtype']).max} where a token "
                     "may attend and 0 elsewhere, so the top code must mean 0 (offset = -top)")
-    boundary = io.get("boundary") or {}
+    for g in groups:  # Genie writes a group's mask in the global mask's type and codes, unchecked (nsp-model.cpp)
+        if g["mask"] not in names:
+            gaps.append(f"{g['mask']}: the {g['prefix']} cache group's mask, which Genie's engine fills, is not an input")
+        elif boundary and boundary.get(g["mask"]) != mask:
+            gaps.append(f"{g['mask']} {boundary.get(g['mask'])}: Genie writes it in attention_mask's codes ({mask})")
     untied = [n[:-3] for n in kv_in if n.endswith("_in") and boundary.get(n) != boundary.get(n[:-3] + "_out")]
     if boundary and untied:
-        gaps.append(f"KV encodings: Genie's validator wants each past_*_in and its _out alike; {untied[0]} ... differ")
+        gaps.append(f"KV encodings: Genie's validator wants each *_in and its _out alike; {untied[0]} ... differ")
     key = next((names[n] for n in kv_in if "key" in n), None)
     if key is not None and int(key["shape"][-1]) == int(io["head_dim"]):
         gaps.append(f"key layout: Genie's engine keeps keys transposed, [n_kv, head_dim, len] (values [n_kv, len, "
@@ -357,7 +395,8 @@ def missing(io: dict, graph_names: list[str], *, tokenizer: bool, lut: bool, ext
                     f"named by onnxruntime-qnn, sort otherwise: {graph_names}")
     if len(set(graph_names)) != len(graph_names):
         gaps.append(f"graph names repeat across the ctx-bins ({graph_names}): Genie keys each graph by its name")
-    rings = [x for x in io["layers"] if x["slot_rule"] != "position"]
+    grouped = {g["prefix"] for g in io.get("cache_groups") or []}
+    rings = [x for x in io["layers"] if x["slot_rule"] != "position" and x.get("prefix") not in grouped]
     if rings:
         gaps.append(f"sliding layers' KV: ours a ring of {rings[0]['cache_len']} slots written at "
                     f"`{rings[0]['slot_rule']}` ({len(rings)} of {len(io['layers'])} layers), masked inside the "
@@ -394,11 +433,15 @@ def write_bundle(out: Path, *, model_dir: Path, io: dict, target: dict, ctx_bins
     lut = (write_lut(embed_model, out / LUT, encoding=enc)
            if embed_model is not None and embed_model.is_file() and enc is not None else None)
     config = json.loads((model_dir / "config.json").read_text())
-    encoding, rope_gaps = positional_encoding(config, int(io["head_dim"]))
+    if "positions" in io:  # Genie's absolute encoding: it writes positions, the graph holds every rotary table
+        encoding, rope_gaps = {"type": "absolute"}, []
+    else:
+        encoding, rope_gaps = positional_encoding(config, int(io["head_dim"]))
     logits = next(o for o in io["outputs"] if o["name"] == "logits")
     cfg = genie_config(context=int(io["context_length"]), vocab=int(logits["shape"][-1]), tokens=tokens,
                        kv_dim=int(io["head_dim"]), ctx_bins=ctx_bins, encoding=encoding,
-                       spill_fill=max((g["spill_fill_bytes"] for g in graphs), default=0), lut=lut)
+                       spill_fill=max((g["spill_fill_bytes"] for g in graphs), default=0), lut=lut,
+                       groups=cache_groups(io))
     (out / CONFIG).write_text(json.dumps(cfg, indent=4) + "\n")
     (out / HTP_CONFIG).write_text(json.dumps(htp_config(target), indent=4) + "\n")
     has_tokenizer = (model_dir / TOKENIZER).is_file()

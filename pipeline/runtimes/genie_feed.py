@@ -15,6 +15,12 @@ attention-mask.cpp in the Genie sources the QAIRT SDK ships; read, not copied):
   rope scaling in double; here they are Hugging Face's, io.json "rope", the same formula);
 - the KV: each call's `past_*_out` written into the `_in` buffers at the next n_past entries
   (keys transposed: [1, n_kv, head_dim, len]);
+- the sliding layers' cache group (io.json "cache_groups", prefix swa_: KVCache/ and
+  context-manager.cpp): its buffer filled slot by slot, then the oldest entry overwritten (with no
+  reserved tokens, slot = position mod buffer), its mask (swa_attention_mask) the global mask's
+  columns gathered slot by slot with the keys out of the window (position <= p - W) masked;
+- Genie's absolute positional encoding (io.json "positions", a model with a rotary table per kind of
+  layer): position_ids int32 n_past + i, 0 for the padding;
 - a quantized boundary (io.json "boundary", pipeline/graphs/genie_io.py): the mask as 0xffff where a
   token may attend and 0 elsewhere whatever the tensor's encoding; the rotary tables' codes
   truncated as Genie's engine computes them; the embeddings' codes from the LUT (written rounded to
@@ -77,11 +83,13 @@ class GenieFeedDecoder(Runtime):
             embed = functools.partial(_lookup, table, lookup["input"], np.zeros((1, 1), dtype=np.int64))
         self._embed = embed
         self.enc = self.io.get("boundary") or {}  # the quantized boundary's encodings, where it has one
-        rope = self.io["rope"]
-        angles = np.arange(CL, dtype=np.float64)[:, None] * np.asarray(rope["inv_freq"], dtype=np.float64)[None, :]
-        scale = float(rope["attention_scaling"])
-        self._cos = self._table(np.cos(angles) * scale, "position_ids_cos")  # [CL, rot/2]
-        self._sin = self._table(np.sin(angles) * scale, "position_ids_sin")
+        self._positions = "positions" in self.io  # Genie's absolute encoding: the tables are in the graph
+        if not self._positions:
+            rope = self.io["rope"]
+            angles = np.arange(CL, dtype=np.float64)[:, None] * np.asarray(rope["inv_freq"], np.float64)[None, :]
+            scale = float(rope["attention_scaling"])
+            self._cos = self._table(np.cos(angles) * scale, "position_ids_cos")  # [CL, rot/2]
+            self._sin = self._table(np.sin(angles) * scale, "position_ids_sin")
         if "attention_mask" in self.enc:  # Genie's constants for a quantized mask, whatever its encoding
             info = np.iinfo(self.enc["attention_mask"]["dtype"])
             self.attend, self.masked, self._mask_dtype = info.max, 0, self.enc["attention_mask"]["dtype"]
@@ -89,10 +97,20 @@ class GenieFeedDecoder(Runtime):
             self.attend, self.masked = float(self.io["mask"]["attend"]), float(self.io["mask"]["masked"])
             self._mask_dtype = np.float32
         n_kv, hd = int(self.io["n_kv_heads"]), int(self.io["head_dim"])
-        kv = [np.dtype(self.enc.get(f"past_{k}_0_in", {}).get("dtype", "float32")) for k in ("key", "value")]
-        # The whole context's K/V, in place: a call's past buffer is its first CL - T entries.
-        self._k = [np.zeros((1, n_kv, hd, CL), kv[0]) for _ in self.io["layers"]]
-        self._v = [np.zeros((1, n_kv, CL, hd), kv[1]) for _ in self.io["layers"]]
+        # Each layer's K/V in place: a full layer's whole context (a call's past buffer is its first CL - T
+        # entries), a sliding layer's its group's buffer (a ring)
+        group = {g["prefix"]: g for g in self.io.get("cache_groups", [])}
+        self._names, self._ring, self._k, self._v = [], [], [], []
+        for layer in self.io["layers"]:
+            prefix = layer.get("prefix", "past_")
+            names = {k: f"{prefix}{k}_{layer['index']}" for k in ("key", "value")}
+            ring = int(group[prefix]["buffer"]) if prefix in group else 0
+            dt = [np.dtype(self.enc.get(names[k] + "_in", {}).get("dtype", "float32")) for k in ("key", "value")]
+            self._names.append(names)
+            self._ring.append(ring)
+            self._k.append(np.zeros((1, n_kv, hd, ring or CL), dt[0]))
+            self._v.append(np.zeros((1, n_kv, ring or CL, hd), dt[1]))
+        self._swa = next(iter(group.values()), None)
         self._graphs = {}
         if session is not None or model_file is not None:
             self._graphs[1] = session or open_(model_file)
@@ -148,14 +166,33 @@ class GenieFeedDecoder(Runtime):
         for r in range(n):
             mask[0, 0, r, :p] = self.attend  # the past, kept in place
             mask[0, 0, r, past:past + r + 1] = self.attend  # the call's own tokens up to this one
+        feed = {self.first: self._rows(tokens, T), "attention_mask": mask}
+        if self._swa is not None:
+            feed[self._swa["mask"]] = self._window_mask(n, T)
         pos = np.zeros(T, dtype=np.int64)
         pos[:n] = np.arange(p, p + n)  # Genie's position ids: 0 for the padding
-        feed = {self.first: self._rows(tokens, T), "attention_mask": mask,
-                "position_ids_cos": self._cos[pos][None, None], "position_ids_sin": self._sin[pos][None, None]}
-        for i, (k, v) in enumerate(zip(self._k, self._v)):
-            feed[f"past_key_{i}_in"] = np.ascontiguousarray(k[..., :past])
-            feed[f"past_value_{i}_in"] = v[:, :, :past, :]
+        if self._positions:
+            feed[self.io["positions"]["input"]] = pos.astype(np.int32)[None, None]
+        else:
+            feed.update(position_ids_cos=self._cos[pos][None, None], position_ids_sin=self._sin[pos][None, None])
+        for names, ring, k, v in zip(self._names, self._ring, self._k, self._v):
+            feed[names["key"] + "_in"] = k if ring else np.ascontiguousarray(k[..., :past])
+            feed[names["value"] + "_in"] = v if ring else v[:, :, :past, :]
         return feed
+
+    def _window_mask(self, n: int, T: int) -> np.ndarray:
+        """The sliding group's mask for a call of `n` real tokens (of T) at the current position: a slot
+        attended where it holds a position the global mask attends and the window reaches (> p + r - W),
+        then the call's own tokens as the global mask has them."""
+        B, W, p = int(self._swa["buffer"]), int(self._swa["window"]), self.position
+        mask = np.full((1, 1, T, B + T), self.masked, dtype=self._mask_dtype)
+        slots = np.arange(B)
+        held = slots + B * ((p - 1 - slots) // B)  # the position each slot holds (the latest < p in its ring)
+        valid = slots < min(p, B)
+        for r in range(n):
+            mask[0, 0, r, :B][valid & (held > p + r - W)] = self.attend
+            mask[0, 0, r, B:B + r + 1] = self.attend
+        return mask
 
     def _call(self, tokens: Sequence[int], T: int) -> np.ndarray:
         n, p = len(tokens), self.position
@@ -163,9 +200,15 @@ class GenieFeedDecoder(Runtime):
             raise ContextFull(f"{n} tokens at position {p} pass the context_length {self.context_length}")
         res = self._graphs[T].run(self._outputs, self.feed(tokens, T))
         self.calls["token" if T == 1 else "prompt"] += 1
-        for i, (k, v) in enumerate(zip(self._k, self._v)):  # Genie's KV update: the real rows' entries
-            k[..., p:p + n] = res[1 + 2 * i][..., :n]
-            v[:, :, p:p + n, :] = res[2 + 2 * i][:, :, :n, :]
+        for i, (ring, k, v) in enumerate(zip(self._ring, self._k, self._v)):  # Genie's KV update: the real rows'
+            new_k, new_v = res[1 + 2 * i], res[2 + 2 * i]
+            if ring:  # the group's buffer: slot by slot, the oldest overwritten
+                for j in range(n):
+                    k[..., (p + j) % ring] = new_k[..., j]
+                    v[:, :, (p + j) % ring, :] = new_v[:, :, j, :]
+            else:
+                k[..., p:p + n] = new_k[..., :n]
+                v[:, :, p:p + n, :] = new_v[:, :, :n, :]
         self.position = p + n
         logits = res[0].reshape(T, -1)[n - 1]  # the last real row
         enc = self.enc.get("logits")
