@@ -799,15 +799,39 @@ def _genie_boundary(dst: Path, quant: dict, given: dict | None = None, want: dic
     return enc
 
 
+def _genie_mix(out: Path, name: str, mix: dict) -> None:
+    """genie/mixed/`name`: the Genie-form graph `name` assembled from its w8a16 and w4a16 QDQ graphs
+    (genie/<precision>/, one calibration) by the deployed mix's groups and head, as ours was
+    (parts.assemble; `mix`: the pack's graphs["mixed"] entry)."""
+    import onnx
+
+    from pipeline.graphs import parts
+
+    src = {q: out / GENIE_DIR / q / name for q in ("w8a16", "w4a16")}
+    dst = out / GENIE_DIR / "mixed" / name
+    models = {q: onnx.load(str(f)) for q, f in src.items()}
+    try:
+        bounds = parts.boundaries(models["w8a16"], onnx.load(str(out / GENIE_DIR / "float" / name),
+                                                             load_external_data=False))
+        m = parts.assemble(models, [(g["layers"][0], g["layers"][1], g["precision"]) for g in mix["groups"]], bounds,
+                           head=mix.get("head"))
+    except parts.PartsError as err:
+        raise StageError(f"pack: the Genie-form {name} at the per-part mix: {err}") from None
+    del models
+    onnx.save(m, str(dst), save_as_external_data=True, all_tensors_to_one_file=True, location=name + ".data",
+              size_threshold=1024)
+
+
 def _genie_qdq(ctx, out: Path, p: str, float_facts: dict, quant: dict, seqs: list, stride: int,
-               cal_dir: Path) -> dict:
+               cal_dir: Path, mix: dict | None = None) -> dict:
     """The deployed precision's graphs in Genie's form: the QNN-ready float graphs (_genie_float) quantized
     as ours were (their own calibration, fed as Genie feeds them; the deployed graph's weight codes,
-    checked), then their boundary in the types Genie writes and reads (_genie_boundary: uint16 inputs and KV
-    outputs, each KV pair one encoding, the prompt graph's the token graph's), and run on the CPU EP fed
-    as Genie feeds them against our QDQ graph of the same precision (the prompt graph against the Genie
-    token graph): genie/<p>/model.onnx (and prompt.onnx), genie/io.json (with the boundary's encodings);
-    its facts."""
+    checked; `p` mixed: at w8a16 and w4a16 over that one calibration, assembled by the deployed mix's groups
+    `mix`, _genie_mix), then their boundary in the types Genie writes and reads (_genie_boundary: uint16
+    inputs and KV outputs, each KV pair one encoding, the prompt graph's the token graph's), and run on the
+    CPU EP fed as Genie feeds them against our QDQ graph of the same precision (the prompt graph against the
+    Genie token graph): genie/<p>/model.onnx (and prompt.onnx), genie/io.json (with the boundary's
+    encodings); its facts."""
     import gc
     import shutil
 
@@ -820,9 +844,12 @@ def _genie_qdq(ctx, out: Path, p: str, float_facts: dict, quant: dict, seqs: lis
 
     fdir = out / GENIE_DIR / "float"
     dst = out / GENIE_DIR / p
-    dst.mkdir()
+    sources = ("w8a16", "w4a16") if p == "mixed" else (p,)  # the precisions quantized
+    for q in {p, *sources}:
+        (out / GENIE_DIR / q).mkdir()
     gio = json.loads((fdir / "io.json").read_text())
     spill = out / GENIE_DIR / ".calibration_samples"
+    facts = {}
     try:
         dec = GenieFeedDecoder(fdir, threads=2)
         with ctx.progress(sum(len(q) for q in seqs), "Genie form: QDQ calibration, decode steps fed as Genie "
@@ -830,10 +857,17 @@ def _genie_qdq(ctx, out: Path, p: str, float_facts: dict, quant: dict, seqs: lis
             paths = qnn.spill_samples(qnn.decode_samples(dec, seqs, stride, advance=bar.advance), spill)
         del dec
         gc.collect()
-        facts = _qdq_graph(ctx, p, fdir / "model.onnx", dst / "model.onnx", paths, quant["token"]["overrides"],
-                           quant["token"]["float_nodes"], cal_dir, what="Genie's form")
+        for q in sources:
+            facts[q] = _qdq_graph(ctx, q, fdir / "model.onnx", out / GENIE_DIR / q / "model.onnx", paths,
+                                  quant["token"]["overrides"], quant["token"]["float_nodes"], cal_dir,
+                                  what="Genie's form")
     finally:
         shutil.rmtree(spill, ignore_errors=True)
+    if p == "mixed":
+        _genie_mix(out, "model.onnx", mix)
+        facts = {**facts, "groups": mix["groups"], "head": mix.get("head")}
+    else:
+        facts = facts[p]
     differ = qnn.same_weights(out / p / "model.onnx", out / "float" / "model.onnx", dst / "model.onnx",
                               fdir / "model.onnx")
     if differ:
@@ -842,8 +876,10 @@ def _genie_qdq(ctx, out: Path, p: str, float_facts: dict, quant: dict, seqs: lis
     enc = _genie_boundary(dst / "model.onnx", quant["token"])
     prompt = None
     if "prompt" in quant:
-        prompt = _genie_prompt_qdq(ctx, out, p, quant["prompt"], enc, seqs, cal_dir)
+        prompt = _genie_prompt_qdq(ctx, out, p, quant["prompt"], enc, seqs, cal_dir, mix)
         share_external_data(dst / "model.onnx", dst / PROMPT_MODEL)
+    for q in set(sources) - {p}:  # the mix's sources, assembled
+        shutil.rmtree(out / GENIE_DIR / q)
     for spec in [gio] + ([gio["prompt"]] if "prompt" in gio else []):
         for v in spec["inputs"] + spec["outputs"]:
             if v["name"] in enc:
@@ -888,11 +924,14 @@ def _genie_qdq(ctx, out: Path, p: str, float_facts: dict, quant: dict, seqs: lis
                                 "graph, a token a call"}
 
 
-def _genie_prompt_qdq(ctx, out: Path, p: str, quant: dict, enc: dict, seqs: list, cal_dir: Path) -> dict:
+def _genie_prompt_qdq(ctx, out: Path, p: str, quant: dict, enc: dict, seqs: list, cal_dir: Path,
+                      mix: dict | None = None) -> dict:
     """The Genie-form prompt graph at precision `p`: calibrated on its own chunks (fed as Genie feeds
     them), every boundary tensor held at the token graph's encoding `enc` (quantization overrides of the
     exact scale and zero point; Genie's validator wants one encoding a tensor name across the graphs, and
-    the two share the KV buffers), the token graph's weight codes (checked); genie/<p>/prompt.onnx."""
+    the two share the KV buffers), the token graph's weight codes (checked; `p` mixed: at w8a16 and w4a16,
+    each checked against that precision's token graph, then assembled by `mix` as the token graph was);
+    genie/<p>/prompt.onnx."""
     import gc
     import shutil
 
@@ -911,14 +950,18 @@ def _genie_prompt_qdq(ctx, out: Path, p: str, quant: dict, enc: dict, seqs: list
             paths = qnn.spill_samples(qnn.prompt_samples(dec, seqs, advance=bar.advance), spill)
         del dec
         gc.collect()
-        facts = _qdq_graph(ctx, p, fdir / PROMPT_MODEL, dst / PROMPT_MODEL, paths, {**quant["overrides"], **exact},
-                           quant["float_nodes"], cal_dir, what="Genie's form, the prompt graph")
+        for q in (("w8a16", "w4a16") if p == "mixed" else (p,)):
+            src = out / GENIE_DIR / q
+            facts = _qdq_graph(ctx, q, fdir / PROMPT_MODEL, src / PROMPT_MODEL, paths, {**quant["overrides"], **exact},
+                               quant["float_nodes"], cal_dir, what="Genie's form, the prompt graph")
+            differ = qnn.same_weights(src / "model.onnx", fdir / "model.onnx", src / PROMPT_MODEL, fdir / PROMPT_MODEL)
+            if differ:
+                raise StageError(f"pack: the Genie-form {q} prompt graph's weights are not its token graph's "
+                                 f"({len(differ)} differ, first {differ[0]})")
     finally:
         shutil.rmtree(spill, ignore_errors=True)
-    differ = qnn.same_weights(dst / "model.onnx", fdir / "model.onnx", dst / PROMPT_MODEL, fdir / PROMPT_MODEL)
-    if differ:
-        raise StageError(f"pack: the Genie-form {p} prompt graph's weights are not its token graph's "
-                         f"({len(differ)} differ, first {differ[0]})")
+    if p == "mixed":
+        _genie_mix(out, PROMPT_MODEL, mix)
     penc = _genie_boundary(dst / PROMPT_MODEL, quant, given={k: enc[k] for k in GENIE_WRITES if k in enc}, want=enc)
     apart = [k for k in penc if k in enc and penc[k] != enc[k]]
     if apart:
@@ -1193,13 +1236,13 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     precisions = selection["kept"]
     deployed = selection["deployed"]
     genie = genie_float
-    if genie_quant is not None and deployed in ("w8a16", "w4a16"):
-        genie = _genie_qdq(ctx, out, deployed, genie_float, genie_quant, seqs, stride, cal_dir)
+    if genie_quant is not None and deployed in ("w8a16", "w4a16", "mixed"):
+        genie = _genie_qdq(ctx, out, deployed, genie_float, genie_quant, seqs, stride, cal_dir,
+                           mix=graphs[deployed] if deployed == "mixed" else None)
     elif genie_quant is not None:
         shutil.rmtree(out / GENIE_DIR)  # its float graph, made for nothing
-        genie = {"built": False, "why": f"{deployed} ships, whose Genie form is not built: "
-                                        + ("Genie writes a quantized inputs_embeds" if deployed == "fp16"
-                                           else "the per-part mix (pack.qnn_mix_groups) is not assembled in it yet")}
+        genie = {"built": False, "why": f"{deployed} ships, whose Genie form is not built: Genie writes a "
+                                        "quantized inputs_embeds"}
     if not genie["built"]:
         ctx.log(f"Genie form not built: {genie['why']}")
     info = {"format": "edgekiln-qnn-pack/1", "precisions": precisions, "deployed": selection["deployed"],

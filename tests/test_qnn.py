@@ -1302,6 +1302,26 @@ def test_per_part_precision_keeps_w4a16_in_the_parts_where_the_whole_still_meets
             assert codes and codes <= want, (graph, codes, want)
     assert qnn.same_weights(out / "mixed/model.onnx", out / "float/model.onnx", out / "mixed/prompt.onnx",
                             out / "float/prompt.onnx") == []
+    # the Genie form at the same mix: assembled from its own w8a16 and w4a16 graphs over one calibration (the
+    # sources removed), each part's weights at its precision, the prompt graph the same codes, decoding as ours
+    # on the CPU EP fed as Genie feeds it
+    g = npu["genie"]
+    assert g["built"] and g["precision"] == "mixed" and g["quantize"]["groups"] == groups, g
+    assert not (out / "genie" / "w8a16").exists() and not (out / "genie" / "w4a16").exists()
+    assert g["against_ours"]["snr_db"] > 40.0 and g["against_ours"]["top1_agreement"] == 1.0, g["against_ours"]
+    for graph in ("model.onnx", "prompt.onnx"):
+        m = onnx.load(str(out / "genie" / "mixed" / graph), load_external_data=False)
+        bounds = parts.boundaries(m, onnx.load(str(out / "genie" / "float" / graph), load_external_data=False))
+        head = [o.name for o in m.graph.output if not parts._PRESENT.match(o.name)]
+        kv = [o.name for o in m.graph.output
+              if (hit := parts._PRESENT.match(o.name)) and int(hit.group(1) or hit.group(2)) >= 2]
+        for nodes, want in ((parts._part(m, 0, 2, bounds)[1], eight),
+                            (parts._part_nodes(m, kv + [bounds[4]], bounds[2]), {onnx.TensorProto.INT4}),
+                            (parts._part_nodes(m, head, bounds[4]), eight)):
+            codes = matmul_weight_codes(m, nodes)
+            assert codes and codes <= want, ("genie", graph, codes, want)
+    assert qnn.same_weights(out / "mixed/model.onnx", out / "float/model.onnx", out / "genie/mixed/model.onnx",
+                            out / "genie/float/model.onnx") == []
     # compile_qnn: the pack's parts, one precision each, and the groups recorded
     comp = tmp_path / "compile_qnn"
     comp.mkdir()
@@ -1321,7 +1341,10 @@ def test_per_part_precision_keeps_w4a16_in_the_parts_where_the_whole_still_meets
     assert profile["deployed"] == "mixed" and profile["context_binary"]["groups"] == groups
     assert [p["weights"] for p in profile["context_binary"]["parts"]] == ["w8a16", ["w4a16", "w8a16"]]
     bins = json.loads((dp / "genie_config.json").read_text())["dialog"]["engine"]["model"]["binary"]["ctx-bins"]
-    assert [b.split("/")[-3:-1] for b in bins] == [["mixed", "part0"], ["mixed", "part1"]], bins
+    # the Genie form's binaries at the mix, cut at the same parts: the token graph's, then its prompt graph's
+    assert info["genie"]["precision"] == "mixed" and [p["layers"] for p in info["genie"]["parts"]] == [[0, 2], [2, 4]]
+    assert [b.split("/")[-4:-1] for b in bins] == [["genie", "mixed", "part0"], ["genie", "mixed", "part1"],
+                                                   ["mixed", "prompt", "part0"], ["mixed", "prompt", "part1"]], bins
     layers = [{"type": "sliding_attention"}, {"type": "full_attention"}] * 2
     each = benchmark.layer_precisions(info, "mixed", 4)
     assert each == ["w8a16", "w8a16", "w4a16", "w4a16"]
