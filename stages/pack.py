@@ -823,7 +823,7 @@ def _genie_mix(out: Path, name: str, mix: dict) -> None:
 
 
 def _genie_qdq(ctx, out: Path, p: str, float_facts: dict, quant: dict, seqs: list, stride: int,
-               cal_dir: Path, mix: dict | None = None) -> dict:
+               cal_dir: Path, mix: dict | None = None, made: dict | None = None) -> dict:
     """The deployed precision's graphs in Genie's form: the QNN-ready float graphs (_genie_float) quantized
     as ours were (their own calibration, fed as Genie feeds them; the deployed graph's weight codes,
     checked; `p` mixed: at w8a16 and w4a16 over that one calibration, assembled by the deployed mix's groups
@@ -831,7 +831,8 @@ def _genie_qdq(ctx, out: Path, p: str, float_facts: dict, quant: dict, seqs: lis
     inputs and KV outputs, each KV pair one encoding, the prompt graph's the token graph's), and run on the
     CPU EP fed as Genie feeds them against our QDQ graph of the same precision (the prompt graph against the
     Genie token graph): genie/<p>/model.onnx (and prompt.onnx), genie/io.json (with the boundary's
-    encodings); its facts."""
+    encodings); its facts. `made`: {precision: the codes our graphs made, by checkpoint name}
+    (qnn.requantize_weights), taken rather than made again."""
     import gc
     import shutil
 
@@ -860,7 +861,7 @@ def _genie_qdq(ctx, out: Path, p: str, float_facts: dict, quant: dict, seqs: lis
         for q in sources:
             facts[q] = _qdq_graph(ctx, q, fdir / "model.onnx", out / GENIE_DIR / q / "model.onnx", paths,
                                   quant["token"]["overrides"], quant["token"]["float_nodes"], cal_dir,
-                                  what="Genie's form")
+                                  what="Genie's form", made=(made or {}).get(q))
     finally:
         shutil.rmtree(spill, ignore_errors=True)
     if p == "mixed":
@@ -876,7 +877,7 @@ def _genie_qdq(ctx, out: Path, p: str, float_facts: dict, quant: dict, seqs: lis
     enc = _genie_boundary(dst / "model.onnx", quant["token"])
     prompt = None
     if "prompt" in quant:
-        prompt = _genie_prompt_qdq(ctx, out, p, quant["prompt"], enc, seqs, cal_dir, mix)
+        prompt = _genie_prompt_qdq(ctx, out, p, quant["prompt"], enc, seqs, cal_dir, mix, made)
         share_external_data(dst / "model.onnx", dst / PROMPT_MODEL)
     for q in set(sources) - {p}:  # the mix's sources, assembled
         shutil.rmtree(out / GENIE_DIR / q)
@@ -925,7 +926,7 @@ def _genie_qdq(ctx, out: Path, p: str, float_facts: dict, quant: dict, seqs: lis
 
 
 def _genie_prompt_qdq(ctx, out: Path, p: str, quant: dict, enc: dict, seqs: list, cal_dir: Path,
-                      mix: dict | None = None) -> dict:
+                      mix: dict | None = None, made: dict | None = None) -> dict:
     """The Genie-form prompt graph at precision `p`: calibrated on its own chunks (fed as Genie feeds
     them), every boundary tensor held at the token graph's encoding `enc` (quantization overrides of the
     exact scale and zero point; Genie's validator wants one encoding a tensor name across the graphs, and
@@ -953,7 +954,8 @@ def _genie_prompt_qdq(ctx, out: Path, p: str, quant: dict, enc: dict, seqs: list
         for q in (("w8a16", "w4a16") if p == "mixed" else (p,)):
             src = out / GENIE_DIR / q
             facts = _qdq_graph(ctx, q, fdir / PROMPT_MODEL, src / PROMPT_MODEL, paths, {**quant["overrides"], **exact},
-                               quant["float_nodes"], cal_dir, what="Genie's form, the prompt graph")
+                               quant["float_nodes"], cal_dir, what="Genie's form, the prompt graph",
+                               made=(made or {}).get(q))
             differ = qnn.same_weights(src / "model.onnx", fdir / "model.onnx", src / PROMPT_MODEL, fdir / PROMPT_MODEL)
             if differ:
                 raise StageError(f"pack: the Genie-form {q} prompt graph's weights are not its token graph's "
@@ -1159,6 +1161,7 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
                        "max_position": max(len(s) for s in seqs) - 1,
                        "data": "calibrate/token_ids.npy (held-out windows), joined into context-length sequences"}
     spill = out / ".calibration_samples"
+    codes_made = {}  # w8a16's GPTQ codes by checkpoint name, for the Genie form's graphs (made once)
     try:
         paths = []
         if qdq:
@@ -1194,7 +1197,9 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
                 chosen.measure(p)
                 continue
             (out / p).mkdir()
-            made = {} if prompt_paths else None  # the token graph's codes, for its prompt graph
+            # the token graph's codes, for its prompt graph and the Genie form's graphs (w8a16's GPTQ codes: made
+            # once; w4a16's are the quantize stage's, read again)
+            made = {} if prompt_paths or (genie_quant is not None and p == "w8a16") else None
             facts = _qdq_graph(ctx, p, float_dir / "model.onnx", out / p / "model.onnx", paths, overrides,
                                float_nodes, cal_dir, made=made)
             graphs[p] = {"graph": f"{p}/model.onnx", **facts,
@@ -1213,7 +1218,6 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
                 _qdq_graph(ctx, p, float_dir / PROMPT_MODEL, out / p / PROMPT_MODEL, prompt_paths,
                            {**prompt_quant["overrides"], **heads}, prompt_quant["float_nodes"], cal_dir,
                            what="the prompt graph", made=made)
-                del made
                 differ = qnn.same_weights(out / p / "model.onnx", float_dir / "model.onnx", out / p / PROMPT_MODEL,
                                           float_dir / PROMPT_MODEL)
                 if differ:
@@ -1224,6 +1228,9 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
                         f"from the token graph's data file, {shared['own_bytes'] / 1e6:.1f} MB of its own")
                 graphs[p]["prompt_graph"] = f"{p}/{PROMPT_MODEL}"
                 graphs[p]["prompt_graph_head_ranges"] = {"from": "the token graph's", "tensors": sorted(heads)}
+            if genie_quant is not None and p == "w8a16":
+                codes_made[p] = made
+            del made
             chosen.measure(p)
         chosen.mix(graphs, float_dir)
     finally:
@@ -1238,11 +1245,12 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
     genie = genie_float
     if genie_quant is not None and deployed in ("w8a16", "w4a16", "mixed"):
         genie = _genie_qdq(ctx, out, deployed, genie_float, genie_quant, seqs, stride, cal_dir,
-                           mix=graphs[deployed] if deployed == "mixed" else None)
+                           mix=graphs[deployed] if deployed == "mixed" else None, made=codes_made)
     elif genie_quant is not None:
         shutil.rmtree(out / GENIE_DIR)  # its float graph, made for nothing
         genie = {"built": False, "why": f"{deployed} ships, whose Genie form is not built: Genie writes a "
                                         "quantized inputs_embeds"}
+    codes_made.clear()
     if not genie["built"]:
         ctx.log(f"Genie form not built: {genie['why']}")
     info = {"format": "edgekiln-qnn-pack/1", "precisions": precisions, "deployed": selection["deployed"],
