@@ -100,3 +100,23 @@ def test_uint16_encoding_holds_zero_and_the_range():
     assert e["offset"] == -65535 and (0 + e["offset"]) * e["scale"] == pytest.approx(-1000.0)
     e = genie_io.uint16_encoding(0.25, 1.0)  # zero inside always
     assert e["offset"] == 0 and e["scale"] == pytest.approx(1.0 / 65535)
+
+
+def test_a_prompt_graph_encoding_a_step_apart_takes_the_token_graphs_and_one_truly_apart_is_refused():
+    # the figures of Gemma 3 270M's phone build: the prompt graph's swa_key_1_in came out one uint16 step
+    # wider than the token graph's (relative 1.3e-5), and Genie's validator compares them exactly
+    want = {"dtype": "uint16", "scale": 0.0005874842754565179, "offset": -35930}
+    m, enc = genie_io.quantized_boundary(_graph())
+    enc["past_key_0_in"] = {"dtype": "uint16", "scale": 0.0005874917260371149, "offset": -35930}
+    assert genie_io.impose(m, enc, {"past_key_0_in": want}) == 1
+    assert enc["past_key_0_in"] == want
+    inits = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
+    readers = [n for n in m.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == "past_key_0_in"]
+    assert readers and all(float(inits[n.input[1]]) == np.float32(want["scale"]) and
+                           int(inits[n.input[2]]) == 35930 for n in readers)
+    # an offset one code apart at the same scale is rounding too; a range 1% wider is not
+    enc["past_key_0_in"] = {**want, "offset": -35931}
+    assert genie_io.impose(m, enc, {"past_key_0_in": want}) == 1
+    enc["past_key_0_in"] = {**want, "scale": want["scale"] * 1.01}
+    with pytest.raises(genie_io.BoundaryError, match="past_key_0_in"):
+        genie_io.impose(m, enc, {"past_key_0_in": want})
