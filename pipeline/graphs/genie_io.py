@@ -147,8 +147,8 @@ def tie_kv(model: onnx.ModelProto, encodings: dict) -> int:
         if a["dtype"] != b["dtype"]:
             raise BoundaryError(f"{kv}: in {a['dtype']}, out {b['dtype']}")
         top = np.iinfo(a["dtype"]).max
-        lo = min(a["offset"] * a["scale"], b["offset"] * b["scale"], 0.0)
-        hi = max((top + a["offset"]) * a["scale"], (top + b["offset"]) * b["scale"], 0.0)
+        (a_lo, a_hi), (b_lo, b_hi) = _ends(a), _ends(b)
+        lo, hi = min(a_lo, b_lo, 0.0), max(a_hi, b_hi, 0.0)
         scale = np.float32((hi - lo) / top)
         offset = int(round(lo / float(scale)))
         tied = {"dtype": a["dtype"], "scale": float(scale), "offset": offset}
