@@ -110,6 +110,26 @@ def identity(src: str | None = None) -> str:
     return f"sha256:{h.hexdigest()[:16]}"
 
 
+def download_sdist(version: str, into: Path, log=print) -> Path:
+    """The llama-cpp-python `version` source distribution (~75 MB), downloaded by pip (whatever index it is
+    configured with) into `into`: the one place the llama.cpp tree comes from (the converter here, the
+    llama-server build in llama_server.py). RuntimeError with pip's last line where it cannot."""
+    log(f"pip download llama-cpp-python=={version} (source distribution, ~75 MB) ...")
+    cmd = [sys.executable, "-m", "pip", "download", f"llama-cpp-python=={version}", "--no-deps",
+           "--no-binary", ":all:", "--no-build-isolation", "-d", str(into)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    sdists = sorted(into.glob("llama_cpp_python-*.tar.gz")) if into.is_dir() else []
+    if not sdists:
+        # --no-build-isolation needs the sdist's build backend installed; pip may still
+        # have saved the archive before failing on its metadata, else retry isolated.
+        proc = subprocess.run([c for c in cmd if c != "--no-build-isolation"], capture_output=True, text=True)
+        sdists = sorted(into.glob("llama_cpp_python-*.tar.gz")) if into.is_dir() else []
+    if not sdists:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"pip could not download the llama-cpp-python {version} sdist: {last}")
+    return sdists[0]
+
+
 def fetch(version: str = PINNED, *, force: bool = False, log=print) -> Path:
     """Download the llama-cpp-python `version` sdist with pip and keep the converter's files.
 
@@ -123,32 +143,20 @@ def fetch(version: str = PINNED, *, force: bool = False, log=print) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=dest.parent) as tmp:
         tmp = Path(tmp)
-        log(f"pip download llama-cpp-python=={version} (source distribution, ~75 MB) ...")
-        cmd = [sys.executable, "-m", "pip", "download", f"llama-cpp-python=={version}", "--no-deps",
-               "--no-binary", ":all:", "--no-build-isolation", "-d", str(tmp / "dl")]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        sdists = sorted((tmp / "dl").glob("llama_cpp_python-*.tar.gz")) if (tmp / "dl").is_dir() else []
-        if not sdists:
-            # --no-build-isolation needs the sdist's build backend installed; pip may still
-            # have saved the archive before failing on its metadata, else retry isolated.
-            proc = subprocess.run([c for c in cmd if c != "--no-build-isolation"], capture_output=True, text=True)
-            sdists = sorted((tmp / "dl").glob("llama_cpp_python-*.tar.gz")) if (tmp / "dl").is_dir() else []
-        if not sdists:
-            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"pip could not download the llama-cpp-python {version} sdist: {last}")
+        sdist = download_sdist(version, tmp / "dl", log)
         stage = tmp / "tree"
         stage.mkdir()
         prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
-        with tarfile.open(sdists[0]) as tar:
+        with tarfile.open(sdist) as tar:
             members = [m for m in tar.getmembers()
                        if m.name.startswith(prefix) and m.name[len(prefix):].split("/")[0] in KEEP
                        and (m.isfile() or m.isdir())]
             if not any(m.name == prefix + SCRIPT for m in members):
-                raise RuntimeError(f"{sdists[0].name} holds no vendor/llama.cpp/{SCRIPT}")
+                raise RuntimeError(f"{sdist.name} holds no vendor/llama.cpp/{SCRIPT}")
             for m in members:
                 m.name = m.name[len(prefix):]
             tar.extractall(stage, members=members, filter="data")
-        (stage / "SOURCE").write_text(f"llama-cpp-python {version} sdist ({sdists[0].name}): vendor/llama.cpp\n")
+        (stage / "SOURCE").write_text(f"llama-cpp-python {version} sdist ({sdist.name}): vendor/llama.cpp\n")
         if dest.exists():
             shutil.rmtree(dest)
         stage.rename(dest)
@@ -165,18 +173,24 @@ def main(argv=None) -> int:
     f.add_argument("--force", action="store_true", help="fetch again even if present")
     sub.add_parser("show", help="where the converter is found, and its identity")
     args = ap.parse_args(argv)
-    if args.cmd == "fetch":
-        try:
-            fetch(force=args.force)
-        except RuntimeError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 1
-        return 0
-    tree = find()
-    if tree is None:
-        print(missing_message(), file=sys.stderr)
+    return command(lambda: fetch(force=args.force) if args.cmd == "fetch" else None,
+                   find, missing_message, lambda tree: f"{tree} {identity()}")
+
+
+def command(make, find_, missing, describe) -> int:
+    """A toolchain command's exit: `make()` (fetch, build; None for `show`) with its RuntimeError as one
+    line, else what `find_()` finds described, or why nothing is found (llama_server.py's too)."""
+    try:
+        if make() is not None:
+            return 0
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 1
-    print(f"{tree} {identity()}")
+    found = find_()
+    if found is None:
+        print(missing(), file=sys.stderr)
+        return 1
+    print(describe(found))
     return 0
 
 
