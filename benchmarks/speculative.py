@@ -3,6 +3,7 @@ benchmark stage reports as `speculative`, with more options): pipeline/measure/s
 
     python benchmarks/speculative.py artifacts/x86_avx512-embedded-speed/pack
     python benchmarks/speculative.py PACK --passes 5 --threads 2 --new 128 --draft-max 8,8f --json out.json
+    python benchmarks/speculative.py model.gguf    # llama-server's --spec-type modes on a GGUF (its plain greedy the base)
 """
 
 import sys

@@ -19,7 +19,11 @@ device that runs onnxruntime-genai gets), the two compared in the report.
 Then prompt-lookup speculative decoding against plain greedy decoding on the
 same folder (pipeline/measure/speculative.py, `benchmark.speculative: auto`):
 speedup and draft tokens kept on input-grounded and free-text prompts, and how
-many of greedy's tokens it reproduced (the report's `speculative`).
+many of greedy's tokens it reproduced (the report's `speculative`). On a
+llama.cpp build, the same prompts through llama-server's own draftless modes
+(`--spec-type ngram-simple`, `ngram-mod`) on the pack's GGUF against its plain
+greedy decoding, where a llama-server is found
+(pipeline/toolchains/llama_server.py; said in the notes where not).
 
 Pages: every arm's process gets the same environment. With
 `benchmark.huge_pages: auto` (the default) that asks glibc for transparent
@@ -395,7 +399,8 @@ def run(ctx) -> dict:
         }
 
     roofline = _roofline(ctx, b, threads, figures, context, read_mb)
-    spec = _speculative(ctx, b, threads, packed_arm, env)
+    # the weight path's own arm, whether or not it was timed: llama-server's modes need no llama-cpp-python
+    spec = _speculative(ctx, b, threads, PACKED_ARMS.get(sel["path"]), env, int(context_length))
     if not spec["ran"]:
         notes.append(f"speculative decoding not measured: {spec['skipped']}")
     vs_eager = versus("torch_eager_fp32")
@@ -502,34 +507,50 @@ def run(ctx) -> dict:
     return {"metrics": metrics, "summary": summary_table(report), "on_target": on_target}
 
 
-def _speculative(ctx, b, threads: int, packed_arm: str | None, env: dict) -> dict:
-    """Prompt-lookup speculative decoding against plain greedy decoding on the ONNX Runtime artifact, in a
-    process of its own (pipeline/measure/speculative.py): per prompt and by kind (input-grounded, free
-    text), the speedup, the draft tokens kept, and how many of greedy's tokens it reproduced."""
+def _speculative(ctx, b, threads: int, packed_arm: str | None, env: dict, context_length: int) -> dict:
+    """Prompt-lookup speculative decoding against plain greedy decoding on the ONNX Runtime artifact, or
+    llama-server's draftless modes on the GGUF against its plain greedy, in a process of its own
+    (pipeline/measure/speculative.py): per prompt and by kind (input-grounded, free text), the speedup, the
+    draft tokens kept, and how many of greedy's tokens it reproduced."""
     from pipeline.measure import speculative  # imported so that it is in this stage's code deps
+    from pipeline.toolchains import llama_server
 
-    if packed_arm != "ort_int4":
-        return {"ran": False, "skipped": "it runs on the ONNX Runtime artifact (GqaDecoder) only"}
+    if packed_arm not in ("ort_int4", "gguf_q4_0"):
+        return {"ran": False, "skipped": "it runs on the ONNX Runtime artifact (GqaDecoder) and on the GGUF "
+                                         "(llama-server's draftless modes) only"}
     if str(b.speculative) == "off":
         return {"ran": False, "skipped": "benchmark.speculative=off"}
     pack = Path(ctx.inputs["pack"])
-    if json.loads((pack / "io.json").read_text()).get("row_logits") is None:
-        return {"ran": False, "skipped": "the graph has no row_logits"}
+    extra = []
+    if packed_arm == "gguf_q4_0":  # llama-server's own --spec-type modes on the file, against its plain greedy
+        binary = llama_server.find()
+        if binary is None:
+            return {"ran": False, "skipped": llama_server.missing_message()}
+        info = json.loads((pack / "gguf.json").read_text())
+        what, extra = str(pack / info["file"]), ["--server", str(binary), "--context", str(context_length)]
+        how = ("pipeline/measure/speculative.py measure_llama_server: llama-server plain and with each --spec-type "
+               "mode, a fresh server an arm and pass, interleaved; speedup = the server's own decode tok/s over "
+               "plain's, median [min-max] over passes")
+    else:
+        if json.loads((pack / "io.json").read_text()).get("row_logits") is None:
+            return {"ran": False, "skipped": "the graph has no row_logits"}
+        what = str(pack)
+        how = ("pipeline/measure/speculative.py: plain greedy and speculative (adaptive drafts up to draft_max) "
+               "interleaved in one process; speedup = plain time a token over speculative's, median [min-max] "
+               "over passes")
     with tempfile.TemporaryDirectory(prefix="edgekiln-spec-") as tmp, \
             ctx.progress(None, f"speculative decoding against plain greedy, {b.passes} passes"):
         out = Path(tmp) / "speculative.json"
-        proc = subprocess.run([sys.executable, "-m", speculative.__name__, str(pack), "--passes", str(b.passes),
-                               "--threads", str(threads), "--new", str(b.speculative_tokens), "--json", str(out)],
-                              capture_output=True, text=True, env=env)
+        proc = subprocess.run([sys.executable, "-m", speculative.__name__, what, "--passes", str(b.passes),
+                               "--threads", str(threads), "--new", str(b.speculative_tokens), "--json", str(out),
+                               *extra], capture_output=True, text=True, env=env)
         if proc.returncode != 0 or not out.is_file():
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             return {"ran": False, "skipped": f"its run failed (exit {proc.returncode}): {last}"}
         figures = json.loads(out.read_text())
     if not figures["prompts"]:
-        return {"ran": False, "skipped": "no prompt fits: " + "; ".join(figures["skipped"])}
-    return {"ran": True, "how": "pipeline/measure/speculative.py: plain greedy and speculative (adaptive drafts "
-                                "up to draft_max) interleaved in one process; speedup = plain time a token over "
-                                "speculative's, median [min-max] over passes", **figures}
+        return {"ran": False, "skipped": "no prompt fits: " + "; ".join(figures.get("skipped", []))}
+    return {"ran": True, "how": how, **figures}
 
 
 # ms per decode-step layer on a Galaxy S25 (SM8750, HTP v79), the 1.7B hybrid's

@@ -17,7 +17,7 @@ import tarfile
 
 import pytest
 
-from pipeline.toolchains import converter, toolchain
+from pipeline.toolchains import converter, llama_server, toolchain
 from pipeline.engine import devices
 from pipeline.quant import weight_path
 from pipeline.engine.config import compose, validate
@@ -171,6 +171,19 @@ def test_llamacpp_build_end_to_end_writes_our_codes_as_q4_0(tmp_path):
     else:
         assert "gguf_q4_0" not in bench["arms"]
         assert any("GGUF Q4_0 artifact not benchmarked" in n for n in bench["notes"])
+    # llama-server's draftless modes on the file against its own plain greedy, where a llama-server is here
+    # (llama-cpp-python not needed); the prompts longer than this build's 64 positions are skipped, said
+    spec = bench["speculative"]
+    if llama_server.find() is not None:
+        assert spec["ran"] and spec["runtime"].startswith("llama-server") and spec["context"] == 64, spec
+        assert spec["prompts"] and spec["skipped"] and set(spec["modes"]) == {"ngram-simple", "ngram-mod"}
+        for row in spec["prompts"]:
+            assert row["prompt_tokens"] + row["new_tokens"] <= 64
+            for arm in row["arms"].values():
+                assert arm["of"] == row["new_tokens"] and 0 <= arm["same_as_greedy"] <= arm["of"]
+                assert 0 <= arm["accepted"] <= arm["drafted"] and arm["speedup"]["n"] == 1
+    else:
+        assert not spec["ran"] and "llama_server build" in spec["skipped"]
 
     gen = run_cli(repo, "generate", "x86_llamacpp-embedded-speed", "def f(x):", "--max-new-tokens", "4")
     if ran_llama:

@@ -6,6 +6,7 @@ text that is in the prompt) and on free text. The benchmark stage runs it on an 
 
     python benchmarks/speculative.py artifacts/x86_avx512-embedded-speed/pack
     python benchmarks/speculative.py PACK --passes 5 --threads 2 --new 128 --draft-max 8,8f --json out.json
+    python benchmarks/speculative.py model.gguf --modes ngram-simple,ngram-mod    # llama-server's own modes
 
 The prompts are PROMPTS below (plain text, framed by the pack folder's tokenizer as the device runtime
 frames them). Figures: median [min-max] over the passes; the speedup is each pass's plain decode time a
@@ -162,9 +163,18 @@ def measure(pack: Path, passes: int = 5, threads: int = 2, new: int = 128, draft
                          for k, a in row["arms"].items())
         say(f"{p['kind']:9s} {p['name']:14s} {len(ids):4d}+{len(want):3d} tok  plain {fmt(row['plain_tok_s'])} "
             f"tok/s  {arms}")
-    by_kind = {}
+    by_kind = _by_kind(rows, drafts)
+    return {"pack": str(pack), "host": _host(), "threads": threads, "passes": passes, "new_tokens": new,
+            "draft_max": speculative.DRAFT_MAX, "ngram": [speculative.MAX_NGRAM, speculative.MIN_NGRAM],
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "prompts": rows, "by_kind": by_kind, "skipped": skipped}
+
+
+def _by_kind(rows: list[dict], arms: Sequence[str]) -> dict:
+    """Per kind of prompt and arm: the spread of the prompts' median speedups and the draft tokens kept."""
+    by_kind: dict = {}
     for kind in sorted({r["kind"] for r in rows}):
-        for k in drafts:
+        for k in arms:
             sp = [r["arms"][k]["speedup"]["median"] for r in rows if r["kind"] == kind]
             kept = sum(r["arms"][k]["accepted"] for r in rows if r["kind"] == kind)
             drafted = sum(r["arms"][k]["drafted"] for r in rows if r["kind"] == kind)
@@ -172,45 +182,194 @@ def measure(pack: Path, passes: int = 5, threads: int = 2, new: int = 128, draft
                 "speedup": spread(sp),
                 "kept": kept, "drafted": drafted, "accept_rate": kept / drafted if drafted else None,
                 "prompts": len(sp)}
-    host = platform.processor() or platform.machine()
+    return by_kind
+
+
+def _host() -> str:
     try:
-        host = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
-        pass
-    return {"pack": str(pack), "host": host, "threads": threads, "passes": passes, "new_tokens": new,
-            "draft_max": speculative.DRAFT_MAX, "ngram": [speculative.MAX_NGRAM, speculative.MIN_NGRAM],
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "prompts": rows, "by_kind": by_kind, "skipped": skipped}
+        return platform.processor() or platform.machine()
+
+
+# llama-server's draftless modes measured against its plain greedy decoding (the llama.cpp device path's
+# runtime; llama-cpp-python has no such mode). `ngram-simple` drafts what followed the last match of the
+# current n-gram in this sequence, as the project's prompt lookup does; `ngram-mod` keeps a hash pool of
+# n-grams shared by every request the server has seen, so each pass starts a fresh server: a pool that
+# had seen a prompt's own output in the pass before would draft it back (a figure no user gets).
+SERVER_MODES = ("ngram-simple", "ngram-mod")
+
+
+class _Server:
+    """One llama-server process on a free local port; `complete` is a greedy /completion request."""
+
+    def __init__(self, binary: Path, gguf: Path, threads: int, ctx: int, mode: str | None, timeout: float = 180):
+        import socket
+        import subprocess
+        import urllib.request
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.args = [str(binary), "-m", str(gguf), "-c", str(ctx), "-t", str(threads), "-tb", str(threads),
+                     "-np", "1", "--host", "127.0.0.1", "--port", str(self.port)] + (["--spec-type", mode] if mode else [])
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        t0 = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                tail = (self.proc.stderr.read() or "").strip().splitlines()[-3:]
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode} at start ({' '.join(self.args[1:])}): "
+                                   + " | ".join(tail))
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() - t0 > timeout:
+                self.close()
+                raise RuntimeError(f"llama-server not ready after {timeout:.0f} s ({' '.join(self.args[1:])})")
+            time.sleep(0.2)
+
+    def complete(self, text: str, n: int) -> dict:
+        import urllib.request
+
+        body = {"prompt": text, "n_predict": n, "temperature": 0.0, "top_k": 1, "seed": 0, "cache_prompt": False,
+                "return_tokens": True}
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return json.loads(r.read())
+
+    def prompt_tokens(self, text: str) -> int:
+        """How many tokens the server makes of `text` as a prompt (its special tokens included)."""
+        import urllib.request
+
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/tokenize",
+                                     json.dumps({"content": text, "add_special": True}).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return len(json.loads(r.read())["tokens"])
+
+    def close(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except Exception:  # noqa: BLE001 - a server that ignores SIGTERM
+            self.proc.kill()
+            self.proc.wait()
+
+
+def measure_llama_server(gguf: Path, binary: Path, passes: int = 5, threads: int = 2, new: int = 128,
+                         modes: Sequence[str] = SERVER_MODES, prompts: Sequence[dict] = PROMPTS, ctx: int = 4096,
+                         say=print) -> dict:
+    """llama-server's plain greedy decoding and each draftless `--spec-type` mode on one GGUF, over PROMPTS
+    (the prompt's text as a llama-server user sends it, the server's own tokenization), interleaved pass by
+    pass, a fresh server for each arm and pass: decode tok/s from the server's own timings, the speedup
+    pass by pass, the draft tokens kept (timings' draft_n_accepted of draft_n), and how many of plain
+    greedy's tokens each mode reproduced."""
+    arms = [None, *modes]
+    srv = _Server(binary, gguf, threads, ctx, None)
+    try:
+        lengths = {p["name"]: srv.prompt_tokens(p["text"]) for p in prompts}
+    finally:
+        srv.close()
+    fit, skipped = [], []
+    for p in prompts:  # as measure() does: a prompt that leaves fewer than 16 positions is skipped, said
+        n = min(new, ctx - lengths[p["name"]])
+        if n < 16:
+            skipped.append(f"{p['name']}: {lengths[p['name']]} prompt tokens leave {max(n, 0)} of the {ctx} positions")
+            say(f"{p['kind']:9s} {p['name']:14s} skipped: {skipped[-1].split(': ', 1)[1]}")
+        else:
+            fit.append((p, n))
+    got: dict = {(a, p["name"]): [] for a in arms for p, _ in fit}
+    for i in range(passes):
+        for a in arms:
+            srv = _Server(binary, gguf, threads, ctx, a)
+            try:
+                srv.complete("Hello", 4)  # a first request, on text that is none of the prompts
+                for p, n in fit:
+                    got[(a, p["name"])].append(srv.complete(p["text"], n))
+            finally:
+                srv.close()
+        say(f"pass {i + 1}/{passes} done")
+    rows = []
+    for p, _ in fit:
+        plain_runs = got[(None, p["name"])]
+        want = plain_runs[0]["tokens"]
+        if any(r["tokens"] != want for r in plain_runs):
+            raise RuntimeError(f"{p['name']}: llama-server's plain greedy decoding changed between passes")
+        rate = lambda r: r["timings"]["predicted_n"] / (r["timings"]["predicted_ms"] / 1e3)  # noqa: E731
+        row = {"name": p["name"], "kind": p["kind"], "prompt_tokens": plain_runs[0]["timings"]["prompt_n"],
+               "new_tokens": len(want), "plain_tok_s": spread([rate(r) for r in plain_runs]), "arms": {}}
+        for a in modes:
+            runs = got[(a, p["name"])]
+            toks = runs[0]["tokens"]
+            same = next((j for j, (x, y) in enumerate(zip(toks, want)) if x != y), min(len(toks), len(want)))
+            drafted = runs[0]["timings"].get("draft_n", 0)
+            accepted = runs[0]["timings"].get("draft_n_accepted", 0)
+            row["arms"][a] = {"tok_s": spread([rate(r) for r in runs]),
+                              "speedup": spread([rate(r) / rate(q) for r, q in zip(runs, plain_runs)]),
+                              "accepted": accepted, "drafted": drafted,
+                              "accept_rate": accepted / drafted if drafted else None,
+                              "same_as_greedy": same, "of": len(want),
+                              "drafted_by_pass": [r["timings"].get("draft_n", 0) for r in runs]}
+        rows.append(row)
+        say(f"{p['kind']:9s} {p['name']:14s} {row['prompt_tokens']:4d}+{len(want):3d} tok  plain "
+            f"{fmt(row['plain_tok_s'])} tok/s  " + "  ".join(
+                f"{a}: {fmt(x['tok_s'])} tok/s, x{fmt(x['speedup'], 2)}, kept {x['accepted']}/{x['drafted']}, "
+                + ("greedy's tokens" if x["same_as_greedy"] == len(want) else f"greedy's first {x['same_as_greedy']}")
+                for a, x in row["arms"].items()))
+    from pipeline.toolchains import llama_server
+
+    return {"gguf": str(gguf), "runtime": f"llama-server {llama_server.version(binary)}", "binary": str(binary),
+            "host": _host(), "threads": threads, "passes": passes, "new_tokens": new, "context": ctx,
+            "modes": list(modes), "prompts": rows, "by_kind": _by_kind(rows, modes), "skipped": skipped}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python benchmarks/speculative.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("pack", type=Path, help="a build's pack folder (the GQA graph with row_logits)")
+    ap.add_argument("pack", type=Path, help="a build's pack folder (the GQA graph with row_logits), or a .gguf "
+                                            "file: llama-server's draftless modes on it")
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new", type=int, default=128, help="new tokens a prompt at most (fewer at an end token)")
     ap.add_argument("--draft-max", default=str(speculative.DRAFT_MAX),
                     help="comma-separated: one arm each; a trailing 'f' (8f) drafts a fixed length, not adaptive")
+    ap.add_argument("--modes", default=",".join(SERVER_MODES), help="a .gguf: llama-server --spec-type modes, one arm each")
+    ap.add_argument("--context", type=int, default=4096, help="a .gguf: the server's context (-c)")
+    ap.add_argument("--server", type=Path, help="a .gguf: the llama-server binary (default: pipeline/toolchains/llama_server.py's lookup)")
     ap.add_argument("--prompts", type=Path, help="a JSON list of {name, kind, text} (default: PROMPTS here)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
     prompts = json.loads(args.prompts.read_text()) if args.prompts else PROMPTS
-    drafts = [x.strip() for x in args.draft_max.split(",")]
+    say = lambda line: print(line, flush=True)  # noqa: E731
     try:
-        out = measure(args.pack, args.passes, args.threads, args.new, drafts, prompts,
-                      say=lambda line: print(line, flush=True))
+        if args.pack.suffix == ".gguf":
+            from pipeline.toolchains import llama_server
+
+            binary = args.server or llama_server.find()
+            if binary is None:
+                raise RuntimeError(llama_server.missing_message())
+            arms = [x.strip() for x in args.modes.split(",")]
+            out = measure_llama_server(args.pack, binary, args.passes, args.threads, args.new, arms, prompts,
+                                       ctx=args.context, say=say)
+        else:
+            arms = [x.strip() for x in args.draft_max.split(",")]
+            out = measure(args.pack, args.passes, args.threads, args.new, arms, prompts, say=say)
     except (ValueError, RuntimeError) as err:
         print(f"speculative: {err}", file=sys.stderr)
         return 2
     print("\nby kind (median over prompts of each prompt's median speedup):")
-    for kind, arms in out["by_kind"].items():
-        for k, a in arms.items():
+    for kind, by_arm in out["by_kind"].items():
+        for k, a in by_arm.items():
             sp = a["speedup"]
             rate = f"{a['accept_rate']:.2f}" if a["accept_rate"] is not None else "-"
-            print(f"  {kind:9s} draft {k:>3s}: x{sp['median']:.2f} [{sp['min']:.2f}-{sp['max']:.2f}], "
+            name = k if args.pack.suffix == ".gguf" else f"draft {k:>3s}"
+            print(f"  {kind:9s} {name}: x{sp['median']:.2f} [{sp['min']:.2f}-{sp['max']:.2f}], "
                   f"draft tokens kept {a['kept']}/{a['drafted']} ({rate})")
-    print(f"\npeak resident {out['peak_rss_mib']:.0f} MiB; {args.passes} passes, {args.threads} threads, "
-          f"host {out['host']}")
+    peak = f"peak resident {out['peak_rss_mib']:.0f} MiB; " if "peak_rss_mib" in out else ""
+    print(f"\n{peak}{args.passes} passes, {args.threads} threads, host {out['host']}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return 0
