@@ -480,6 +480,7 @@ def _llamacpp(ctx, device, pack_dir, kv, context_length: int) -> dict:
         "threads_from": f"the device config ({device.name}: {threads} threads); no sweep ran on this host",
         "llama_cli": "llama-cli " + " ".join(args),
         "llama_server": "llama-server " + " ".join(args) + " --host 127.0.0.1 --port 8080",
+        "speculative": _llamacpp_speculative(args),
         "llama_cpp_python": {"model_path": model, **{k: v for k, v in settings.items()
                                                      if k not in ("type_k", "type_v")}},
         # f16 K and V for n_ctx positions; llama.cpp keeps sliding layers to their window (its SWA cache)
@@ -489,6 +490,34 @@ def _llamacpp(ctx, device, pack_dir, kv, context_length: int) -> dict:
     (ctx.out / "llama.cpp.json").write_text(json.dumps(profile, indent=2) + "\n")
     ctx.log(f"llama.cpp profile: {model}, {threads} threads (device config), context {context_length}")
     return {"runtime": "llama.cpp", "files": ["llama.cpp.json"], "llama.cpp": profile}
+
+
+# llama-server's draftless speculative decoding for the GGUF (llama-server and llama-cli have it; llama-cpp-python
+# does not). ngram-mod with llama.cpp's defaults: of the two modes the benchmark stage measures, the one whose worst
+# case was least slow (SmolLM2-135M 0.96x / 1.04x plain on input-grounded / free prompts, ngram-simple 0.85x /
+# 0.94x; Gemma 3 270M 1.47x / 1.39x, ngram-simple 1.56x / 1.00x; docs/results.md).
+LLAMA_SPEC_ARGS = ("--spec-type", "ngram-mod")
+LLAMA_SPEC_WHY_OFF = ("it paid on one of the two real checkpoints measured and not on the other (docs/results.md, "
+                      "'Speculative decoding in llama-server'; this build's own figures: its benchmark report's "
+                      "`speculative`), and a verified batch can take the other token where greedy's top two nearly "
+                      "tie; parity and the fleet's health check compare plain decoding's tokens")
+
+
+def _llamacpp_speculative(args: list[str]) -> dict:
+    """llama-server's n-gram drafting for this file, as the ONNX Runtime profile's `speculative`: off by default,
+    the flags that turn it on, where it pays and where its figures are (the benchmark stage's report)."""
+    return {
+        "method": "llama-server's draftless n-gram drafting (--spec-type ngram-mod: a rolling hash of the last n "
+                  "tokens looked up in a pool of the n-grams seen so far; no draft model)",
+        "default": "off",
+        "enable": "llama-server " + " ".join([*args, *LLAMA_SPEC_ARGS]) + " --host 127.0.0.1 --port 8080",
+        "other_modes": "ngram-simple (what followed the last earlier match of the last n-gram in this sequence), "
+                       "ngram-map-k, ngram-map-k4v, ngram-cache: llama.cpp's docs/speculative.md",
+        "pays_on": "output that repeats the context or itself: editing, continuing or summarizing given text",
+        "why_off": LLAMA_SPEC_WHY_OFF,
+        "measured": "the benchmark stage's report.json `speculative` where a llama-server is found "
+                    "(python -m pipeline.toolchains.llama_server build); benchmarks/speculative.py FILE.gguf",
+    }
 
 
 def _off_graph_embedding(info: dict, io: dict) -> dict | None:

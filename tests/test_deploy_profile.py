@@ -462,6 +462,11 @@ def test_llamacpp_profile_names_the_file_threads_and_commands(tmp_path):
     kv = prof["kv_cache_bytes_f16"]
     assert kv["sliding_layers_windowed"] < kv["every_layer_full"]
     assert "no sweep" in prof["threads_from"]
+    # llama-server's draftless drafting: off (the command deployed has no --spec-type), the flags that turn it on
+    spec = prof["speculative"]
+    assert spec["default"] == "off" and "--spec-type" not in prof["llama_server"]
+    assert spec["enable"] == prof["llama_server"].replace(" --host", " --spec-type ngram-mod --host")
+    assert "benchmark" in spec["measured"] and spec["why_off"]
     dev = json.loads((out / "profile.json").read_text())["on_device"]
     assert dev == {**dev, "runtime": "llama.cpp", "files": ["../pack/model.gguf"], "command": prof["llama_server"],
                    "needs_this_project": False}
