@@ -1039,10 +1039,12 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
       fp16 has no CPU stand-in (its arithmetic is the HTP's fp16): its HTP run
       is its only measure.
 
-    The x86 emulation is slow and single-threaded: ~3 s a step on a 135M
-    model; on Gemma 3 270M (1024 context, 262k vocab) 9-14 s a step for
-    w8a16 and ~5 s for fp16, so its deployed run of one prompt past the
-    512-token window (~550 steps) alone would take ~90 minutes. The HTP runs are
+    The x86 emulation is slow, and already busy on both cores (so two runs side
+    by side would gain nothing): ~3 s a step on a 135M model; on Gemma 3 270M
+    (1024 context, 262k vocab) 9-14 s a step for w8a16, ~27 s for its mixed
+    w4a16/w8a16 binary (53 s of CPU a step on the AVX-512 builder's 2 cores) and
+    ~2 s for fp16, so its deployed run of one prompt past the 512-token window
+    (~550 steps) alone would take hours. The HTP runs are
     bounded by parity.qnn_steps (null: STEPS) HTP steps a prompt:
     - the deployed precision, each of the first parity.qnn_prompts prompts:
       the whole run when it fits; else a cold run from position 0 (the
