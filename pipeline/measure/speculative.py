@@ -24,6 +24,7 @@ import json
 import platform
 import resource
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
@@ -213,11 +214,14 @@ class _Server:
             self.port = sock.getsockname()[1]
         self.args = [str(binary), "-m", str(gguf), "-c", str(ctx), "-t", str(threads), "-tb", str(threads),
                      "-np", "1", "--host", "127.0.0.1", "--port", str(self.port)] + (["--spec-type", mode] if mode else [])
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # its log to a file, not a pipe: a server logs every request, and a pipe nobody reads fills and blocks it
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         t0 = time.monotonic()
         while True:
             if self.proc.poll() is not None:
-                tail = (self.proc.stderr.read() or "").strip().splitlines()[-3:]
+                self.log.seek(0)
+                tail = self.log.read().strip().splitlines()[-3:]
                 raise RuntimeError(f"llama-server exited with {self.proc.returncode} at start ({' '.join(self.args[1:])}): "
                                    + " | ".join(tail))
             try:
@@ -258,6 +262,7 @@ class _Server:
         except Exception:  # noqa: BLE001 - a server that ignores SIGTERM
             self.proc.kill()
             self.proc.wait()
+        self.log.close()
 
 
 def measure_llama_server(gguf: Path, binary: Path, passes: int = 5, threads: int = 2, new: int = 128,
