@@ -133,10 +133,10 @@ def test_llama_servers_ngram_drafts_are_kept_and_decode_greedys_tokens():
 
 
 def test_a_server_that_dies_at_start_is_one_line_with_its_own_last_words(tmp_path):
-    from pipeline.measure import speculative
+    from pipeline.runtimes.llama_server import LlamaServer
 
     binary = tmp_path / "llama-server"
     binary.write_text("#!/bin/sh\necho 'loading model' >&2\necho 'error: failed to load model x.gguf' >&2\nexit 1\n")
     binary.chmod(0o755)
     with pytest.raises(RuntimeError, match=r"llama-server exited with 1 at start .*failed to load model x\.gguf"):
-        speculative._Server(binary, tmp_path / "x.gguf", threads=1, ctx=64, mode="ngram-mod")
+        LlamaServer(binary, tmp_path / "x.gguf", threads=1, ctx=64, mode="ngram-mod")

@@ -24,7 +24,6 @@ import json
 import platform
 import resource
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
@@ -201,70 +200,6 @@ def _host() -> str:
 SERVER_MODES = ("ngram-simple", "ngram-mod")
 
 
-class _Server:
-    """One llama-server process on a free local port; `complete` is a greedy /completion request."""
-
-    def __init__(self, binary: Path, gguf: Path, threads: int, ctx: int, mode: str | None, timeout: float = 180):
-        import socket
-        import subprocess
-        import urllib.request
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.args = [str(binary), "-m", str(gguf), "-c", str(ctx), "-t", str(threads), "-tb", str(threads),
-                     "-np", "1", "--host", "127.0.0.1", "--port", str(self.port)] + (["--spec-type", mode] if mode else [])
-        # its log to a file, not a pipe: a server logs every request, and a pipe nobody reads fills and blocks it
-        self.log = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
-        t0 = time.monotonic()
-        while True:
-            if self.proc.poll() is not None:
-                self.log.seek(0)
-                tail = self.log.read().strip().splitlines()[-3:]
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode} at start ({' '.join(self.args[1:])}): "
-                                   + " | ".join(tail))
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() - t0 > timeout:
-                self.close()
-                raise RuntimeError(f"llama-server not ready after {timeout:.0f} s ({' '.join(self.args[1:])})")
-            time.sleep(0.2)
-
-    def complete(self, text: str, n: int) -> dict:
-        import urllib.request
-
-        body = {"prompt": text, "n_predict": n, "temperature": 0.0, "top_k": 1, "seed": 0, "cache_prompt": False,
-                "return_tokens": True}
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=600) as r:
-            return json.loads(r.read())
-
-    def prompt_tokens(self, text: str) -> int:
-        """How many tokens the server makes of `text` as a prompt (its special tokens included)."""
-        import urllib.request
-
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/tokenize",
-                                     json.dumps({"content": text, "add_special": True}).encode(),
-                                     {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return len(json.loads(r.read())["tokens"])
-
-    def close(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except Exception:  # noqa: BLE001 - a server that ignores SIGTERM
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-
-
 def measure_llama_server(gguf: Path, binary: Path, passes: int = 5, threads: int = 2, new: int = 128,
                          modes: Sequence[str] = SERVER_MODES, prompts: Sequence[dict] = PROMPTS, ctx: int = 4096,
                          say=print) -> dict:
@@ -273,8 +208,10 @@ def measure_llama_server(gguf: Path, binary: Path, passes: int = 5, threads: int
     pass, a fresh server for each arm and pass: decode tok/s from the server's own timings, the speedup
     pass by pass, the draft tokens kept (timings' draft_n_accepted of draft_n), and how many of plain
     greedy's tokens each mode reproduced."""
+    from pipeline.runtimes.llama_server import LlamaServer
+
     arms = [None, *modes]
-    srv = _Server(binary, gguf, threads, ctx, None)
+    srv = LlamaServer(binary, gguf, threads, ctx, None)
     try:
         lengths = {p["name"]: srv.prompt_tokens(p["text"]) for p in prompts}
     finally:
@@ -290,7 +227,7 @@ def measure_llama_server(gguf: Path, binary: Path, passes: int = 5, threads: int
     got: dict = {(a, p["name"]): [] for a in arms for p, _ in fit}
     for i in range(passes):
         for a in arms:
-            srv = _Server(binary, gguf, threads, ctx, a)
+            srv = LlamaServer(binary, gguf, threads, ctx, a)
             try:
                 srv.complete("Hello", 4)  # a first request, on text that is none of the prompts
                 for p, n in fit:
