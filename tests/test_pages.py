@@ -55,11 +55,30 @@ def test_a_process_started_with_the_tunable_gets_huge_pages_and_one_without_does
         return json.loads(out.stdout)
 
     base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    free_before = _free_2mib_blocks()
     asked = child(pages.hugetlb_env(base))
-    assert asked["asked"] and asked["huge"] >= 32, asked  # most of the 64 MiB array
+    assert asked["asked"], asked  # the environment reached glibc
+    if asked["huge"] < 32 and min(free_before, _free_2mib_blocks()) < 64:
+        # Seen in CI beside a 1.75B build filling the page cache: 14 MiB of huge pages, and the same test passing
+        # once the cache was dropped. The kernel gives what contiguous free memory it has; that is not this code's.
+        pytest.skip(f"the kernel had {free_before} free 2 MiB blocks (other processes hold the memory): got "
+                    f"{asked['huge']:.0f} MiB of huge pages, cannot tell")
+    assert asked["huge"] >= 32, asked  # most of the 64 MiB array
     if pages.thp_mode() == "madvise":  # "always" gives every process huge pages
         plain = child(base)
         assert not plain["asked"] and plain["huge"] < asked["huge"], (plain, asked)
+
+
+def _free_2mib_blocks() -> int:
+    """Free blocks of 2 MiB or larger (buddy orders >= 9 with 4 KiB pages), in 2 MiB units: /proc/buddyinfo."""
+    total = 0
+    try:
+        for line in open("/proc/buddyinfo"):
+            counts = [int(x) for x in line.split()[4:]]
+            total += sum(n << (order - 9) for order, n in enumerate(counts) if order >= 9)
+    except (OSError, ValueError):
+        return 1 << 30  # unknown: do not excuse a miss
+    return total
 
 
 def test_page_out_file_drops_the_files_own_pages_and_keeps_written_ones(tmp_path):
