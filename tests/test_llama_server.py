@@ -39,8 +39,16 @@ def test_lookup_order_env_then_path_then_the_built_copy(tmp_path, monkeypatch):
     named = _fake_binary(tmp_path / "elsewhere" / "llama-server")
     monkeypatch.setenv(llama_server.ENV, str(named))
     assert llama_server.find() == named and llama_server.version(named) == "version: 9999 (test)"
+    # the benchmark stage's key names the binary it would run: another one, or none, is another key
+    from pipeline.toolchains import toolchain
+
+    key = toolchain.fingerprint((toolchain.LLAMA_SERVER,))[toolchain.LLAMA_SERVER]
+    assert key == llama_server.identity() and key.startswith("sha256:")
+    named.write_text(named.read_text() + "# rebuilt\n")
+    assert llama_server.identity() != key
     monkeypatch.setenv(llama_server.ENV, str(tmp_path / "nothing"))
     assert llama_server.find() is None and str(tmp_path / "nothing") in llama_server.missing_message()
+    assert llama_server.identity() == "absent"
 
 
 def test_build_keeps_the_binary_and_an_interrupted_one_leaves_nothing(tmp_path, monkeypatch):

