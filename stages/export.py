@@ -29,6 +29,7 @@ GENIE_FACTS = "genie.json"  # built or not, and why not
 
 
 def run(ctx: StageContext) -> dict:
+    from pipeline.engine.child import ChildDied, run_in_child
     from pipeline.sources.checkpoint_files import copy_side_files
     from pipeline.graphs.decode_graph import DecodeGraphError, export_decode_step, export_genie_step
 
@@ -59,16 +60,19 @@ def run(ctx: StageContext) -> dict:
     what = "the decode step" + (" and the prompt graph" if prompt_tokens else "")
     try:
         with ctx.progress(None, f"torch.onnx.export (dynamo) of {what}, then its checks"):
-            summary = export_decode_step(src, ctx.out, context_length=context_length, opset=opset,
-                                         mask_value=mask_value, prompt_tokens=prompt_tokens)
+            # where Genie's form follows, this export in a process of its own: torch keeps a traced model
+            # alive after its export returns (pipeline/engine/child.py), and the second export would load its
+            # own beside it (19.5 GB at 1.75B). The last export runs here: what it leaves goes with the stage.
+            summary = (run_in_child if cfg.get("genie") else _here)(
+                export_decode_step, src, ctx.out, context_length=context_length, opset=opset, mask_value=mask_value,
+                prompt_tokens=prompt_tokens, what=f"export of {what}")
     except DecodeGraphError as err:
         raise StageError(f"export: {err}") from None
+    except ChildDied as err:
+        raise StageError(f"export: {err}; export.context_length and export.prompt_tokens size the graphs") from None
 
     genie = None
     if cfg.get("genie"):
-        import gc
-
-        gc.collect()  # the first export's model (fp32: 7 GB at 1.75B) gone before the second loads its own
         try:
             with ctx.progress(None, f"{what} in Genie's I/O form (genie/)"):
                 g = export_genie_step(src, Path(ctx.out) / GENIE_DIR, context_length=context_length, opset=opset,
@@ -137,3 +141,8 @@ def run(ctx: StageContext) -> dict:
         "graph": graph,
         "metrics": {"export_s": summary["export_s"], "onnx_bytes": summary["bytes"], "nodes": summary["nodes"]},
     }
+
+
+def _here(fn, *args, what: str, **kwargs):
+    """run_in_child's call shape, run in this process."""
+    return fn(*args, **kwargs)

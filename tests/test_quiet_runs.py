@@ -33,10 +33,12 @@ def quiet(monkeypatch):
         logger.setLevel(level)  # setLevel, not the attribute: it clears logging's enabled-for cache
 
 
-def _output(tmp_path: Path, seconds: float, peak_mib: int) -> Path:
+def _output(tmp_path: Path, seconds: float, peak_mib: int, child_mib: int | None = None) -> Path:
     out = tmp_path / "artifacts" / "b" / "export"
     out.mkdir(parents=True)
     timings = {"started": "2026-12-04T03:10:00+00:00", "seconds": seconds, "peak_rss_bytes": peak_mib * 2**20}
+    if child_mib is not None:
+        timings["peak_rss_children_bytes"] = child_mib * 2**20
     (out / "manifest.json").write_text(json.dumps({"timings": timings}))
     return out
 
@@ -77,6 +79,16 @@ def test_each_kind_of_stage_line_carries_the_runs_time_and_peak(tmp_path):
     assert narrate.kept_line("export [b]", "up to date", out).startswith(
         "export [b]: up to date (ran in 27.8 s, peak 2,162 MiB at 2026-12-04T03:10:00+00:00) -> ")
     assert narrate.ran_line("pack [b]", tmp_path / "absent", root=tmp_path) == "pack [b]: ran -> absent"
+
+
+def test_a_subprocess_that_peaked_higher_than_the_stage_is_in_its_line(tmp_path):
+    """The export traces its graphs in a child process (pipeline/engine/child.py): the stage's own
+    peak alone would hide where its memory went."""
+    out = _output(tmp_path, 27.84, 900, child_mib=9_876)
+    assert narrate.ran_line("export [b]", out, root=tmp_path) == \
+        "export [b]: ran in 27.8 s, peak 900 MiB, a subprocess 9,876 MiB -> artifacts/b/export"
+    lower = _output(tmp_path / "lower", 27.84, 2162, child_mib=40)
+    assert narrate.ran_line("export [b]", lower, root=tmp_path / "lower").endswith("peak 2,162 MiB -> artifacts/b/export")
 
 
 def test_dvc_stage_names_read_as_labels():

@@ -37,13 +37,19 @@ def _timings(out: Path) -> dict:
 
 
 def figures(out: Path, on: str | None = None) -> str:
-    """'ran [on HOST] in N s, peak M MiB' from the manifest in `out` (the run that made it)."""
+    """'ran [on HOST] in N s, peak M MiB' from the manifest in `out` (the run that made it), with
+    ', a subprocess K MiB' where one the stage waited for peaked higher than the stage's own process
+    (the export's graphs are traced in one: pipeline/engine/child.py)."""
     t = _timings(out)
     where = f" on {on}" if on else ""
     try:
-        return f"ran{where} in {t['seconds']:,.1f} s, peak {t['peak_rss_bytes'] / 2**20:,.0f} MiB"
+        line = f"ran{where} in {t['seconds']:,.1f} s, peak {t['peak_rss_bytes'] / 2**20:,.0f} MiB"
     except (KeyError, TypeError):
         return f"ran{where}"
+    kids = t.get("peak_rss_children_bytes")
+    if isinstance(kids, (int, float)) and kids > t["peak_rss_bytes"]:
+        line += f", a subprocess {kids / 2**20:,.0f} MiB"
+    return line
 
 
 def label(stage: str, owner: str) -> str:
