@@ -123,6 +123,23 @@ def _timed(seconds: dict | None, key: str):
             seconds[key] = round(time.perf_counter() - t0, 2)
 
 
+def _kept(ctx, seconds: dict | None, label: str, compute, what: str):
+    """compute() timed into seconds[label] as _timed does, and kept in the stage's journal under `label`
+    (StageContext.remembered): a run killed after it (the 1.75B build's HTP runs take hours) resumes past
+    it, and reports the seconds the run that made it took. Returns (its value, those seconds); the value
+    as JSON gives it back (lists for tuples) whether made now or kept, so both runs report alike."""
+
+    def timed():
+        t0 = time.perf_counter()
+        value = compute()
+        return {"value": value, "seconds": round(time.perf_counter() - t0, 2)}
+
+    got = ctx.remembered(label, timed, what)
+    if seconds is not None:
+        seconds[label] = got["seconds"]
+    return got["value"], got["seconds"]
+
+
 def _teacher(ref, encoded, decode_tokens, ctx):
     """The reference's greedy run of each prompt (runtimes.reference.ReferenceRun: the continuation
     and each step's final hidden state; _compare recomputes the logits as it compares)."""
@@ -960,12 +977,18 @@ def _htp_plan(ctx, dec, runs, budget: int, short: int, others: int, prompt_graph
 
     minutes = ctx.cfg.parity.get("qnn_minutes", None)
     minutes = float(HTP_MINUTES if minutes is None else minutes)
-    dec.reset()
-    dec.step(int(runs[0].prompt[0]))  # the session's first call carries its set-up: not timed
-    t0 = time.perf_counter()
-    dec.step(int((list(runs[0].prompt) + list(runs[0].continuation))[1]))
-    per_step = time.perf_counter() - t0
-    dec.reset()
+
+    def second_step() -> float:
+        dec.reset()
+        dec.step(int(runs[0].prompt[0]))  # the session's first call carries its set-up: not timed
+        t0 = time.perf_counter()
+        dec.step(int((list(runs[0].prompt) + list(runs[0].continuation))[1]))
+        took = time.perf_counter() - t0
+        dec.reset()
+        return took
+
+    # kept: a resumed run plans the steps the stopped one planned, so their kept HTP runs are its runs
+    per_step = ctx.remembered("htp_s_per_step", second_step, "the HTP emulation's seconds a step")
 
     def planned(b: int, sh: int) -> int:
         steps = sum(min(r.steps, b) for r in runs) + others * sh
@@ -1011,9 +1034,10 @@ def _genie_htp(ctx, comp: Path, info: dict, genie: dict, run, prompt, short: int
     dec = GenieFeedDecoder(comp / "genie", session=session, model_file=None)
     runs = [cut(run, short - len(run.prompt))]
     how = f"first prompt, its first {runs[0].steps} steps (parity.qnn_short_steps), fed as Genie's engine feeds it"
-    with _timed(seconds, "qnn_genie"):
-        metrics, per_prompt = _compare(runs, dec, [prompt], [runs[0].prompt], len(runs[0].continuation), ctx,
-                                       f"the {p} binary in Genie's form on the HTP backend")
+    (metrics, per_prompt), _ = _kept(
+        ctx, seconds, "qnn_genie", lambda: _compare(runs, dec, [prompt], [runs[0].prompt], len(runs[0].continuation),
+                                                    ctx, f"the {p} binary in Genie's form on the HTP backend"),
+        f"the {p} binary in Genie's form on the HTP backend")
     checked = _gate(ctx, name, ctx.cfg.parity.artifact.get(name), metrics, 1, note=f"{name} in Genie's form: {how}",
                     no_stats="an HTP subset", subset=True)
     return {"precision": p, "metrics": _finite_metrics(metrics), "run": how, "thresholds": checked,
@@ -1161,11 +1185,12 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
         if precision != "fp16":
             cpu = qnn.cpu_qdq_decoder(pack, f"{precision}/model.onnx")
             on_cpu = f"{precision} QDQ graph on the CPU EP"
-            with _timed(seconds, f"{name}_cpu_qdq"):
-                metrics, per_prompt = _compare(teacher, cpu, prompts, encoded, decode_tokens, ctx, on_cpu)
+            (metrics, per_prompt), _ = _kept(
+                ctx, seconds, f"{name}_cpu_qdq", lambda: _compare(teacher, cpu, prompts, encoded, decode_tokens, ctx,
+                                                                  on_cpu), on_cpu)
             if deployed and evaluation is not None:
-                with _timed(seconds, f"{name}_eval"):
-                    stats = evaluation.measure(cpu, ctx, on_cpu)
+                stats, _ = _kept(ctx, seconds, f"{name}_eval", lambda: evaluation.measure(cpu, ctx, on_cpu),
+                                 f"{on_cpu}, the evaluation windows")
             how = f"every parity prompt in full ({len(prompts)}), the pack's QDQ graph on the CPU EP"
             checked = _gate(ctx, name, limits, metrics, len(prompts), note=f"{name} cpu_qdq: {how}", stats=stats)
             parts["cpu_qdq"] = {"metrics": _finite_metrics(metrics), "run": how, "prompts": len(prompts),
@@ -1173,8 +1198,9 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
             if pdec is not None:  # its prompt graph's stand-in over the same prompts, a chunk at a time
                 cpu_prompt = OnnxDecoder(pack, threads=2, model_file=None, prompt_file=f"{precision}/prompt.onnx",
                                          config=qnn.CPU_QDQ_CONFIG)
-                with _timed(seconds, f"{name}_cpu_qdq_prompt_graph"):
-                    pm = _prompt_graph_rows(teacher, cpu_prompt, ctx, f"{on_cpu}, its prompt graph")
+                pm, _ = _kept(ctx, seconds, f"{name}_cpu_qdq_prompt_graph",
+                              lambda: _prompt_graph_rows(teacher, cpu_prompt, ctx, f"{on_cpu}, its prompt graph"),
+                              f"{on_cpu}, its prompt graph")
                 del cpu_prompt
                 pm["thresholds"] = _prompt_gate(ctx, name, limits, pm, "cpu_qdq", metrics)
                 parts["cpu_qdq"]["prompt_graph"] = pm
@@ -1222,13 +1248,13 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
             if use_cpu is not None:  # the CPU EP's figures on exactly the HTP's steps: does it stand for the HTP?
                 same, _ = _compare(runs, use_cpu, prompts[:m], [r.prompt for r in runs], k, ctx,
                                    f"{precision} QDQ graph on the CPU EP, the HTP's {key.replace('_', ' ')} steps")
-            t0 = time.perf_counter()
-            with _timed(seconds, label or name):
-                metrics, per_prompt = _compare(runs, use, prompts[:m], [r.prompt for r in runs], k, ctx,
-                                               what + ("" if key == "full" else f" ({key.replace('_', ' ')})"))
+            on_htp = what + ("" if key == "full" else f" ({key.replace('_', ' ')})")
+            (metrics, per_prompt), took = _kept(
+                ctx, seconds, label or name,
+                lambda: _compare(runs, use, prompts[:m], [r.prompt for r in runs], k, ctx, on_htp), on_htp)
             # what the HTP confirmation costs: the emulation's seconds a step (the reference's logits and the
             # comparison included), so a reader sees where verify_parity's time goes and what more steps cost
-            per_step = (time.perf_counter() - t0) / max(1, int(metrics["steps"]))
+            per_step = took / max(1, int(metrics["steps"]))
             ctx.log(f"{name} {key}: {metrics['steps']} HTP steps at {per_step:.2f} s a step on this host's emulation")
             if same is not None:  # said before the gate, so a failing HTP run shows it too
                 ctx.log(f"{name} {key}: HTP {metrics['logits_snr_db']:.1f} dB, top1 {metrics['top1_agreement']:.3f}; "
@@ -1243,8 +1269,9 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
             if same is not None:
                 parts[key]["cpu_qdq_same_steps"] = _finite_metrics(same)
             if use_prompt is not None:
-                with _timed(seconds, f"{name}_prompt_graph_{key}"):
-                    pm = _prompt_graph_rows(runs, use_prompt, ctx, f"{what}, its prompt graph ({key.replace('_', ' ')})")
+                on_prompt = f"{what}, its prompt graph ({key.replace('_', ' ')})"
+                pm, _ = _kept(ctx, seconds, f"{name}_prompt_graph_{key}",
+                              lambda: _prompt_graph_rows(runs, use_prompt, ctx, on_prompt), on_prompt)
                 pm["thresholds"] = _prompt_gate(ctx, name, limits, pm, key.replace("_", " "), metrics)
                 parts[key]["prompt_graph"] = pm
         if seconds is not None and name not in seconds:

@@ -1012,10 +1012,18 @@ def test_verify_parity_gates_the_genie_form_binary_on_the_htp(builds, tmp_path):
     got = verify_parity._genie_htp(c, comp, info, info["genie"], Run(prompt, cont), "tokens", 24, {}, cut)
     assert got["precision"] == "w8a16" and got["metrics"]["steps"] == 24
     assert got["metrics"]["greedy_match"] == 1 and got["metrics"]["top1_agreement"] >= 0.9, got["metrics"]
+    # a run killed after this HTP run resumes past it: kept in the stage's journal, not redone (the
+    # reference flipped below would fail a run that redid it)
+    kept = ctx("verify_parity", tmp_path / "vp2", {"parity": parity}, {})
+    kept.journal = tmp_path / ".verify_parity.journal-x"
+    first = verify_parity._genie_htp(kept, comp, info, info["genie"], Run(prompt, cont), "tokens", 24, {}, cut)
     # a reference the binary does not follow (another model's logits): the gate fails the stage
     logits = -logits
     with pytest.raises(StageError, match="qnn_w8a16"):
         verify_parity._genie_htp(c, comp, info, info["genie"], Run(prompt, cont), "tokens", 24, {}, cut)
+    seconds = {}
+    again = verify_parity._genie_htp(kept, comp, info, info["genie"], Run(prompt, cont), "tokens", 24, seconds, cut)
+    assert again == first and seconds["qnn_genie"] > 0  # the stopped run's seconds, reported as its own
 
 
 @pytest.mark.slow

@@ -18,10 +18,12 @@ class) and `host` (the builder's facts, for stages that measure).
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import DictConfig
 
@@ -38,6 +40,7 @@ class StageContext:
     inputs: dict[str, Path]
     out: Path
     extras: dict[str, Any] = field(default_factory=dict)
+    journal: Path | None = None  # run_stage's `.<stage>.journal-<config hash>`; None: nothing kept
 
     def log(self, message: str) -> None:
         print(f"[{self.stage}] {message}", file=sys.stderr, flush=True)
@@ -45,6 +48,37 @@ class StageContext:
     def progress(self, total: int | None, description: str):
         """A progress bar on stderr for work that takes more than a few seconds."""
         return progress_bar(self.stage, total, description)
+
+    def remembered(self, name: str, compute: Callable[[], Any], what: str | None = None) -> Any:
+        """compute() once per cache key: its JSON-able result is kept in the stage's journal as soon as it
+        is made, so a run killed later (a session's end, the OOM killer, Ctrl-C) resumes past it rather than
+        redoing it; the journal's name holds the stage's config hash (code, config, toolchain, inputs), so a
+        result is only ever read back by a run that would have computed it again. For pieces that take
+        minutes (an HTP emulation run of a 1.75B binary: hours); not a cache between builds."""
+        if self.journal is None:
+            return compute()
+        path = self.journal / f"{name}.json"
+        try:
+            value = json.loads(path.read_text())
+        except (OSError, ValueError):
+            pass
+        else:
+            self.log(f"{what or name}: kept by the run that stopped before this one, not redone "
+                     f"({self.journal.name}/{path.name})")
+            return value
+        text = json.dumps(compute(), default=_plain)
+        self.journal.mkdir(parents=True, exist_ok=True)
+        part = path.with_name(f".{path.name}.{os.getpid()}")
+        part.write_text(text)
+        os.replace(part, path)  # whole or absent: a kill mid-write leaves no half record
+        return json.loads(text)  # as a resumed run reads it back: both runs go on from the same values
+
+
+def _plain(value):
+    """JSON for numpy's scalars and arrays (a measure's figures), which json does not know."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON: StageContext.remembered keeps JSON-able results")
 
 
 def progress_bar(stage: str, total: int | None, description: str) -> "_Bar":

@@ -147,6 +147,19 @@ def _remove_stale(final: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+def _journal(final: Path, config_hash: str) -> Path:
+    """The folder where this stage keeps its finished pieces of long work (StageContext.remembered) across
+    a run that fails or is killed: `.<stage>.journal-<config hash>`, beside the output, so a rerun with
+    the same cache key (code, config, toolchain, inputs) resumes, and one with any other key cannot read
+    it. Journals of other keys are removed here (stale by construction); this one is removed once the
+    output is installed."""
+    name = f".{final.name}.journal-{config_hash[:32]}"
+    for other in final.parent.glob(f".{final.name}.journal-*"):
+        if other.name != name:
+            shutil.rmtree(other, ignore_errors=True)
+    return final.parent / name
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -180,12 +193,14 @@ def run(stage: str, build: str | None = None, model: str | None = None) -> Path:
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     tmp.mkdir()
     key = cache_key(stage, params, input_manifests, build, model_section)
+    journal = _journal(final, manifest.config_hash(key))
     ctx = StageContext(
         stage=stage,
         build=build or model or "host",
         cfg=OmegaConf.create(params),
         inputs=inputs,
         out=tmp,
+        journal=journal,
     )
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     t0 = time.perf_counter()
@@ -196,6 +211,7 @@ def run(stage: str, build: str | None = None, model: str | None = None) -> Path:
             manifest.write(tmp, stage=stage, build=ctx.build, key=key, result=result, timings=timings,
                            progress=told)
         install(tmp, final)
+        shutil.rmtree(journal, ignore_errors=True)  # done: what it kept is in the output now
     except OSError as e:
         if not e.filename:  # a failed write() names no file: name the artifact it was for
             e.filename = str(final)
