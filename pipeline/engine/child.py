@@ -30,7 +30,10 @@ class ChildDied(RuntimeError):
     def __init__(self, what: str, exitcode: int | None):
         self.exitcode = exitcode
         if exitcode is not None and exitcode < 0:
-            name = signal.Signals(-exitcode).name if -exitcode in signal.Signals._value2member_map_ else -exitcode
+            try:
+                name = signal.Signals(-exitcode).name
+            except ValueError:
+                name = f"signal {-exitcode}"
             how = f"was killed by {name}" + (" (out of memory?)" if exitcode == -signal.SIGKILL else "")
         else:
             how = f"exited with {exitcode} before its result"
