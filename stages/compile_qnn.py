@@ -12,6 +12,10 @@ hold nothing but EPContext nodes: a graph that would silently run on the CPU
 is a failure (pipeline/graphs/qnn.py). The QNN SDK version the wheel bundles is in
 this stage's toolchain key (`qnn-sdk`), since a context binary is tied to it.
 
+Each binary is kept in the stage's journal the moment it is compiled (StageContext.remembered_files): a
+run killed later (a session's end; at 1.75B a prompt graph compiles for most of an hour) resumes past
+the binaries it had, and a rerun with another cache key cannot read them.
+
 Where the pack stage built the deployed precision's token graph in the I/O form Qualcomm's Genie runtime
 feeds (its `genie/`), that graph is compiled too, into `genie/<precision>/` with `genie/io.json`: the
 binary the phone's Genie bundle lists (stages/deploy_profile.py).
@@ -75,9 +79,11 @@ def run(ctx: StageContext) -> dict:
             entry = npu["graphs"][precision]
             graph = pack / entry["graph"]
             try:
-                facts = qnn.compile_parts(graph, float_graph if float_graph.is_file() else graph, out / precision,
-                                          target, precision, progress=lambda _: bar.advance(),
-                                          ranges=entry.get("parts"))
+                facts = ctx.remembered_files(
+                    precision, out / precision,
+                    lambda d: qnn.compile_parts(graph, float_graph if float_graph.is_file() else graph, d, target,
+                                                precision, progress=lambda _: bar.advance(), ranges=entry.get("parts")),
+                    f"the {precision} context binary")
             except qnn.QnnError as err:
                 raise StageError(f"compile_qnn: {err}") from None
             # a mixed graph (pack.qnn_mix_groups): which layers are 4-bit, which 8-bit
@@ -87,10 +93,13 @@ def run(ctx: StageContext) -> dict:
             if prompt_graph:  # the prompt graph beside the token graph, its own binaries (no weight sharing yet)
                 try:
                     float_prompt = pack / "float" / Path(prompt_graph).name  # where a QDQ graph's layers are found
-                    pfacts = qnn.compile_parts(pack / prompt_graph, float_prompt if float_prompt.is_file()
-                                               else pack / prompt_graph, out / precision / "prompt",
-                                               target, precision, progress=lambda _: bar.advance(),
-                                               options=qnn.PROMPT_COMPILE_OPTIONS, ranges=entry.get("parts"))
+                    pfacts = ctx.remembered_files(
+                        f"{precision}-prompt", out / precision / "prompt",
+                        lambda d: qnn.compile_parts(pack / prompt_graph, float_prompt if float_prompt.is_file()
+                                                    else pack / prompt_graph, d, target, precision,
+                                                    progress=lambda _: bar.advance(),
+                                                    options=qnn.PROMPT_COMPILE_OPTIONS, ranges=entry.get("parts")),
+                        f"the {precision} prompt graph's context binary")
                 except qnn.QnnError as err:
                     # The token graph is the artifact; the prompt graph only shortens a prompt's way in. A
                     # precision whose prompt graph the HTP refuses ships without it, said here and in qnn.json
@@ -117,8 +126,11 @@ def run(ctx: StageContext) -> dict:
         p = genie["precision"]
         with ctx.progress(None, f"the {p} token graph in Genie's form: its context binary"):
             try:
-                gfacts = qnn.compile_parts(pack / genie["graph"], pack / "genie" / "float" / "model.onnx",
-                                           out / "genie" / p, target, p, ranges=npu["graphs"][p].get("parts"))
+                gfacts = ctx.remembered_files(
+                    f"genie-{p}", out / "genie" / p,
+                    lambda d: qnn.compile_parts(pack / genie["graph"], pack / "genie" / "float" / "model.onnx", d,
+                                                target, p, ranges=npu["graphs"][p].get("parts")),
+                    f"the {p} context binary in Genie's form")
             except qnn.QnnError as err:
                 genie = {"built": False, "why": f"compile_qnn: {err}"}
                 shutil.rmtree(out / "genie", ignore_errors=True)
@@ -133,9 +145,12 @@ def run(ctx: StageContext) -> dict:
         if prompt is not None:  # its prompt graph, as ours: a binary of its own, shipped without where refused
             with ctx.progress(None, f"the {p} prompt graph in Genie's form: its context binary"):
                 try:
-                    pfacts = qnn.compile_parts(pack / prompt["graph"], pack / "genie" / "float" / "prompt.onnx",
-                                               out / "genie" / p / "prompt", target, p,
-                                               options=qnn.PROMPT_COMPILE_OPTIONS, ranges=npu["graphs"][p].get("parts"))
+                    pfacts = ctx.remembered_files(
+                        f"genie-{p}-prompt", out / "genie" / p / "prompt",
+                        lambda d: qnn.compile_parts(pack / prompt["graph"], pack / "genie" / "float" / "prompt.onnx",
+                                                    d, target, p, options=qnn.PROMPT_COMPILE_OPTIONS,
+                                                    ranges=npu["graphs"][p].get("parts")),
+                        f"the {p} prompt graph's context binary in Genie's form")
                 except qnn.QnnError as err:
                     shutil.rmtree(out / "genie" / p / "prompt", ignore_errors=True)
                     genie["prompt_refused"] = str(err)

@@ -54,6 +54,56 @@ def test_a_piece_that_fails_is_not_kept_and_no_journal_keeps_nothing(tmp_path):
         _ctx(tmp_path, journal).remembered("odd", lambda: object())
 
 
+def test_files_a_piece_wrote_are_kept_whole_and_linked_into_the_next_runs_output(tmp_path, capsys):
+    """remembered_files (compile_qnn's binaries): what compute wrote lands in dest; the next run with the
+    same key links the kept files (the same inode: nothing copied) and reads the facts back; a failed
+    piece keeps nothing, and a folder whose facts were never recorded is made again."""
+    journal = tmp_path / ".compile_qnn.journal-abc"
+    calls = []
+
+    def compile_into(folder):
+        calls.append(folder)
+        (folder / "prompt").mkdir()
+        (folder / "model_ctx.onnx").write_bytes(b"ctx")
+        (folder / "prompt" / "model_ctx_qnn.bin").write_bytes(b"binary")
+        return {"binaries": ["prompt/model_ctx_qnn.bin"], "bytes": 6}
+
+    first_out = tmp_path / "run1" / "w4a16"
+    facts = _ctx(tmp_path, journal).remembered_files("w4a16", first_out, compile_into, "the w4a16 binary")
+    assert facts == {"binaries": ["prompt/model_ctx_qnn.bin"], "bytes": 6}
+    assert (first_out / "prompt" / "model_ctx_qnn.bin").read_bytes() == b"binary"
+    assert calls[0] != first_out and calls[0].parent == journal  # written in the journal, not the output
+
+    def must_not_run(folder):
+        raise AssertionError("compiled twice")
+
+    second_out = tmp_path / "run2" / "w4a16"
+    again = _ctx(tmp_path, journal).remembered_files("w4a16", second_out, must_not_run, "the w4a16 binary")
+    assert again == facts and len(calls) == 1
+    assert (second_out / "model_ctx.onnx").read_bytes() == b"ctx"
+    assert os.path.samefile(second_out / "prompt" / "model_ctx_qnn.bin", journal / "w4a16" / "prompt" /
+                            "model_ctx_qnn.bin")
+    assert "the w4a16 binary: kept by the run that stopped before this one" in capsys.readouterr().err
+
+    def refused(folder):
+        (folder / "half.bin").write_bytes(b"x")
+        raise RuntimeError("QNN_COMMON_ERROR_MEM_ALLOC")
+
+    with pytest.raises(RuntimeError):
+        _ctx(tmp_path, journal).remembered_files("fp16", tmp_path / "run3", refused)
+    assert sorted(p.name for p in journal.iterdir()) == ["w4a16", "w4a16.json"]  # nothing of the failed one
+
+    (journal / "fp16").mkdir()  # a run killed after the rename, before the facts: not trusted
+    (journal / "fp16" / "stale.bin").write_bytes(b"old")
+    out = tmp_path / "run4" / "fp16"
+    _ctx(tmp_path, journal).remembered_files("fp16", out, compile_into)
+    assert len(calls) == 2 and not (out / "stale.bin").exists() and (out / "model_ctx.onnx").is_file()
+
+    without = tmp_path / "nojournal"  # no journal: compute writes straight into dest
+    _ctx(tmp_path, None).remembered_files("w4a16", without, compile_into)
+    assert calls[-1] == without and (without / "model_ctx.onnx").is_file()
+
+
 def test_another_cache_key_never_reads_a_journal_and_removes_the_stale_one(tmp_path):
     final = tmp_path / "artifacts" / "b" / "verify_parity"
     final.parent.mkdir(parents=True)

@@ -9,6 +9,7 @@ DVC on the tiny model, as a user would.
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -1153,6 +1154,62 @@ def test_a_prompt_graph_the_htp_refuses_leaves_that_precision_token_by_token(pho
     # both compiled at QNN's highest finalization mode (the default mode refused Gemma 3 270M's w8a16 one)
     assert seen == {q: qnn.PROMPT_COMPILE_OPTIONS, "fp16": qnn.PROMPT_COMPILE_OPTIONS}
     assert qnn.PROMPT_COMPILE_OPTIONS == {"htp_graph_finalization_optimization_mode": "3"}
+
+
+@pytest.mark.slow
+@pytest.mark.optional
+@needs_qnn
+def test_compile_qnn_stopped_midway_resumes_past_the_binaries_it_had(phone_build, tmp_path, monkeypatch):
+    """compile_qnn with a journal on the tiny phone build's pack, stopped at its last binary (at 1.75B a
+    prompt graph compiles for most of an hour): the rerun compiles that one only, links the others from
+    the journal, and writes the same binaries and qnn.json facts as the first run's."""
+    from stages import compile_qnn
+
+    repo, _ = phone_build
+    pack = repo / "artifacts" / "galaxy_s25-embedded-speed" / "pack"
+    real = qnn.compile_parts
+    calls = []
+
+    def counted(graph, float_graph, out_dir, *a, **k):
+        calls.append(out_dir.name)
+        if stop_at and len(calls) == stop_at:
+            raise KeyboardInterrupt  # the session's end, mid-compile
+        return real(graph, float_graph, out_dir, *a, **k)
+
+    monkeypatch.setattr(qnn, "compile_parts", counted)
+    journal = tmp_path / ".compile_qnn.journal-k"
+
+    def run(out):
+        out.mkdir()
+        return compile_qnn.run(StageContext(stage="compile_qnn", build="b", inputs={"pack": pack}, out=out,
+                                            journal=journal, cfg=OmegaConf.create(
+                                                {"device": {"name": "galaxy_s25", "accelerator": "qnn_htp",
+                                                            "qnn": S25}})))
+
+    stop_at = 0
+    whole = run(tmp_path / "whole")
+    n = len(calls)
+    assert n >= 3, calls  # the deployed precision's token and prompt graphs, and fp16's at least
+    shutil.rmtree(journal)
+    calls.clear()
+    stop_at = n
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "stopped")
+    assert len(list(journal.glob("*.json"))) == n - 1 and not list(journal.glob(".*"))  # no half binary kept
+    calls.clear()
+    stop_at = 0
+    resumed = run(tmp_path / "resumed")
+    assert len(calls) == 1  # the one the stopped run had not finished
+
+    def facts(c):  # every fact but the seconds a compile took
+        if isinstance(c, dict):
+            return {k: facts(v) for k, v in c.items() if k != "compile_s"}
+        return [facts(v) for v in c] if isinstance(c, list) else c
+
+    assert facts(resumed["compiled"]) == facts(whole["compiled"]) and facts(resumed["genie"]) == facts(whole["genie"])
+    files = {d: sorted((str(f.relative_to(tmp_path / d)), f.stat().st_size) for f in (tmp_path / d).rglob("*")
+                       if f.is_file() and f.name != "qnn.json") for d in ("whole", "resumed")}  # its seconds differ
+    assert files["resumed"] == files["whole"]
 
 
 def test_a_prompt_graphs_codes_are_the_token_graphs_made_once(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,12 +74,50 @@ class StageContext:
         os.replace(part, path)  # whole or absent: a kill mid-write leaves no half record
         return json.loads(text)  # as a resumed run reads it back: both runs go on from the same values
 
+    def remembered_files(self, name: str, dest: Path, compute: Callable[[Path], Any],
+                         what: str | None = None) -> Any:
+        """remembered() for a piece that writes files (a context binary compiled for minutes, at 1.75B for
+        an hour): compute(folder) writes them into a folder of the journal and returns JSON-able facts
+        (paths in them relative to the folder); the folder is renamed into place whole, then its facts
+        recorded, and its files are linked into `dest`. A resumed run links the kept files and reads the
+        facts back; a folder without its facts (killed between the two) is made again."""
+        if self.journal is None:
+            dest.mkdir(parents=True, exist_ok=True)  # compute gets an existing folder either way
+            return compute(dest)
+        kept = self.journal / name
+
+        def make():
+            shutil.rmtree(kept, ignore_errors=True)  # made, but its facts never recorded: not trusted
+            part = self.journal / f".{name}.{os.getpid()}"
+            shutil.rmtree(part, ignore_errors=True)
+            part.mkdir(parents=True)
+            try:
+                facts = compute(part)
+            except BaseException:
+                shutil.rmtree(part, ignore_errors=True)
+                raise
+            os.replace(part, kept)
+            return facts
+
+        facts = self.remembered(name, make, what)
+        # linked, not copied: the journal is removed once the output is installed, and the files stay
+        shutil.copytree(kept, dest, copy_function=_link_or_copy, dirs_exist_ok=True)
+        return facts
+
 
 def _plain(value):
     """JSON for numpy's scalars and arrays (a measure's figures), which json does not know."""
     if hasattr(value, "tolist"):
         return value.tolist()
     raise TypeError(f"{type(value).__name__} is not JSON: StageContext.remembered keeps JSON-able results")
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """A hard link where the two paths share a file system (the journal sits beside the output), else a copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def progress_bar(stage: str, total: int | None, description: str) -> "_Bar":
