@@ -153,3 +153,23 @@ def test_a_killed_stage_resumes_from_its_journal_and_clears_it_once_installed(tm
 
 def _die_in_stage():
     run_stage.run("verify_parity", "b")
+
+
+def test_write_whole_leaves_the_old_file_or_the_new_one_and_no_temp_file(tmp_path):
+    """pipeline/engine/files.write_whole (the journal's records, builds/*.yaml, dvc.lock, the registry's
+    index): a write that fails midway leaves the previous file whole and nothing beside it."""
+    from pipeline.engine.files import write_whole
+
+    path = tmp_path / "deep" / "index.yaml"
+    write_whole(path, "old: 1\n")
+    assert path.read_text() == "old: 1\n"
+
+    def dies(fd):
+        fd.write("new: ")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        write_whole(path, dies)
+    assert path.read_text() == "old: 1\n" and [p.name for p in path.parent.iterdir()] == ["index.yaml"]
+    write_whole(path, lambda fd: fd.write("new: 2\n"))
+    assert path.read_text() == "new: 2\n"

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from pipeline.engine import narrate
+from pipeline.engine.files import write_whole
 from pipeline.engine.layout import BUILDS, ROOT, build_stages, model_id, model_stage_ref, output_dir, stage_ref
 
 
@@ -59,7 +60,7 @@ def atomic_dvc_files() -> None:
 
         if fs is not None and not isinstance(fs, LocalFileSystem):
             return in_place(path, data, dumper, fs=fs, **dumper_args)
-        _write_by_rename(Path(os.fspath(path)), lambda fd: dumper(data, fd, **dumper_args))
+        write_whole(Path(os.fspath(path)), lambda fd: dumper(data, fd, **dumper_args))
 
     dump_by_rename.edgekiln_atomic = True
     _common._dump_data = dump_by_rename
@@ -88,20 +89,6 @@ def _lock_parsed_plain() -> None:
 
     modify.edgekiln_plain_lock = True
     dvcfile.modify_yaml = modify
-
-
-def _write_by_rename(path: Path, write) -> None:
-    """`write(file)` into a hidden temp file beside `path`, fsynced, then renamed over it:
-    a kill at any point leaves the previous whole file or the new one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as fd:
-            write(fd)
-            fd.flush()
-            os.fsync(fd.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _atomic_rwlock() -> None:
@@ -145,7 +132,7 @@ def _atomic_rwlock() -> None:
             lock["read"] = defaultdict(list, lock["read"])
             lock["write"] = defaultdict(dict, lock["write"])
             yield lock
-            _write_by_rename(Path(path), lambda fobj: json.dump(lock, fobj))
+            write_whole(Path(path), lambda fobj: json.dump(lock, fobj))
 
     edit_by_rename.edgekiln_atomic = True
     rwlock._edit_rwlock = edit_by_rename

@@ -28,6 +28,8 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig
 
+from pipeline.engine.files import write_whole
+
 
 class StageError(Exception):
     """A failure the user can act on: printed as one line, no traceback."""
@@ -68,10 +70,7 @@ class StageContext:
                      f"({self.journal.name}/{path.name})")
             return value
         text = json.dumps(compute(), default=_plain)
-        self.journal.mkdir(parents=True, exist_ok=True)
-        part = path.with_name(f".{path.name}.{os.getpid()}")
-        part.write_text(text)
-        os.replace(part, path)  # whole or absent: a kill mid-write leaves no half record
+        write_whole(path, text)  # whole or absent: a kill mid-write leaves no half record
         return json.loads(text)  # as a resumed run reads it back: both runs go on from the same values
 
     def remembered_files(self, name: str, dest: Path, compute: Callable[[Path], Any],

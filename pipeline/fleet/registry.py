@@ -93,6 +93,7 @@ from pathlib import Path
 
 import yaml
 
+from pipeline.engine.files import write_whole
 from pipeline.engine.layout import ARTIFACTS, BUILDS, ROOT, canonical_json, model_id, sha256_text, stage_applies, stage_ref
 from pipeline.engine.manifest import content_hash, verify
 from pipeline.measure.stats import compare, spread
@@ -276,13 +277,6 @@ def load_index(root: Path) -> dict:
     return index
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def save_index(root: Path, index: dict) -> None:
     for models in index["devices"].values():
         for entry in models.values():
@@ -290,7 +284,7 @@ def save_index(root: Path, index: dict) -> None:
                 ch["current"] = channel_current(ch)
     header = ("# edgekiln artifact registry: written by `python -m pipeline.fleet.registry`; commit it.\n"
               "# Full records (every file's sha256): registry/versions/<bundle_sha256>.json\n")
-    _atomic_write(root / INDEX, header + yaml.safe_dump(index, sort_keys=False, width=120))
+    write_whole(root / INDEX, header + yaml.safe_dump(index, sort_keys=False, width=120))
 
 
 def load_record(root: Path, bundle: str) -> dict:
@@ -563,7 +557,7 @@ def publish(root: Path, build: str, *, channel: str = "dev", remote: str | None 
     version = f"v{len(entry['versions']) + 1}"
     record["version"] = version
     record["published_at"] = _now()
-    _atomic_write(root / VERSIONS / f"{record['bundle_sha256']}.json",
+    write_whole(root / VERSIONS / f"{record['bundle_sha256']}.json",
                   json.dumps(record, indent=2, sort_keys=True) + "\n")
     summary = {
         "version": version,
