@@ -1181,6 +1181,41 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
         # its prompt graph, where this precision has one: the same steps a chunk at a time (every segment)
         psession = qnn.open_htp(comp, info, precision, prompt=True)
         pdec = None if psession is None else OnnxDecoder(comp, session=session, prompt_session=psession)
+        segs = []
+        if not deployed:
+            runs = [_Cut(teacher[0], short - len(teacher[0].prompt))]
+            segs.append(("cold", runs, f"first prompt, its first {runs[0].steps} steps (parity.qnn_short_steps)"))
+        elif all(r.steps <= budget for r in teacher[:n]):
+            segs.append(("full", list(teacher[:n]), f"first {n} prompts in full"))
+        else:
+            cold = [_Cut(r, budget // 2 - max(len(x.prompt) for x in teacher[:n])) for r in teacher[:n]]
+            segs.append(("cold", cold, f"first {n} prompts from position 0, {cold[0].steps - len(cold[0].prompt)} continuation steps each"))
+            w = budget - budget // 2
+            warm = []
+            for r in teacher[:n]:
+                wrap = min(rings) if rings else r.steps
+                start = max(len(r.prompt), min(wrap - w // 2, r.steps - w))
+                warm.append(_Seg(r, start, min(r.steps, start + w)))
+            segs.append(("past_window", warm, f"first {n} prompts, positions {warm[0].start}.."
+                         f"{warm[0].start + warm[0].steps - 1} from the fp32 export's cache"
+                         + (f" (the window wraps at {min(rings)})" if rings else "")))
+        caches = None
+        if any(key == "past_window" for key, _, _ in segs):
+            # The fp32 export's caches up to the window, made before the CPU stand-in's session opens: at
+            # 1.75B the HTP's binaries, the QDQ graph on the CPU and the fp32 export are gigabytes each, and
+            # the export's decoder is never held beside the CPU stand-in.
+            runs = next(r for key, r, _ in segs if key == "past_window")
+            fp32 = OnnxDecoder(Path(ctx.inputs["export"]), threads=2)
+            caches = []
+            with _timed(seconds, f"{name}_prefill"), \
+                    ctx.progress(sum(s.start for s in runs), "parity: fp32 cache up to the window") as bar:
+                for sg in runs:
+                    fp32.reset()
+                    for t in sg.tokens:
+                        fp32.step(t)
+                        bar.advance()
+                    caches.append((sg.start, [(k.copy(), v.copy()) for k, v, _ in fp32._caches]))
+            del fp32
         parts, stats, cpu = {}, None, None
         if precision != "fp16":
             cpu = qnn.cpu_qdq_decoder(pack, f"{precision}/model.onnx")
@@ -1204,39 +1239,10 @@ def _qnn_fidelity(ctx, teacher, prompts, encoded, decode_tokens, seconds=None,
                 del cpu_prompt
                 pm["thresholds"] = _prompt_gate(ctx, name, limits, pm, "cpu_qdq", metrics)
                 parts["cpu_qdq"]["prompt_graph"] = pm
-        segs = []
-        if not deployed:
-            runs = [_Cut(teacher[0], short - len(teacher[0].prompt))]
-            segs.append(("cold", runs, f"first prompt, its first {runs[0].steps} steps (parity.qnn_short_steps)"))
-        elif all(r.steps <= budget for r in teacher[:n]):
-            segs.append(("full", list(teacher[:n]), f"first {n} prompts in full"))
-        else:
-            cold = [_Cut(r, budget // 2 - max(len(x.prompt) for x in teacher[:n])) for r in teacher[:n]]
-            segs.append(("cold", cold, f"first {n} prompts from position 0, {cold[0].steps - len(cold[0].prompt)} continuation steps each"))
-            w = budget - budget // 2
-            warm = []
-            for r in teacher[:n]:
-                wrap = min(rings) if rings else r.steps
-                start = max(len(r.prompt), min(wrap - w // 2, r.steps - w))
-                warm.append(_Seg(r, start, min(r.steps, start + w)))
-            segs.append(("past_window", warm, f"first {n} prompts, positions {warm[0].start}.."
-                         f"{warm[0].start + warm[0].steps - 1} from the fp32 export's cache"
-                         + (f" (the window wraps at {min(rings)})" if rings else "")))
         for key, runs, how in segs:
             m = len(runs)
             use, use_cpu = dec, cpu
             if key == "past_window":
-                fp32 = OnnxDecoder(Path(ctx.inputs["export"]), threads=2)
-                caches = []
-                with _timed(seconds, f"{name}_prefill"), \
-                        ctx.progress(sum(s.start for s in runs), "parity: fp32 cache up to the window") as bar:
-                    for sg in runs:
-                        fp32.reset()
-                        for t in sg.tokens:
-                            fp32.step(t)
-                            bar.advance()
-                        caches.append((sg.start, [(k.copy(), v.copy()) for k, v, _ in fp32._caches]))
-                del fp32
                 use = _Warm(dec, caches)
                 use_cpu = _Warm(cpu, caches) if cpu is not None else None
                 use_prompt = _Warm(pdec, caches) if pdec is not None else None
