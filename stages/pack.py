@@ -289,12 +289,12 @@ class _Selection:
             return False
         return True
 
-    def _reference(self) -> None:
+    def _held_out(self) -> None:
+        """The held-out windows and their facts (self.windows, self.data): seconds of tokenizing."""
         import numpy as np
         from transformers import AutoTokenizer
 
         from pipeline.measure import kld
-        from pipeline.runtimes.onnx import OnnxDecoder
         from pipeline.sources import textdata
 
         io = json.loads((self.export_dir / "io.json").read_text())
@@ -315,8 +315,15 @@ class _Selection:
         self.data = {**{k: v for k, v in facts.items() if isinstance(v, (int, float, str, bool))},
                      "windows": len(self.windows), "n_ctx": n_ctx, "scored_tokens": scored,
                      "windows_sha256": textdata.ids_sha256([t for w in self.windows for t in w])}
+
+    def _reference(self) -> None:
+        """The fp32 export's scored rows over the held-out windows (self.base): minutes at 1.75B."""
+        from pipeline.measure import kld
+        from pipeline.runtimes.onnx import OnnxDecoder
+
         ref = OnnxDecoder(self.export_dir, threads=2)
-        with self.ctx.progress(scored, "precision selection: the fp32 export over the held-out windows") as bar:
+        with self.ctx.progress(self.data["scored_tokens"], "precision selection: the fp32 export over the "
+                                                           "held-out windows") as bar:
             self.base = [kld.scored_logits(ref, w, bar.advance) for w in self.windows]
 
     def measure(self, p: str) -> None:
@@ -338,7 +345,18 @@ class _Selection:
 
     def _figures(self, what: str, model_file: str) -> dict:
         """The QDQ graph `model_file` (relative to the pack folder) on the CPU EP against the fp32 export over
-        the held-out windows: llama.cpp's KL statistics and the logits' SNR."""
+        the held-out windows: llama.cpp's KL statistics and the logits' SNR. Kept in the stage's journal
+        (StageContext.remembered) by `what`: at 1.75B each is ten minutes, and a per-part search runs
+        several; a pack stopped later measures none of them again (nor the reference, if all are kept)."""
+        import re
+
+        if self.data is None:
+            self._held_out()
+        return self.ctx.remembered(f"selection-{re.sub(r'[^A-Za-z0-9.-]+', '_', what)}",
+                                   lambda: self._measured(what, model_file),
+                                   f"precision selection: {what} on the CPU EP")
+
+    def _measured(self, what: str, model_file: str) -> dict:
         import numpy as np
 
         from pipeline.graphs import qnn
@@ -538,7 +556,7 @@ class _Selection:
                          "layers where the whole still meets parity.artifact.qnn_mixed (pack.qnn_mix_groups)")
                 if self.measured else
                         "pack.qnn_select=first: the first listed, not measured",
-                "data": self.data, "reference": "the fp32 export (ONNX Runtime CPU EP)" if self.base else None,
+                "data": self.data, "reference": "the fp32 export (ONNX Runtime CPU EP)" if self.data else None,
                 "options": {p: self.options[p] for p in names if p in self.options},
                 "deployed": self.deployed, "kept": kept, "dropped": dropped}
 

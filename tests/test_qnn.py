@@ -1257,20 +1257,21 @@ def test_the_phone_precision_is_the_first_that_meets_its_floors(phone_build, tmp
     full = load_build_file(repo / "builds" / "galaxy_s25-embedded-speed.yaml")
     inputs = {s: build / s for s in pack.INPUTS}
 
-    def run(out, precisions, **floors):
+    def run(out, precisions, journal=None, **floors):
         artifact = {k: dict(v) for k, v in full["parity"]["artifact"].items()}
         for path, kv in floors.items():
             artifact[path].update(kv)
         cfg = {"pack": {**full["pack"], "qnn_precisions": precisions, "qnn_mix_groups": 0}, "device": full["device"],
                "priority": full["priority"], "parity": {"artifact": artifact}}
         out.mkdir()
-        ctx = StageContext(stage="pack", build="b", inputs=inputs, out=out, cfg=OmegaConf.create(cfg))
+        ctx = StageContext(stage="pack", build="b", inputs=inputs, out=out, cfg=OmegaConf.create(cfg), journal=journal)
         lines = []
         monkeypatch.setattr(ctx, "log", lines.append)
         return pack.run(ctx), lines
 
     out = tmp_path / "a"
-    _, lines = run(out, ["w4a16", "w8a16", "fp16"], qnn_w4a16={"max_kld_mean": 1e-9})
+    journal = tmp_path / ".pack.journal-k"
+    _, lines = run(out, ["w4a16", "w8a16", "fp16"], journal, qnn_w4a16={"max_kld_mean": 1e-9})
     npu = json.loads((out / "npu.json").read_text())
     sel = npu["selection"]
     w4, w8 = sel["options"]["w4a16"], sel["options"]["w8a16"]
@@ -1281,6 +1282,12 @@ def test_the_phone_precision_is_the_first_that_meets_its_floors(phone_build, tmp
     assert sel["dropped"] == ["w4a16"] and not (out / "w4a16").exists() and (out / "w8a16" / "model.onnx").is_file()
     assert any("w4a16 on the CPU EP" in x and "misses kld_mean" in x for x in lines), lines
     assert sel["options"]["mixed"] == {"measured": False, "why": "pack.qnn_mix_groups=0: the whole graph's choice only"}
+    # a pack stopped after its measures (at 1.75B ten minutes each) and run again: none is measured twice
+    monkeypatch.setattr(pack._Selection, "_measured", lambda *a: pytest.fail("measured twice"))
+    _, lines = run(tmp_path / "again", ["w4a16", "w8a16", "fp16"], journal, qnn_w4a16={"max_kld_mean": 1e-9})
+    assert json.loads((tmp_path / "again" / "npu.json").read_text())["selection"] == sel
+    assert sum("kept by the run that stopped before this one" in x for x in lines) == 2, lines
+    monkeypatch.undo()
     with pytest.raises(StageError, match=r"no phone precision meets .*qnn_w4a16: kld_mean .*qnn_w8a16: same_top1 "):
         run(tmp_path / "b", ["w4a16", "w8a16"], qnn_w4a16={"max_kld_mean": 1e-9},
             qnn_w8a16={"min_top1_agreement": 1.01})
