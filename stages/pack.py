@@ -1214,38 +1214,46 @@ def _write_qnn(ctx, export_dir: Path, cal_dir: Path) -> dict:
                     graphs[p]["prompt_graph"] = f"float/{PROMPT_MODEL}"
                 chosen.measure(p)
                 continue
-            (out / p).mkdir()
             # the token graph's codes, for its prompt graph and the Genie form's graphs (w8a16's GPTQ codes: made
             # once; w4a16's are the quantize stage's, read again)
             made = {} if prompt_paths or (genie_quant is not None and p == "w8a16") else None
-            facts = _qdq_graph(ctx, p, float_dir / "model.onnx", out / p / "model.onnx", paths, overrides,
-                               float_nodes, cal_dir, made=made)
-            graphs[p] = {"graph": f"{p}/model.onnx", **facts,
+
+            def qdq_graphs(d: Path, p=p, made=made) -> dict:
+                """p's token graph (and prompt graph) into `d`; their facts, graphs[p]."""
+                facts = _qdq_graph(ctx, p, float_dir / "model.onnx", d / "model.onnx", paths, overrides,
+                                   float_nodes, cal_dir, made=made)
+                entry = {"graph": f"{p}/model.onnx", **facts,
                          "residual_stream": {"math": str(cfg.qnn_residual), "adds": len(residual["adds"]),
                                              "norms": len(residual["norms"]),
                                              "writers": len(residual["writers"])},
                          "attention": {"math": str(cfg.qnn_attention),
                                        **{k: len(v) for k, v in attention.items()}}}
-            if prompt_paths:  # its prompt graph: calibrated on its own samples, the token graph's weights
-                # and the token graph's ranges for the head (calibrated there on every step; the prompt
-                # graph's head sees one row a chunk: qnn.head_ranges)
-                try:
-                    heads = qnn.head_ranges(out / p / "model.onnx", float_dir / "model.onnx", float_dir / PROMPT_MODEL)
-                except qnn.QnnError as err:
-                    raise StageError(f"pack: the {p} prompt graph: {err}") from None
-                _qdq_graph(ctx, p, float_dir / PROMPT_MODEL, out / p / PROMPT_MODEL, prompt_paths,
-                           {**prompt_quant["overrides"], **heads}, prompt_quant["float_nodes"], cal_dir,
-                           what="the prompt graph", made=made)
-                differ = qnn.same_weights(out / p / "model.onnx", float_dir / "model.onnx", out / p / PROMPT_MODEL,
-                                          float_dir / PROMPT_MODEL)
-                if differ:
-                    raise StageError(f"pack: the {p} prompt graph's weights are not the token graph's "
-                                     f"({len(differ)} differ, first {differ[0]}): both must read the same codes")
-                shared = share_external_data(out / p / "model.onnx", out / p / PROMPT_MODEL)
-                ctx.log(f"{p} prompt graph: {shared['shared']} tensors ({shared['shared_bytes'] / 1e6:.1f} MB) read "
-                        f"from the token graph's data file, {shared['own_bytes'] / 1e6:.1f} MB of its own")
-                graphs[p]["prompt_graph"] = f"{p}/{PROMPT_MODEL}"
-                graphs[p]["prompt_graph_head_ranges"] = {"from": "the token graph's", "tensors": sorted(heads)}
+                if prompt_paths:  # its prompt graph: calibrated on its own samples, the token graph's weights
+                    # and the token graph's ranges for the head (calibrated there on every step; the prompt
+                    # graph's head sees one row a chunk: qnn.head_ranges)
+                    try:
+                        heads = qnn.head_ranges(d / "model.onnx", float_dir / "model.onnx", float_dir / PROMPT_MODEL)
+                    except qnn.QnnError as err:
+                        raise StageError(f"pack: the {p} prompt graph: {err}") from None
+                    _qdq_graph(ctx, p, float_dir / PROMPT_MODEL, d / PROMPT_MODEL, prompt_paths,
+                               {**prompt_quant["overrides"], **heads}, prompt_quant["float_nodes"], cal_dir,
+                               what="the prompt graph", made=made)
+                    differ = qnn.same_weights(d / "model.onnx", float_dir / "model.onnx", d / PROMPT_MODEL,
+                                              float_dir / PROMPT_MODEL)
+                    if differ:
+                        raise StageError(f"pack: the {p} prompt graph's weights are not the token graph's "
+                                         f"({len(differ)} differ, first {differ[0]}): both must read the same codes")
+                    shared = share_external_data(d / "model.onnx", d / PROMPT_MODEL)
+                    ctx.log(f"{p} prompt graph: {shared['shared']} tensors ({shared['shared_bytes'] / 1e6:.1f} MB) "
+                            f"read from the token graph's data file, {shared['own_bytes'] / 1e6:.1f} MB of its own")
+                    entry["prompt_graph"] = f"{p}/{PROMPT_MODEL}"
+                    entry["prompt_graph_head_ranges"] = {"from": "the token graph's", "tensors": sorted(heads)}
+                return entry
+
+            # kept in the stage's journal once made (at 1.75B the quantizer and the codes are most of an
+            # hour a precision): a pack stopped later links them back (w8a16's codes for the Genie form are
+            # then made again, not kept: `made` lives in memory)
+            graphs[p] = ctx.remembered_files(f"qdq-{p}", out / p, qdq_graphs, f"the {p} QDQ graphs")
             if genie_quant is not None and p == "w8a16":
                 codes_made[p] = made
             del made
