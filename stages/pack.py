@@ -817,16 +817,16 @@ def _genie_boundary(dst: Path, quant: dict, given: dict | None = None, want: dic
     return enc
 
 
-def _genie_mix(out: Path, name: str, mix: dict) -> None:
-    """genie/mixed/`name`: the Genie-form graph `name` assembled from its w8a16 and w4a16 QDQ graphs
-    (genie/<precision>/, one calibration) by the deployed mix's groups and head, as ours was
+def _genie_mix(out: Path, gdir: Path, name: str, mix: dict) -> None:
+    """<gdir>/mixed/`name`: the Genie-form graph `name` assembled from its w8a16 and w4a16 QDQ graphs
+    (<gdir>/<precision>/, one calibration) by the deployed mix's groups and head, as ours was
     (parts.assemble; `mix`: the pack's graphs["mixed"] entry)."""
     import onnx
 
     from pipeline.graphs import parts
 
-    src = {q: out / GENIE_DIR / q / name for q in ("w8a16", "w4a16")}
-    dst = out / GENIE_DIR / "mixed" / name
+    src = {q: gdir / q / name for q in ("w8a16", "w4a16")}
+    dst = gdir / "mixed" / name
     models = {q: onnx.load(str(f)) for q, f in src.items()}
     try:
         bounds = parts.boundaries(models["w8a16"], onnx.load(str(out / GENIE_DIR / "float" / name),
@@ -843,72 +843,26 @@ def _genie_mix(out: Path, name: str, mix: dict) -> None:
 def _genie_qdq(ctx, out: Path, p: str, float_facts: dict, quant: dict, seqs: list, stride: int,
                cal_dir: Path, mix: dict | None = None, made: dict | None = None) -> dict:
     """The deployed precision's graphs in Genie's form: the QNN-ready float graphs (_genie_float) quantized
-    as ours were (their own calibration, fed as Genie feeds them; the deployed graph's weight codes,
-    checked; `p` mixed: at w8a16 and w4a16 over that one calibration, assembled by the deployed mix's groups
-    `mix`, _genie_mix), then their boundary in the types Genie writes and reads (_genie_boundary: uint16
-    inputs and KV outputs, each KV pair one encoding, the prompt graph's the token graph's), and run on the
-    CPU EP fed as Genie feeds them against our QDQ graph of the same precision (the prompt graph against the
-    Genie token graph): genie/<p>/model.onnx (and prompt.onnx), genie/io.json (with the boundary's
-    encodings); its facts. `made`: {precision: the codes our graphs made, by checkpoint name}
-    (qnn.requantize_weights), taken rather than made again."""
-    import gc
-    import shutil
-
+    as ours were (_genie_graphs: their own calibration, fed as Genie feeds them; the deployed graph's weight
+    codes, checked; `p` mixed: at w8a16 and w4a16 over that one calibration, assembled by the deployed mix's
+    groups `mix`, _genie_mix; then their boundary in the types Genie writes and reads, _genie_boundary:
+    uint16 inputs and KV outputs, each KV pair one encoding, the prompt graph's the token graph's), kept in
+    the stage's journal once made (~30 minutes at 1.75B), then run on the CPU EP fed as Genie feeds them
+    against our QDQ graph of the same precision (the prompt graph against the Genie token graph):
+    genie/<p>/model.onnx (and prompt.onnx), genie/io.json (with the boundary's encodings); its facts.
+    `made`: {precision: the codes our graphs made, by checkpoint name} (qnn.requantize_weights), taken
+    rather than made again."""
     import numpy as np
 
     from pipeline.graphs import qnn
     from pipeline.graphs.decode_graph import snr_db
     from pipeline.runtimes.genie_feed import GenieFeedDecoder
-    from pipeline.sources.tensorfile import share_external_data
 
-    fdir = out / GENIE_DIR / "float"
-    dst = out / GENIE_DIR / p
-    sources = ("w8a16", "w4a16") if p == "mixed" else (p,)  # the precisions quantized
-    for q in {p, *sources}:
-        (out / GENIE_DIR / q).mkdir()
-    gio = json.loads((fdir / "io.json").read_text())
-    spill = out / GENIE_DIR / ".calibration_samples"
-    facts = {}
-    try:
-        dec = GenieFeedDecoder(fdir, threads=2)
-        with ctx.progress(sum(len(q) for q in seqs), "Genie form: QDQ calibration, decode steps fed as Genie "
-                                                     "feeds them") as bar:
-            paths = qnn.spill_samples(qnn.decode_samples(dec, seqs, stride, advance=bar.advance), spill)
-        del dec
-        gc.collect()
-        for q in sources:
-            facts[q] = _qdq_graph(ctx, q, fdir / "model.onnx", out / GENIE_DIR / q / "model.onnx", paths,
-                                  quant["token"]["overrides"], quant["token"]["float_nodes"], cal_dir,
-                                  what="Genie's form", made=(made or {}).get(q))
-    finally:
-        shutil.rmtree(spill, ignore_errors=True)
-    if p == "mixed":
-        _genie_mix(out, "model.onnx", mix)
-        facts = {**facts, "groups": mix["groups"], "head": mix.get("head")}
-    else:
-        facts = facts[p]
-    differ = qnn.same_weights(out / p / "model.onnx", out / "float" / "model.onnx", dst / "model.onnx",
-                              fdir / "model.onnx")
-    if differ:
-        raise StageError(f"pack: the Genie-form {p} graph's weights are not the deployed graph's ({len(differ)} "
-                         f"differ, first {differ[0]})")
-    enc = _genie_boundary(dst / "model.onnx", quant["token"])
-    prompt = None
-    if "prompt" in quant:
-        prompt = _genie_prompt_qdq(ctx, out, p, quant["prompt"], enc, seqs, cal_dir, mix, made)
-        share_external_data(dst / "model.onnx", dst / PROMPT_MODEL)
-    for q in set(sources) - {p}:  # the mix's sources, assembled
-        shutil.rmtree(out / GENIE_DIR / q)
-    for spec in [gio] + ([gio["prompt"]] if "prompt" in gio else []):
-        for v in spec["inputs"] + spec["outputs"]:
-            if v["name"] in enc:
-                v["dtype"] = enc[v["name"]]["dtype"]
-    if prompt is None:
-        gio.pop("prompt", None)
-    # one folder up from genie/float/: the embedding model's path one ../ shorter
-    gio = {**gio, "boundary": enc,
-           "embedding": {**gio["embedding"], "model": gio["embedding"]["model"].removeprefix("../")}}
-    (out / GENIE_DIR / "io.json").write_text(json.dumps(gio, indent=2) + "\n")
+    built = ctx.remembered_files(
+        f"genie-{p}", out / GENIE_DIR,
+        lambda gdir: _genie_graphs(ctx, out, gdir, p, quant, seqs, stride, cal_dir, mix, made),
+        f"the {p} graphs in Genie's form")
+    facts, enc, prompt = built["quantize"], built["boundary"], built["prompt"]
     # what the Genie form computes against our deployed graph, both on the CPU EP's QDQ arithmetic, over
     # the first calibration sequence's first steps
     steps = seqs[0][:QNN_CHECK_STEPS]
@@ -943,7 +897,70 @@ def _genie_qdq(ctx, out: Path, p: str, float_facts: dict, quant: dict, seqs: lis
                                 "graph, a token a call"}
 
 
-def _genie_prompt_qdq(ctx, out: Path, p: str, quant: dict, enc: dict, seqs: list, cal_dir: Path,
+def _genie_graphs(ctx, out: Path, gdir: Path, p: str, quant: dict, seqs: list, stride: int, cal_dir: Path,
+                  mix: dict | None, made: dict | None) -> dict:
+    """_genie_qdq's graphs, written into `gdir` (genie/'s place: its journal folder while made, then linked
+    into genie/): <p>/model.onnx (and prompt.onnx) and io.json, from genie/float/ and our <p> graph. Its
+    facts: the quantizer's, the boundary's encodings, the prompt graph's (or None)."""
+    import gc
+    import shutil
+
+    from pipeline.graphs import qnn
+    from pipeline.runtimes.genie_feed import GenieFeedDecoder
+    from pipeline.sources.tensorfile import share_external_data
+
+    fdir = out / GENIE_DIR / "float"
+    dst = gdir / p
+    sources = ("w8a16", "w4a16") if p == "mixed" else (p,)  # the precisions quantized
+    for q in {p, *sources}:
+        (gdir / q).mkdir()
+    gio = json.loads((fdir / "io.json").read_text())
+    spill = gdir / ".calibration_samples"
+    facts = {}
+    try:
+        dec = GenieFeedDecoder(fdir, threads=2)
+        with ctx.progress(sum(len(q) for q in seqs), "Genie form: QDQ calibration, decode steps fed as Genie "
+                                                     "feeds them") as bar:
+            paths = qnn.spill_samples(qnn.decode_samples(dec, seqs, stride, advance=bar.advance), spill)
+        del dec
+        gc.collect()
+        for q in sources:
+            facts[q] = _qdq_graph(ctx, q, fdir / "model.onnx", gdir / q / "model.onnx", paths,
+                                  quant["token"]["overrides"], quant["token"]["float_nodes"], cal_dir,
+                                  what="Genie's form", made=(made or {}).get(q))
+    finally:
+        shutil.rmtree(spill, ignore_errors=True)
+    if p == "mixed":
+        _genie_mix(out, gdir, "model.onnx", mix)
+        facts = {**facts, "groups": mix["groups"], "head": mix.get("head")}
+    else:
+        facts = facts[p]
+    differ = qnn.same_weights(out / p / "model.onnx", out / "float" / "model.onnx", dst / "model.onnx",
+                              fdir / "model.onnx")
+    if differ:
+        raise StageError(f"pack: the Genie-form {p} graph's weights are not the deployed graph's ({len(differ)} "
+                         f"differ, first {differ[0]})")
+    enc = _genie_boundary(dst / "model.onnx", quant["token"])
+    prompt = None
+    if "prompt" in quant:
+        prompt = _genie_prompt_qdq(ctx, out, gdir, p, quant["prompt"], enc, seqs, cal_dir, mix, made)
+        share_external_data(dst / "model.onnx", dst / PROMPT_MODEL)
+    for q in set(sources) - {p}:  # the mix's sources, assembled
+        shutil.rmtree(gdir / q)
+    for spec in [gio] + ([gio["prompt"]] if "prompt" in gio else []):
+        for v in spec["inputs"] + spec["outputs"]:
+            if v["name"] in enc:
+                v["dtype"] = enc[v["name"]]["dtype"]
+    if prompt is None:
+        gio.pop("prompt", None)
+    # one folder up from genie/float/: the embedding model's path one ../ shorter
+    gio = {**gio, "boundary": enc,
+           "embedding": {**gio["embedding"], "model": gio["embedding"]["model"].removeprefix("../")}}
+    (gdir / "io.json").write_text(json.dumps(gio, indent=2) + "\n")
+    return {"quantize": facts, "boundary": enc, "prompt": prompt}
+
+
+def _genie_prompt_qdq(ctx, out: Path, gdir: Path, p: str, quant: dict, enc: dict, seqs: list, cal_dir: Path,
                       mix: dict | None = None, made: dict | None = None) -> dict:
     """The Genie-form prompt graph at precision `p`: calibrated on its own chunks (fed as Genie feeds
     them), every boundary tensor held at the token graph's encoding `enc` (quantization overrides of the
@@ -959,8 +976,8 @@ def _genie_prompt_qdq(ctx, out: Path, p: str, quant: dict, enc: dict, seqs: list
     from pipeline.graphs import qnn
     from pipeline.runtimes.genie_feed import GenieFeedDecoder
 
-    fdir, dst = out / GENIE_DIR / "float", out / GENIE_DIR / p
-    spill = out / GENIE_DIR / ".calibration_samples"
+    fdir, dst = out / GENIE_DIR / "float", gdir / p
+    spill = gdir / ".calibration_samples"
     exact = {name: [{"scale": np.asarray(e["scale"], np.float32), "zero_point": np.asarray(-e["offset"], e["dtype"])}]
              for name, e in enc.items() if name != "logits"}
     try:
@@ -970,7 +987,7 @@ def _genie_prompt_qdq(ctx, out: Path, p: str, quant: dict, enc: dict, seqs: list
         del dec
         gc.collect()
         for q in (("w8a16", "w4a16") if p == "mixed" else (p,)):
-            src = out / GENIE_DIR / q
+            src = gdir / q
             facts = _qdq_graph(ctx, q, fdir / PROMPT_MODEL, src / PROMPT_MODEL, paths, {**quant["overrides"], **exact},
                                quant["float_nodes"], cal_dir, what="Genie's form, the prompt graph",
                                made=(made or {}).get(q))
@@ -981,7 +998,7 @@ def _genie_prompt_qdq(ctx, out: Path, p: str, quant: dict, enc: dict, seqs: list
     finally:
         shutil.rmtree(spill, ignore_errors=True)
     if p == "mixed":
-        _genie_mix(out, PROMPT_MODEL, mix)
+        _genie_mix(out, gdir, PROMPT_MODEL, mix)
     penc = _genie_boundary(dst / PROMPT_MODEL, quant, given={k: enc[k] for k in GENIE_WRITES if k in enc}, want=enc)
     apart = [k for k in penc if k in enc and penc[k] != enc[k]]
     if apart:

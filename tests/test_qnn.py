@@ -1282,21 +1282,17 @@ def test_the_phone_precision_is_the_first_that_meets_its_floors(phone_build, tmp
     assert sel["dropped"] == ["w4a16"] and not (out / "w4a16").exists() and (out / "w8a16" / "model.onnx").is_file()
     assert any("w4a16 on the CPU EP" in x and "misses kld_mean" in x for x in lines), lines
     assert sel["options"]["mixed"] == {"measured": False, "why": "pack.qnn_mix_groups=0: the whole graph's choice only"}
-    # a pack stopped after its QDQ graphs and measures (at 1.75B most of an hour and ten minutes a precision)
-    # and run again: none is made or measured twice, and what it writes is the same
+    # a pack stopped after its QDQ graphs, measures and Genie form (at 1.75B an hour and ten minutes a precision,
+    # half an hour the Genie form) and run again: none is made or measured twice, and what it writes is the same
     monkeypatch.setattr(pack._Selection, "_measured", lambda *a: pytest.fail("measured twice"))
-    real_qdq = pack._qdq_graph
-
-    def qdq_graph(ctx, p, src, dst, *a, **k):  # the Genie form's graphs are made again (not kept yet)
-        assert pack.GENIE_DIR in dst.parts, f"{dst} quantized twice"
-        return real_qdq(ctx, p, src, dst, *a, **k)
-
-    monkeypatch.setattr(pack, "_qdq_graph", qdq_graph)
+    monkeypatch.setattr(pack, "_qdq_graph", lambda *a, **k: pytest.fail(f"{a[3]} quantized twice"))
     _, lines = run(tmp_path / "again", ["w4a16", "w8a16", "fp16"], journal, qnn_w4a16={"max_kld_mean": 1e-9})
     again = json.loads((tmp_path / "again" / "npu.json").read_text())
-    assert again["selection"] == sel and again["graphs"] == npu["graphs"]
-    assert sum("kept by the run that stopped before this one" in x for x in lines) == 4, lines
-    assert (tmp_path / "again" / "w8a16" / "model.onnx").read_bytes() == (out / "w8a16" / "model.onnx").read_bytes()
+    assert again["selection"] == sel and again["graphs"] == npu["graphs"] and npu["genie"]["built"]
+    assert again["genie"] == npu["genie"]  # its check against ours run again on the kept graphs: the same figures
+    assert sum("kept by the run that stopped before this one" in x for x in lines) == 5, lines
+    for f in ("w8a16/model.onnx", "genie/w8a16/model.onnx", "genie/w8a16/prompt.onnx", "genie/io.json"):
+        assert (tmp_path / "again" / f).read_bytes() == (out / f).read_bytes(), f
     monkeypatch.undo()
     with pytest.raises(StageError, match=r"no phone precision meets .*qnn_w4a16: kld_mean .*qnn_w8a16: same_top1 "):
         run(tmp_path / "b", ["w4a16", "w8a16"], qnn_w4a16={"max_kld_mean": 1e-9},
