@@ -512,9 +512,11 @@ def run(ctx: StageContext) -> dict:
     # head): both at once are two fp32 copies of the model, 16.5 GB for the 1.75B geometry.
     del ref
     gc.collect()
-    dec = OnnxDecoder(art, threads=THREADS)
-    with _timed(seconds, "fp32_onnx"):
-        metrics, per_prompt = _compare(teacher, dec, prompts, encoded, decode_tokens, ctx, "fp32 ONNX graph")
+    # kept (the journal): at 1.75B the graph's load and its 532 steps are minutes a resumed run need not redo
+    (metrics, per_prompt), _ = _kept(
+        ctx, seconds, "fp32_onnx",
+        lambda: _compare(teacher, OnnxDecoder(art, threads=THREADS), prompts, encoded, decode_tokens, ctx,
+                         "fp32 ONNX graph"), "the fp32 ONNX graph against the eager reference")
     thresholds = {
         "logits_snr_db": float(pc.min_logits_snr_db),
         "top1_agreement": float(pc.min_top1_agreement),
@@ -532,10 +534,9 @@ def run(ctx: StageContext) -> dict:
                     f"top1 {p['top1_agreement']:.3f} greedy {p['greedy_match']}")
         raise StageError("parity failed: " + "; ".join(failures))
 
-    # Memory: the fp32 graph is done; the artifact's own model comes next (the GPTQ reference alone is an
-    # fp32 model: with the reference and the graph still held the xeon_amx build of Gemma 3 270M peaked at
-    # 6.09 GiB here)
-    del dec
+    # Memory: the fp32 graph is done (its decoder went with the call above); the artifact's own model comes
+    # next (the GPTQ reference alone is an fp32 model: with the reference and the graph still held the
+    # xeon_amx build of Gemma 3 270M peaked at 6.09 GiB here)
     gc.collect()
     health_spec = _health_spec(ctx, tokenizer, bos, str(io.get("model_type", "")))
     artifact = _artifact_fidelity(ctx, teacher, prompts, encoded, decode_tokens, hf_dir, seconds, evaluation,
