@@ -1,9 +1,10 @@
-"""Writing a file whole or not at all: the one pattern the engine, the registry and the corpus memo share.
+"""Writing a file whole or not at all: the one pattern the engine and the registry share.
 
 Written by hand because it is four lines of the standard library (a temp file beside the target, fsync,
-`os.replace`), but four copies of it had drifted apart (some fsynced, some left their temp file behind on
-a failed write). The device agent (pipeline/fleet/agent.py) keeps its own: it runs on a device without
-this project installed.
+`os.replace`), but copies of it had drifted apart (some fsynced, some left their temp file behind on a
+failed write). Two keep their own: the device agent (pipeline/fleet/agent.py), which runs on a device
+without this project installed, and the corpus memo (pipeline/sources/corpus.py), since sources/ imports
+no other part (tests/test_architecture.py).
 """
 
 from __future__ import annotations

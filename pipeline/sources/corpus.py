@@ -25,8 +25,6 @@ import os
 from pathlib import Path
 from typing import Callable, Sequence
 
-from pipeline.engine.files import write_whole
-
 # The held-out fraction of the embedded recipe's defaults (TRAIN_DEFAULTS in
 # stages/model.py). A trained checkpoint records the value it used in
 # training_report.json (recipe.heldout_fraction); prefer that.
@@ -107,8 +105,14 @@ def _stdlib_docstrings(root: str) -> tuple[tuple[str, ...], int]:
     except (OSError, ValueError, KeyError, TypeError):
         pass  # absent, or unreadable: parse
     docs = _parse_docstrings(files)
-    with contextlib.suppress(OSError):  # unwritable or full: parsed again next time, no partial file left
-        write_whole(memo, json.dumps({"docs": docs, "files": len(files)}))
+    tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"docs": docs, "files": len(files)}), encoding="utf-8")
+        os.replace(tmp, memo)
+    except OSError:  # unwritable or full: parsed again next time, and no partial file left behind
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
     return tuple(docs), len(files)
 
 
