@@ -72,6 +72,12 @@ def run(ctx: StageContext) -> dict:
         raise StageError(f"compile_qnn: cannot compile for {target['soc_model']} ({target['htp_arch']}): {reason}")
     npu = json.loads(npu_file.read_text())
     out = Path(ctx.out)
+
+    def compile_kept(name: str, dest: Path, graph: Path, float_graph: Path, precision: str, what: str, **kw) -> dict:
+        """qnn.compile_parts into `dest`, its binaries kept in the stage's journal as soon as they are made."""
+        return ctx.remembered_files(
+            name, dest, lambda d: qnn.compile_parts(graph, float_graph, d, target, precision, **kw), what)
+
     compiled = {}
     float_graph = pack / "float" / "model.onnx"
     with ctx.progress(None, "QNN HTP context binaries") as bar:
@@ -79,11 +85,9 @@ def run(ctx: StageContext) -> dict:
             entry = npu["graphs"][precision]
             graph = pack / entry["graph"]
             try:
-                facts = ctx.remembered_files(
-                    precision, out / precision,
-                    lambda d: qnn.compile_parts(graph, float_graph if float_graph.is_file() else graph, d, target,
-                                                precision, progress=lambda _: bar.advance(), ranges=entry.get("parts")),
-                    f"the {precision} context binary")
+                facts = compile_kept(precision, out / precision, graph, float_graph if float_graph.is_file() else graph,
+                                 precision, f"the {precision} context binary", progress=lambda _: bar.advance(),
+                                 ranges=entry.get("parts"))
             except qnn.QnnError as err:
                 raise StageError(f"compile_qnn: {err}") from None
             # a mixed graph (pack.qnn_mix_groups): which layers are 4-bit, which 8-bit
@@ -93,13 +97,11 @@ def run(ctx: StageContext) -> dict:
             if prompt_graph:  # the prompt graph beside the token graph, its own binaries (no weight sharing yet)
                 try:
                     float_prompt = pack / "float" / Path(prompt_graph).name  # where a QDQ graph's layers are found
-                    pfacts = ctx.remembered_files(
-                        f"{precision}-prompt", out / precision / "prompt",
-                        lambda d: qnn.compile_parts(pack / prompt_graph, float_prompt if float_prompt.is_file()
-                                                    else pack / prompt_graph, d, target, precision,
-                                                    progress=lambda _: bar.advance(),
-                                                    options=qnn.PROMPT_COMPILE_OPTIONS, ranges=entry.get("parts")),
-                        f"the {precision} prompt graph's context binary")
+                    pfacts = compile_kept(f"{precision}-prompt", out / precision / "prompt", pack / prompt_graph,
+                                      float_prompt if float_prompt.is_file() else pack / prompt_graph, precision,
+                                      f"the {precision} prompt graph's context binary",
+                                      progress=lambda _: bar.advance(), options=qnn.PROMPT_COMPILE_OPTIONS,
+                                      ranges=entry.get("parts"))
                 except qnn.QnnError as err:
                     # The token graph is the artifact; the prompt graph only shortens a prompt's way in. A
                     # precision whose prompt graph the HTP refuses ships without it, said here and in qnn.json
@@ -126,11 +128,9 @@ def run(ctx: StageContext) -> dict:
         p = genie["precision"]
         with ctx.progress(None, f"the {p} token graph in Genie's form: its context binary"):
             try:
-                gfacts = ctx.remembered_files(
-                    f"genie-{p}", out / "genie" / p,
-                    lambda d: qnn.compile_parts(pack / genie["graph"], pack / "genie" / "float" / "model.onnx", d,
-                                                target, p, ranges=npu["graphs"][p].get("parts")),
-                    f"the {p} context binary in Genie's form")
+                gfacts = compile_kept(f"genie-{p}", out / "genie" / p, pack / genie["graph"],
+                                  pack / "genie" / "float" / "model.onnx", p, f"the {p} context binary in Genie's form",
+                                  ranges=npu["graphs"][p].get("parts"))
             except qnn.QnnError as err:
                 genie = {"built": False, "why": f"compile_qnn: {err}"}
                 shutil.rmtree(out / "genie", ignore_errors=True)
@@ -145,12 +145,10 @@ def run(ctx: StageContext) -> dict:
         if prompt is not None:  # its prompt graph, as ours: a binary of its own, shipped without where refused
             with ctx.progress(None, f"the {p} prompt graph in Genie's form: its context binary"):
                 try:
-                    pfacts = ctx.remembered_files(
-                        f"genie-{p}-prompt", out / "genie" / p / "prompt",
-                        lambda d: qnn.compile_parts(pack / prompt["graph"], pack / "genie" / "float" / "prompt.onnx",
-                                                    d, target, p, options=qnn.PROMPT_COMPILE_OPTIONS,
-                                                    ranges=npu["graphs"][p].get("parts")),
-                        f"the {p} prompt graph's context binary in Genie's form")
+                    pfacts = compile_kept(f"genie-{p}-prompt", out / "genie" / p / "prompt", pack / prompt["graph"],
+                                      pack / "genie" / "float" / "prompt.onnx", p,
+                                      f"the {p} prompt graph's context binary in Genie's form",
+                                      options=qnn.PROMPT_COMPILE_OPTIONS, ranges=npu["graphs"][p].get("parts"))
                 except qnn.QnnError as err:
                     shutil.rmtree(out / "genie" / p / "prompt", ignore_errors=True)
                     genie["prompt_refused"] = str(err)
